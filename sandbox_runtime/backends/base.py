@@ -1,0 +1,103 @@
+"""The interface every sandbox backend implements, and what they share.
+
+A backend turns a sandbox spec into processes: `create` prepares whatever outlives a single shell (an
+Apptainer instance), `launch` returns the command line of one bash session inside the sandbox, `destroy`
+removes what `create` made. The sandbox manager owns the directories and the sessions; backends own argv.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..models import Limits, SandboxSpec
+from ..session import Launch
+
+SHELL_ARGV = ["bash", "--norc", "--noprofile", "--noediting", "-i"]
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# What every session's bash starts with: no prompt text (the runtime's marker is the only prompt) and a
+# terminal type that makes well-behaved programs print no colour or cursor codes.
+SHELL_ENV = {"TERM": "dumb", "PS1": "", "PS2": "", "PATH": DEFAULT_PATH}
+
+# bash `ulimit` flags and the factor from our units to bash's (KiB for -v and -f).
+_ULIMIT_FLAGS = {
+    "memory_mb": ("-v", 1024),
+    "pids": ("-u", 1),
+    "cpu_seconds": ("-t", 1),
+    "file_size_mb": ("-f", 1024),
+    "open_files": ("-n", 1),
+}
+
+
+def ulimit_args(limits: Limits) -> list[str]:
+    """`ulimit -HS` arguments that enforce `limits` (memory and pids cgroup controllers are not delegated here).
+
+    They are applied by the sandbox's shell, not set on the launcher: RLIMIT_NPROC set before a user
+    namespace is created also caps the creator's whole uid on the host (the kernel checks every level of
+    the namespace chain against the limit the namespace was created with), so a pids limit of 64 would make
+    the sandbox fail to start on any host running more than 64 processes as that user.
+    """
+    args: list[str] = []
+    for field, (flag, scale) in _ULIMIT_FLAGS.items():
+        value = getattr(limits, field)
+        if value is not None:
+            args += [flag, str(value * scale)]
+    return args
+
+
+@dataclass(frozen=True)
+class SandboxDirs:
+    """Host directories of one sandbox, under the server's state dir."""
+
+    id: str
+    root: Path
+
+    @property
+    def workspace(self) -> Path:
+        return self.root / "workspace"
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / "tmp"
+
+
+class Backend(ABC):
+    name: str
+    isolated: bool = True
+
+    @classmethod
+    @abstractmethod
+    def probe(cls) -> tuple[bool, str]:
+        """(available, detail): whether this backend can run here, and what it found or what is missing."""
+
+    async def create(self, dirs: SandboxDirs, spec: SandboxSpec) -> None:
+        """Prepare what outlives a session. Raise BackendError with a clear message on failure."""
+        return None
+
+    @abstractmethod
+    def launch(self, dirs: SandboxDirs, spec: SandboxSpec) -> Launch:
+        """The command line of one bash session in the sandbox."""
+
+    async def destroy(self, dirs: SandboxDirs, spec: SandboxSpec) -> None:
+        """Remove what `create` made; called after every session of the sandbox is gone. Idempotent."""
+        return None
+
+    def visible_paths(self, dirs: SandboxDirs, spec: SandboxSpec) -> dict[str, Path]:
+        """In-sandbox path -> host directory, for the file API."""
+        return {spec.workdir: dirs.workspace, "/tmp": dirs.tmp}
+
+    def workdir(self, dirs: SandboxDirs, spec: SandboxSpec) -> str:
+        """The sandbox's working directory as its processes see it."""
+        return spec.workdir
+
+    def session_env(self, dirs: SandboxDirs, spec: SandboxSpec) -> dict[str, str]:
+        return {**SHELL_ENV, "HOME": self.workdir(dirs, spec), **spec.env}
+
+
+class BackendError(Exception):
+    """A backend could not create or reach a sandbox; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status

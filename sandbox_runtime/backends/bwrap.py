@@ -1,0 +1,83 @@
+"""bubblewrap: rootless sandboxes from user namespaces, the embedded default where Apptainer is absent.
+
+Each session is one `bwrap` process holding fresh user, pid, ipc, uts, cgroup and (unless asked) network
+namespaces. The root is bwrap's own tmpfs, remounted read-only, with the host's (or an image
+directory's) top-level directories bound read-only into it; only the workspace and /tmp are writable, and
+they are the sandbox's own host directories, shared by its sessions. Home directories, /root, /run and the
+server's state dir are not visible. `--die-with-parent` takes the sandbox down if the server dies.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from ..models import SandboxSpec
+from ..session import Launch
+from .base import SHELL_ARGV, Backend, BackendError, SandboxDirs, ulimit_args
+
+# Top-level host entries never bound into a sandbox: per-user data, runtime sockets, mounts, and the
+# kernel filesystems that bwrap provides fresh.
+HIDDEN = frozenset({"proc", "dev", "sys", "tmp", "home", "root", "run", "mnt", "media", "lost+found", "boot"})
+
+
+class BwrapBackend(Backend):
+    name = "bwrap"
+    isolated = True
+
+    def __init__(self, state_dir: Path, binary: str = "bwrap") -> None:
+        self.state_dir = state_dir.resolve()
+        self.binary = binary
+
+    @classmethod
+    def probe(cls) -> tuple[bool, str]:
+        path = shutil.which("bwrap")
+        if path is None:
+            return False, "bubblewrap is not installed (apt-get install bubblewrap)"
+        return True, path
+
+    def launch(self, dirs: SandboxDirs, spec: SandboxSpec) -> Launch:
+        return Launch(
+            argv=self.argv(dirs, spec),
+            env=self.session_env(dirs, spec),
+            ulimits=ulimit_args(spec.limits),
+            pid_namespace=True,
+        )
+
+    def argv(self, dirs: SandboxDirs, spec: SandboxSpec) -> list[str]:
+        root = Path(spec.image) if spec.image else Path("/")
+        if not root.is_dir():
+            raise BackendError(f"image {spec.image!r} is not a directory (bwrap takes a root filesystem tree)", 400)
+        argv = [self.binary, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
+        argv += ["--unshare-cgroup-try", "--die-with-parent", "--hostname", "sandbox"]
+        if spec.network == "none":
+            argv.append("--unshare-net")
+        argv += self._root_binds(root)
+        argv += ["--proc", "/proc", "--dev", "/dev"]
+        if root == Path("/"):
+            argv += ["--ro-bind", "/sys", "/sys"]
+            argv += self._hide_state_dir()
+        argv += ["--bind", str(dirs.tmp), "/tmp", "--bind", str(dirs.workspace), spec.workdir]
+        argv += ["--remount-ro", "/", "--chdir", spec.workdir, "--", *SHELL_ARGV]
+        return argv
+
+    @staticmethod
+    def _root_binds(root: Path) -> list[str]:
+        argv: list[str] = []
+        for entry in sorted(os.scandir(root), key=lambda e: e.name):
+            if entry.name in HIDDEN:
+                continue
+            target = "/" + entry.name
+            if entry.is_symlink():  # merged-/usr layouts: /bin -> usr/bin
+                argv += ["--symlink", os.readlink(entry.path), target]
+            elif entry.is_dir():
+                argv += ["--ro-bind", entry.path, target]
+        return argv
+
+    def _hide_state_dir(self) -> list[str]:
+        """Cover the server's state dir (other sandboxes' workspaces) where the host root exposes it."""
+        top = self.state_dir.parts[1] if len(self.state_dir.parts) > 1 else ""
+        if top in HIDDEN:
+            return []
+        return ["--tmpfs", str(self.state_dir)]

@@ -1,0 +1,67 @@
+"""`prorl-sandbox serve`: run the sandbox runtime server standalone."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+from .config import ServerConfig, default_state_dir
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prorl-sandbox", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the sandbox runtime server")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8765)
+    serve.add_argument(
+        "--backend",
+        choices=["bwrap", "apptainer", "singularity", "local"],
+        default=None,
+        help="default backend (default: bwrap if installed, else apptainer; local only if named)",
+    )
+    serve.add_argument(
+        "--token",
+        default=os.environ.get("PRORL_SANDBOX_TOKEN"),
+        help="bearer token required on every request but /healthz (env PRORL_SANDBOX_TOKEN)",
+    )
+    serve.add_argument("--max-sandboxes", type=int, default=1024)
+    serve.add_argument(
+        "--state-dir",
+        type=Path,
+        default=default_state_dir(),
+        help="workspaces and crash-recovery records (default: %(default)s)",
+    )
+    serve.add_argument("--apptainer-binary", default=None, help="path of apptainer or singularity")
+    serve.add_argument("--fakeroot", action="store_true", help="start Apptainer instances with --fakeroot")
+    serve.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        backend=args.backend,
+        token=args.token,
+        max_sandboxes=args.max_sandboxes,
+        state_dir=args.state_dir,
+        apptainer_binary=args.apptainer_binary,
+        apptainer_fakeroot=args.fakeroot,
+    )
+    try:
+        config.check_exposure()
+    except ValueError as exc:
+        print(f"prorl-sandbox: {exc}")
+        return 2
+    from .server import serve
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(config))
+    return 0

@@ -1,0 +1,138 @@
+"""An async Python client of the runtime's HTTP API (httpx), for the rollout service and for users.
+
+async with SandboxClient("http://127.0.0.1:8765") as client:
+    box = await client.create_sandbox(limits={"memory_mb": 2048})
+    result = await client.exec(box.id, "ls -la")
+    await client.delete_sandbox(box.id)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from .models import ExecResult, SandboxInfo, SandboxSpec, ServerInfo
+
+
+class SandboxAPIError(Exception):
+    """The server answered with an error; `status` is its HTTP status and the message is the server's."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class SandboxClient:
+    def __init__(self, base_url: str, token: str | None = None, timeout: float = 30.0, **httpx_options: Any):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # The HTTP timeout must outlast a command's own timeout: `exec` adds the command's to this slack.
+        self._slack = timeout
+        self._http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, **httpx_options)
+
+    async def __aenter__(self) -> SandboxClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        response = await self._http.request(method, url, **kwargs)
+        if response.status_code >= 400:
+            try:
+                message = response.json()["error"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text
+            raise SandboxAPIError(response.status_code, message)
+        return response
+
+    # -- server -----------------------------------------------------------------------------------------
+    async def health(self) -> bool:
+        return (await self._request("GET", "/healthz")).json()["ok"]
+
+    async def info(self) -> ServerInfo:
+        return ServerInfo.model_validate_json((await self._request("GET", "/v1/info")).content)
+
+    # -- sandboxes --------------------------------------------------------------------------------------
+    async def create_sandbox(self, **spec: Any) -> SandboxInfo:
+        body = SandboxSpec(**spec).model_dump(mode="json", exclude_none=True)
+        return SandboxInfo.model_validate_json((await self._request("POST", "/v1/sandboxes", json=body)).content)
+
+    async def list_sandboxes(self) -> list[SandboxInfo]:
+        data = (await self._request("GET", "/v1/sandboxes")).json()
+        return [SandboxInfo.model_validate(s) for s in data["sandboxes"]]
+
+    async def get_sandbox(self, sandbox_id: str) -> SandboxInfo:
+        return SandboxInfo.model_validate_json((await self._request("GET", f"/v1/sandboxes/{sandbox_id}")).content)
+
+    async def delete_sandbox(self, sandbox_id: str) -> None:
+        await self._request("DELETE", f"/v1/sandboxes/{sandbox_id}")
+
+    # -- commands ---------------------------------------------------------------------------------------
+    async def exec(
+        self,
+        sandbox_id: str,
+        command: str,
+        *,
+        timeout: float | None = None,
+        session: str = "default",
+        max_output_bytes: int | None = None,
+        on_timeout: str = "kill",
+    ) -> ExecResult:
+        body: dict[str, Any] = {"command": command, "session": session, "on_timeout": on_timeout}
+        if timeout is not None:
+            body["timeout"] = timeout
+        if max_output_bytes is not None:
+            body["max_output_bytes"] = max_output_bytes
+        http_timeout = (timeout or 3600.0) + self._slack
+        response = await self._request("POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body, timeout=http_timeout)
+        return ExecResult.model_validate_json(response.content)
+
+    async def send_input(
+        self,
+        sandbox_id: str,
+        session: str,
+        *,
+        text: str | None = None,
+        keys: list[str] | str | None = None,
+        timeout: float = 1.0,
+    ) -> ExecResult:
+        body: dict[str, Any] = {"timeout": timeout}
+        if text is not None:
+            body["text"] = text
+        if keys is not None:
+            body["keys"] = keys
+        url = f"/v1/sandboxes/{sandbox_id}/sessions/{session}/input"
+        response = await self._request("POST", url, json=body, timeout=timeout + self._slack)
+        return ExecResult.model_validate_json(response.content)
+
+    async def read_output(self, sandbox_id: str, session: str) -> ExecResult:
+        response = await self._request("GET", f"/v1/sandboxes/{sandbox_id}/sessions/{session}/output")
+        return ExecResult.model_validate_json(response.content)
+
+    async def delete_session(self, sandbox_id: str, session: str) -> None:
+        await self._request("DELETE", f"/v1/sandboxes/{sandbox_id}/sessions/{session}")
+
+    # -- files ------------------------------------------------------------------------------------------
+    async def write_file(self, sandbox_id: str, path: str, data: bytes | str) -> int:
+        content = data.encode() if isinstance(data, str) else data
+        response = await self._request(
+            "PUT", f"/v1/sandboxes/{sandbox_id}/files", params={"path": path}, content=content
+        )
+        return response.json()["bytes"]
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        return (await self._request("GET", f"/v1/sandboxes/{sandbox_id}/files", params={"path": path})).content
+
+    async def upload_archive(self, sandbox_id: str, path: str, archive: bytes) -> int:
+        """Extract a tar (optionally gzip'd) into directory `path` of the sandbox; returns the member count."""
+        url = f"/v1/sandboxes/{sandbox_id}/archive"
+        return (await self._request("PUT", url, params={"path": path}, content=archive)).json()["members"]
+
+    async def download_archive(self, sandbox_id: str, path: str) -> bytes:
+        """A tar.gz of directory `path` of the sandbox."""
+        return (await self._request("GET", f"/v1/sandboxes/{sandbox_id}/archive", params={"path": path})).content

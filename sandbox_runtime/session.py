@@ -1,0 +1,373 @@
+"""A persistent bash session driven through a pseudo-terminal by the asyncio event loop.
+
+How a command runs, and why:
+- bash runs interactive (`-i`) so that job control gives each command its own process group (Ctrl-C and
+  a timeout kill reach the command, not the shell) and so that PROMPT_COMMAND runs after every command.
+- PROMPT_COMMAND prints a completion marker `RS nonce:exit_code:cwd RS`. A marker printed by the command
+  line itself would be dropped by bash after an interrupt; one printed from PROMPT_COMMAND always appears.
+  The nonce is random per command, so output can never forge it and a late marker is never mistaken.
+- Each command is sent as one line, `eval $'...'`, with every control byte escaped: the terminal never
+  sees a raw newline (a multi-line script cannot leave bash waiting at PS2) nor a byte that the line
+  discipline would act on. The terminal is in non-canonical mode, so a line has no 4 KB limit.
+- Reads happen in an event-loop reader callback, only while a command is in flight; an idle session is
+  not read at all, so a background job flooding output blocks on the full terminal instead of burning CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import secrets
+import signal
+import termios
+import time
+from dataclasses import dataclass, field
+
+from ptyprocess import PtyProcess
+
+from . import procs
+from .models import ExecResult, ExecStatus
+from .output import OutputBuffer
+
+MARKER_START = b"\x1e"
+# How long a command may take to react to Ctrl-C before its process group is killed.
+INTERRUPT_GRACE_S = 0.5
+KILL_GRACE_S = 1.0
+START_TIMEOUT_S = 20.0
+
+_PROMPT_COMMAND = r'__prorl_rc=$?; printf "\036%s:%s:%s\036\n" "$__prorl_nonce" "$__prorl_rc" "$PWD"'
+_SETUP_LINE = (
+    f"set +H +o history; unset HISTFILE; declare -r PROMPT_COMMAND='{_PROMPT_COMMAND}'; __prorl_nonce={{nonce}}\n"
+)
+
+# Named keys for the input API; "C-x" control chords are computed.
+KEYS = {
+    "Enter": b"\r",
+    "Tab": b"\t",
+    "Escape": b"\x1b",
+    "Backspace": b"\x7f",
+    "Up": b"\x1b[A",
+    "Down": b"\x1b[B",
+}
+KEYS.update({"Right": b"\x1b[C", "Left": b"\x1b[D", "Space": b" "})
+
+
+def key_bytes(key: str) -> bytes:
+    if key in KEYS:
+        return KEYS[key]
+    if len(key) == 3 and key[:2] == "C-" and key[2].isalpha():
+        return bytes([ord(key[2].lower()) - ord("a") + 1])
+    raise ValueError(f"unknown key {key!r}: use C-a..C-z or one of {', '.join(KEYS)}")
+
+
+def encode_command(command: str) -> bytes:
+    """One terminal line that makes bash run `command` verbatim: `eval $'...'` with every control byte escaped."""
+    out = []
+    for byte in command.encode("utf-8", errors="surrogateescape"):
+        if byte in (0x5C, 0x27):  # backslash, single quote
+            out.append(b"\\" + bytes([byte]))
+        elif byte < 0x20 or byte == 0x7F:
+            out.append(b"\\x%02x" % byte)
+        else:
+            out.append(bytes([byte]))
+    return b"eval $'" + b"".join(out) + b"'"
+
+
+@dataclass
+class Launch:
+    """What a backend hands a session: the command line that starts bash in the sandbox."""
+
+    argv: list[str]
+    env: dict[str, str]
+    ulimits: list[str] = field(default_factory=list)  # `ulimit -HS` arguments the shell applies first
+    cwd: str | None = None
+    # True when the launched process is a pid-namespace holder (bwrap): killing its child, the namespace's
+    # init, makes the kernel kill everything inside, and the holder exits only once all of it is gone.
+    pid_namespace: bool = False
+
+
+class SessionError(Exception):
+    """A session could not start, or is busy; `status` is the HTTP status the server answers with."""
+
+    def __init__(self, message: str, status: int = 409):
+        super().__init__(message)
+        self.status = status
+
+
+def _raw_terminal() -> None:
+    """In the child: raw bytes out (no \\n -> \\r\\n), no line editing in (no 4 KB line cap), signal keys on."""
+    attrs = termios.tcgetattr(0)
+    attrs[1] &= ~termios.ONLCR
+    attrs[3] &= ~termios.ICANON
+    attrs[6][termios.VMIN], attrs[6][termios.VTIME] = 1, 0
+    termios.tcsetattr(0, termios.TCSANOW, attrs)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class ShellSession:
+    """One bash process in a PTY. Commands run one at a time; `busy` while one is in flight."""
+
+    def __init__(self, name: str, launch: Launch, default_output_limit: int) -> None:
+        self.name = name
+        self._launch = launch
+        self._default_limit = default_output_limit
+        self._proc: PtyProcess | None = None
+        self.pid = 0
+        self.started_at = 0  # kernel start time of `pid`, for crash recovery
+        self._loop = asyncio.get_event_loop()
+        self._out = OutputBuffer(default_output_limit)
+        self._carry = b""
+        self._prefix = b""  # marker prefix awaited, empty when idle
+        self._done: asyncio.Future[tuple[int, str]] | None = None
+        self._exited: asyncio.Task[int] | None = None
+        self._interrupted = False
+        self._command_started = 0.0
+        self.cwd = ""
+        self.last_used = time.monotonic()
+
+    # -- life cycle -------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        launch = self._launch
+        env = {**launch.env, "TERM": "dumb", "PS1": "", "PS2": ""}
+        try:
+            self._proc = PtyProcess.spawn(launch.argv, env=env, cwd=launch.cwd, echo=False, preexec_fn=_raw_terminal)
+        except (OSError, FileNotFoundError) as exc:
+            raise SessionError(f"cannot start shell: {exc}", status=500) from exc
+        self._proc.delayafterclose = self._proc.delayafterterminate = 0
+        self.pid = self._proc.pid
+        self.started_at = procs.start_time(self.pid) or 0
+        fd = self._proc.fd
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
+        self._exited = self._loop.create_task(procs.wait_exit(self.pid))
+        nonce = self._arm(self._default_limit)
+        limits = f"ulimit -HS {' '.join(launch.ulimits)} || exit 97; " if launch.ulimits else ""
+        await self._write((limits + _SETUP_LINE.replace("{nonce}", nonce)).encode())
+        result = await self._wait(START_TIMEOUT_S)
+        if result is None or self.dead:
+            output, _ = self._out.take()
+            await self.close()
+            raise SessionError(f"shell did not start: {output.strip() or 'no output'}", status=500)
+        self.cwd = result[1]
+
+    @property
+    def dead(self) -> bool:
+        return self._exited is None or self._exited.done()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._prefix)
+
+    async def close(self) -> None:
+        """Kill every process of the session (its whole Unix session) and wait until the shell is reaped."""
+        if self._proc is None:
+            return
+        self._stop_reading()
+        if not self.dead:
+            inits = procs.children(self.pid) if self._launch.pid_namespace else []
+            for pid in inits:
+                procs.kill(pid)
+            if not inits:
+                procs.kill_session(self.pid)
+            await asyncio.shield(self._exited)
+        self._proc.terminated = True  # reaped by procs.wait_exit; stop ptyprocess from waiting again
+        self._proc.close()
+        self._proc = None
+        if self._done is not None and not self._done.done():
+            self._done.set_result(None)
+
+    # -- commands ---------------------------------------------------------------------------------------
+    async def run(self, command: str, timeout: float, max_output: int | None, keep: bool) -> ExecResult:
+        if self.busy:
+            raise SessionError(
+                f"session {self.name!r} is still running a command left running by on_timeout=keep; "
+                "send it input, read its output, or delete the session"
+            )
+        self._command_started = time.monotonic()
+        self._interrupted = False
+        # What background jobs printed since the last command stays in the buffer and leads this output.
+        nonce = self._arm(max_output or self._default_limit, keep_buffer=True)
+        await self._write(b"__prorl_nonce=" + nonce.encode() + b"; " + encode_command(command) + b"\n")
+        return await self._finish(timeout, keep)
+
+    async def send(self, data: bytes, timeout: float) -> ExecResult:
+        """Input for a command left running; returns what it printed until it finished or `timeout` passed."""
+        if not self.busy:
+            raise SessionError(f"session {self.name!r} has no running command to send input to")
+        if b"\x03" in data:
+            self._interrupted = True
+        await self._write(data)
+        return await self._finish(timeout, keep=True)
+
+    def read_output(self) -> ExecResult:
+        """What a command left running printed since the last read, without waiting."""
+        text, truncated = self._out.take()
+        status: ExecStatus = "running" if self.busy else "completed"
+        return self._result(text, truncated, None, status)
+
+    async def _finish(self, timeout: float, keep: bool) -> ExecResult:
+        done = await self._wait(timeout)
+        if done is not None:
+            return self._completed(done, "interrupted" if self._interrupted else "completed")
+        if self.dead:
+            return await self._died("dead")
+        if keep:
+            text, truncated = self._out.take()
+            return self._result(text, truncated, None, "timeout")
+        done = await self._stop_command()
+        if done is not None:
+            return self._completed(done, "timeout")
+        return await self._died("timeout")
+
+    async def _stop_command(self) -> tuple[int, str] | None:
+        """Interrupt the command; if it ignores that, kill its process group; if bash itself hangs, kill it.
+
+        Returns the marker once the shell is back at its prompt, or None after killing the shell.
+        """
+        await self._write(b"\x03")
+        if (done := await self._wait(INTERRUPT_GRACE_S)) is not None:
+            return done
+        for _ in range(3):  # a command list runs on after one of its commands is killed: kill each in turn
+            try:
+                foreground = os.tcgetpgrp(self._proc.fd)
+                if foreground <= 0 or foreground == self.pid:
+                    break
+                os.killpg(foreground, signal.SIGKILL)
+            except OSError:
+                break
+            if (done := await self._wait(KILL_GRACE_S)) is not None:
+                return done
+        procs.kill_session(self.pid)
+        return None
+
+    def _completed(self, done: tuple[int, str], status: ExecStatus) -> ExecResult:
+        exit_code, self.cwd = done
+        text, truncated = self._out.take()
+        return self._result(text, truncated, exit_code, status)
+
+    async def _died(self, status: ExecStatus) -> ExecResult:
+        """The shell exited (or was killed): collect its last output and exit code, and release it."""
+        self._drain()
+        self._out.feed(self._carry)  # no marker will come: what was held back is output
+        self._carry = b""
+        exit_code = await asyncio.shield(self._exited)
+        text, truncated = self._out.take()
+        await self.close()
+        return self._result(text, truncated, exit_code, status)
+
+    def _result(self, text: str, truncated: bool, exit_code: int | None, status: ExecStatus) -> ExecResult:
+        self.last_used = time.monotonic()
+        return ExecResult(
+            output=text,
+            exit_code=exit_code,
+            status=status,
+            truncated=truncated,
+            duration_s=round(time.monotonic() - self._command_started, 6),
+            cwd=self.cwd,
+        )
+
+    # -- the reader -------------------------------------------------------------------------------------
+    def _arm(self, limit: int, keep_buffer: bool = False) -> str:
+        nonce = secrets.token_hex(8)
+        self._prefix = MARKER_START + nonce.encode() + b":"
+        self._done = self._loop.create_future()
+        if not keep_buffer:
+            self._out = OutputBuffer(limit)
+        elif limit != self._out.limit:
+            pending, _ = self._out.take()
+            self._out = OutputBuffer(limit)
+            self._out.feed(pending.encode())
+        self._carry = b""
+        self._loop.add_reader(self._proc.fd, self._on_readable)
+        return nonce
+
+    def _disarm(self) -> None:
+        self._prefix = b""
+        self._stop_reading()
+
+    def _stop_reading(self) -> None:
+        if self._proc is not None:
+            self._loop.remove_reader(self._proc.fd)
+
+    async def _wait(self, timeout: float) -> tuple[int, str] | None:
+        """Wait for the armed marker, the shell's death, or the timeout; None unless the marker came."""
+        done = self._done
+        waiters = {done, self._exited}
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if done.done() and done.result() is not None:
+            return done.result()
+        if self.dead:  # output may still sit in the terminal after the shell exited
+            self._drain()
+            if done.done() and done.result() is not None:
+                return done.result()
+        return None
+
+    def _drain(self) -> None:
+        if self._proc is None:
+            return
+        while self._read_once():
+            pass
+
+    def _on_readable(self) -> None:
+        self._read_once()
+
+    def _read_once(self) -> bool:
+        try:
+            data = os.read(self._proc.fd, 65536)
+        except BlockingIOError:
+            return False
+        except OSError:  # EIO: every process holding the terminal has exited
+            data = b""
+        if not data:
+            self._stop_reading()
+            return False
+        self._scan(data)
+        return True
+
+    def _scan(self, data: bytes) -> None:
+        if not self._prefix:
+            self._out.feed(data)
+            return
+        buf = self._carry + data
+        at = buf.find(self._prefix)
+        if at < 0:  # hold back only a tail that could be the start of the marker
+            tail = buf.rfind(MARKER_START, max(0, len(buf) - len(self._prefix) + 1))
+            split = tail if tail >= 0 and self._prefix.startswith(buf[tail:]) else len(buf)
+            self._out.feed(buf[:split])
+            self._carry = buf[split:]
+            return
+        end = buf.find(MARKER_START, at + len(self._prefix))
+        if end < 0:
+            self._out.feed(buf[:at])
+            self._carry = buf[at:]
+            return
+        self._out.feed(buf[:at])
+        code, _, cwd = buf[at + len(self._prefix) : end].partition(b":")
+        rest = buf[end + 1 :]
+        self._out.feed(rest[1:] if rest.startswith(b"\n") else rest)
+        self._carry = b""
+        self._disarm()
+        self._done.set_result((int(code or b"0"), cwd.decode("utf-8", errors="replace")))
+
+    async def _write(self, data: bytes) -> None:
+        """Write everything, waiting (not spinning) whenever the terminal's input queue is full."""
+        fd = self._proc.fd
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(fd, view) :]
+            except BlockingIOError:
+                writable = self._loop.create_future()
+                self._loop.add_writer(fd, _resolve, writable)
+                try:
+                    await asyncio.wait({writable, self._exited}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    self._loop.remove_writer(fd)
+                if self.dead:
+                    return
+            except OSError:  # the shell is gone; the caller sees it through `dead`
+                return
