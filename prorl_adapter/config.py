@@ -1,0 +1,32 @@
+"""Configuration of the rollout service: one dataclass, filled by the CLI or by code that embeds it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sandbox_runtime.config import is_loopback
+
+from .pipeline import PipelineConfig
+
+
+@dataclass
+class RolloutConfig:
+    sandbox_urls: list[str]
+    llm_urls: list[str]
+    tokenizer: str
+    host: str = "127.0.0.1"
+    port: int = 8766
+    token: str | None = None
+    sandbox_token: str | None = None
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    plugins: list[str] = field(default_factory=list)  # import paths, beside the `prorl_adapter` entry points
+    blocked_plugins: list[str] = field(default_factory=list)
+    llm_health_interval_s: float = 5.0
+    max_body_bytes: int = 16 * 1024 * 1024
+
+    def check_exposure(self) -> None:
+        if not (self.token or is_loopback(self.host)):
+            raise ValueError(
+                f"refusing to listen on {self.host!r} without a token: set --token or PRORL_ROLLOUT_TOKEN, "
+                "or bind to 127.0.0.1"
+            )

@@ -1,0 +1,211 @@
+"""Token-in/token-out generation against OpenAI-compatible servers (vLLM), balanced over several of them.
+
+Why /v1/completions with a token-id prompt rather than chat completions: the trainer must see exactly the
+token ids the policy sampled. A chat endpoint re-renders and re-tokenizes the conversation every turn, and
+a decoded-then-re-encoded response need not give back the same ids. Here the prompt goes out as ids and the
+sampled ids and their logprobs come back (`return_token_ids`, `logprobs: 1`), so nothing is re-tokenized.
+
+Balancing: an episode is pinned to one server (its growing prompt stays in that server's prefix cache);
+new episodes go to the healthy server with the fewest requests in flight. A server that fails a request is
+marked unhealthy and the episode fails over to another; a background health check brings it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from .models import LLMServerInfo, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class LLMUnavailable(Exception):
+    """No healthy LLM server could serve the request."""
+
+
+class LLMRequestError(Exception):
+    """The server answered, but with an error that retrying elsewhere would not fix (e.g. a bad prompt)."""
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str | None
+    server: str
+    seconds: float
+
+
+@dataclass
+class LLMServer:
+    url: str
+    healthy: bool = True
+    in_flight: int = 0
+    requests: int = 0
+    failures: int = 0
+    model: str | None = None  # the served model name, read from /v1/models
+    removed: bool = False
+
+    def info(self) -> LLMServerInfo:
+        return LLMServerInfo(
+            url=self.url, healthy=self.healthy, in_flight=self.in_flight, requests=self.requests, failures=self.failures
+        )
+
+
+@dataclass
+class Pin:
+    """An episode's server choice: kept while the server is healthy, so its prefix cache is reused."""
+
+    server: LLMServer | None = None
+    failovers: int = 0
+    history: list[str] = field(default_factory=list)
+
+
+class LLMPool:
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        request_timeout: float = 600.0,
+        health_interval: float = 5.0,
+        max_failovers: int = 3,
+    ) -> None:
+        self._servers: dict[str, LLMServer] = {}
+        for url in urls:
+            self.add(url)
+        self._http = httpx.AsyncClient(timeout=request_timeout, limits=httpx.Limits(max_connections=None))
+        self._health_interval = health_interval
+        self._max_failovers = max_failovers
+        self._health_task: asyncio.Task[None] | None = None
+
+    # -- membership -------------------------------------------------------------------------------------
+    def add(self, url: str) -> LLMServer:
+        url = url.rstrip("/")
+        if url not in self._servers:
+            self._servers[url] = LLMServer(url)
+        return self._servers[url]
+
+    def remove(self, url: str) -> bool:
+        server = self._servers.pop(url.rstrip("/"), None)
+        if server is None:
+            return False
+        server.removed = True  # episodes pinned to it fail over on their next turn
+        return True
+
+    def servers(self) -> list[LLMServerInfo]:
+        return [s.info() for s in self._servers.values()]
+
+    @property
+    def busy_requests(self) -> int:
+        return sum(s.in_flight for s in self._servers.values())
+
+    # -- life cycle -------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.check_health()
+        self._health_task = asyncio.create_task(self._health_forever())
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        await self._http.aclose()
+
+    async def _health_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._health_interval)
+            await self.check_health()
+
+    async def check_health(self) -> None:
+        await asyncio.gather(*(self._probe(s) for s in list(self._servers.values())))
+
+    async def _probe(self, server: LLMServer) -> None:
+        try:
+            response = await self._http.get(server.url + "/v1/models", timeout=5.0)
+            response.raise_for_status()
+            server.model = response.json()["data"][0]["id"]
+            server.healthy = True
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+            if server.healthy:
+                log.warning("LLM server %s is unhealthy: %s", server.url, exc)
+            server.healthy = False
+
+    # -- generation -------------------------------------------------------------------------------------
+    def _choose(self, pin: Pin) -> LLMServer:
+        current = pin.server
+        if current is not None and current.healthy and not current.removed:
+            return current
+        healthy = [s for s in self._servers.values() if s.healthy]
+        if not healthy:
+            raise LLMUnavailable(f"no healthy LLM server among {len(self._servers)} configured")
+        chosen = min(healthy, key=lambda s: (s.in_flight, s.requests))
+        if current is not None:
+            pin.failovers += 1
+        pin.server = chosen
+        pin.history.append(chosen.url)
+        return chosen
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, pin: Pin) -> Generation:
+        """Sample one turn; fails over to another server when the pinned one cannot answer."""
+        while True:
+            server = self._choose(pin)
+            try:
+                return await self._complete(server, prompt_ids, sampling)
+            except (httpx.TransportError, httpx.HTTPStatusError) as exc:
+                if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code < 500:
+                    raise LLMRequestError(f"{server.url} refused the request: {exc.response.text[:500]}") from exc
+                server.failures += 1
+                server.healthy = False
+                log.warning("LLM server %s failed (%s); failing over", server.url, exc)
+                if pin.failovers >= self._max_failovers:
+                    raise LLMUnavailable(f"gave up after {pin.failovers} failovers; last error: {exc}") from exc
+
+    async def _complete(self, server: LLMServer, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+        if server.model is None:
+            await self._probe(server)
+            if not server.healthy:
+                raise httpx.ConnectError(f"{server.url} does not answer /v1/models")
+        body = {
+            "model": server.model,
+            "prompt": prompt_ids,
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "logprobs": 1,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        if sampling.stop:
+            body["stop"] = sampling.stop
+        if sampling.regex:
+            body["structured_outputs"] = {"regex": sampling.regex}
+        server.in_flight += 1
+        server.requests += 1
+        started = time.perf_counter()
+        try:
+            response = await self._http.post(server.url + "/v1/completions", json=body)
+            response.raise_for_status()
+        finally:
+            server.in_flight -= 1
+        choice = response.json()["choices"][0]
+        token_ids = list(choice["token_ids"])
+        logprobs = [float(lp) for lp in choice["logprobs"]["token_logprobs"]]
+        if len(logprobs) != len(token_ids):
+            raise LLMRequestError(f"{server.url} returned {len(token_ids)} ids but {len(logprobs)} logprobs")
+        return Generation(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            text=choice["text"],
+            finish_reason=choice.get("finish_reason"),
+            server=server.url,
+            seconds=time.perf_counter() - started,
+        )

@@ -1,0 +1,141 @@
+"""What a task handler is: it owns a task's sandbox set-up (init), the tools its agent gets, and the scoring
+(eval). Handlers are provided by plugins (`prorl_register_tasks`); the built-in ones live in `plugins/tasks`.
+"""
+
+from __future__ import annotations
+
+import shlex
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from sandbox_runtime.client import SandboxClient
+from sandbox_runtime.models import ExecResult
+
+
+@dataclass
+class Environment:
+    """An episode's sandbox, as handlers and tools see it."""
+
+    client: SandboxClient
+    sandbox_id: str
+    server_url: str
+    workdir: str
+
+    async def exec(self, command: str, timeout: float = 30.0, max_output_bytes: int | None = None) -> ExecResult:
+        return await self.client.exec(self.sandbox_id, command, timeout=timeout, max_output_bytes=max_output_bytes)
+
+    async def write_file(self, path: str, data: str | bytes) -> None:
+        await self.client.write_file(self.sandbox_id, path, data)
+
+    async def read_file(self, path: str) -> bytes:
+        return await self.client.read_file(self.sandbox_id, path)
+
+
+@dataclass
+class EpisodeState:
+    """What the agent loop learned that a handler's eval may need."""
+
+    answer: str | None = None
+    commands: list[str] = field(default_factory=list)
+    turns: int = 0
+    malformed_calls: int = 0
+    response_tokens: int = 0
+
+
+ToolFn = Callable[[Environment, dict[str, Any], EpisodeState], Awaitable[str]]
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    run: ToolFn | None  # None for `finish`, which ends the episode instead of running
+
+    def schema(self) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+
+def _object(**properties: str) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {name: {"type": "string", "description": text} for name, text in properties.items()},
+        "required": list(properties),
+    }
+
+
+def format_result(result: ExecResult) -> str:
+    if result.status == "timeout":
+        return f"{result.output}\n[the command timed out and was stopped]"
+    if result.status == "dead":
+        return f"{result.output}\n[the shell exited with status {result.exit_code}; a new shell was started]"
+    return f"{result.output}[exit code {result.exit_code}]"
+
+
+def bash_tool(timeout: float) -> Tool:
+    async def run(env: Environment, args: dict[str, Any], state: EpisodeState) -> str:
+        command = str(args.get("command", ""))
+        if not command.strip():
+            return 'error: the bash tool needs a non-empty "command"'
+        state.commands.append(command)
+        return format_result(await env.exec(command, timeout=timeout))
+
+    return Tool(
+        "bash", "Run a bash command in the sandbox; state persists between calls.", _object(command="bash"), run
+    )
+
+
+def python_tool(timeout: float) -> Tool:
+    async def run(env: Environment, args: dict[str, Any], state: EpisodeState) -> str:
+        code = str(args.get("code", ""))
+        path = f"/tmp/snippet_{uuid.uuid4().hex[:8]}.py"
+        await env.write_file(path, code)
+        state.commands.append(f"python3 {path}")
+        return format_result(await env.exec(f"python3 {shlex.quote(path)}", timeout=timeout))
+
+    return Tool("python", "Run a Python 3 program; its stdout is returned.", _object(code="Python source"), run)
+
+
+FINISH = Tool("finish", "End the episode with your final answer.", _object(answer="the final answer"), None)
+
+
+class TaskHandler(ABC):
+    """A task: set-up, tools and scoring. Subclass, name it, and register it from a plugin."""
+
+    name: ClassVar[str]
+    tool_timeout_s: ClassVar[float] = 30.0
+
+    def tools(self, instance: dict[str, Any]) -> list[Tool]:
+        return [bash_tool(self.tool_timeout_s), FINISH]
+
+    def sandbox_spec(self, instance: dict[str, Any]) -> dict[str, Any]:
+        """Extra fields of the sandbox's spec (limits, image, env); the default asks for nothing special."""
+        return {"limits": {"memory_mb": 2048, "pids": 256}}
+
+    def instance_id(self, instance: dict[str, Any]) -> str | None:
+        value = instance.get("instance_id", instance.get("id"))
+        return None if value is None else str(value)
+
+    @abstractmethod
+    def system_prompt(self, instance: dict[str, Any]) -> str: ...
+
+    @abstractmethod
+    def user_prompt(self, instance: dict[str, Any]) -> str: ...
+
+    async def init(self, env: Environment, instance: dict[str, Any]) -> None:
+        """Prepare the sandbox for the episode (files, repositories). Runs in the init stage."""
+        return None
+
+    @abstractmethod
+    async def evaluate(self, env: Environment, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
+        """Score the episode; the result must hold "outcome" (the task's own reward) and may hold more."""
+
+
+class TaskConfigError(ValueError):
+    """A task instance lacks what its handler needs; the job fails in init with this message."""
