@@ -1,11 +1,12 @@
 # The two commands of the README: `make demo` (the main job on embedded defaults) and `make test`.
-# Each sets itself up: Debian packages, a virtualenv in .venv, the project installed editable.
+# Each sets itself up: Debian packages, a virtualenv in .venv (the project, editable), and a separate one in
+# .venv-vllm for the vLLM server (its pins are its own), plus the tiny offline model the tests and demo serve.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 SYSTEM_PACKAGES := bwrap:bubblewrap
 
-.PHONY: demo test lint system-packages bench
+.PHONY: demo runtime-demo test lint system-packages llm bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,15 +17,23 @@ $(VENV)/.installed: pyproject.toml
 system-packages:
 	scripts/system-packages.sh $(SYSTEM_PACKAGES)
 
-demo: system-packages $(VENV)/.installed
+llm:  # idempotent: each step checks a marker of its own
+	scripts/vllm-env.sh
+	.venv-vllm/bin/python scripts/build_tiny_model.py
+
+demo: system-packages $(VENV)/.installed llm
+	$(PY) examples/quickstart/run_rollouts.py
+
+runtime-demo: system-packages $(VENV)/.installed
 	$(PY) examples/runtime_standalone/demo.py
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-test: system-packages lint
+test: system-packages lint llm
 	$(PY) -m pytest
 
-bench: system-packages $(VENV)/.installed
+bench: system-packages $(VENV)/.installed llm
 	$(PY) bench/bench_runtime.py --out docs/benchmarks.md
+	$(PY) bench/bench_rollout.py --out docs/benchmarks.md

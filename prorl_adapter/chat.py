@@ -116,3 +116,17 @@ def _to_call(item: Any) -> tuple[ToolCall | None, str | None]:
     if not isinstance(arguments, dict):
         return None, f'"arguments" of {item["name"]!r} must be an object'
     return ToolCall(name=item["name"], arguments=arguments), None
+
+
+def _regex_literal(text: str) -> str:
+    # Escapes only the metacharacters: `re.escape` also escapes spaces and dashes, which some of the
+    # regex engines behind structured outputs refuse.
+    return re.sub(r"([\\.^$*+?()\[\]{}|])", r"\\\1", text)
+
+
+def tool_call_regex(tool: str, argument: str, values: list[str]) -> str:
+    """A structured-output regex for exactly one hermes tool call of `tool` whose string `argument` is one of
+    `values`: it lets a model that knows nothing (the tiny test model) make real, well-formed tool calls."""
+    choices = "|".join(_regex_literal(json.dumps(value)[1:-1]) for value in values)
+    prefix = _regex_literal(f'<tool_call>{{"name": {json.dumps(tool)}, "arguments": {{{json.dumps(argument)}: "')
+    return prefix + f"({choices})" + _regex_literal('"}}</tool_call>')

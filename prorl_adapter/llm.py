@@ -189,13 +189,13 @@ class LLMPool:
         if sampling.regex:
             body["structured_outputs"] = {"regex": sampling.regex}
         server.in_flight += 1
-        server.requests += 1
         started = time.perf_counter()
         try:
             response = await self._http.post(server.url + "/v1/completions", json=body)
             response.raise_for_status()
         finally:
             server.in_flight -= 1
+        server.requests += 1  # answered ones: `failures` counts the others
         choice = response.json()["choices"][0]
         token_ids = list(choice["token_ids"])
         logprobs = [float(lp) for lp in choice["logprobs"]["token_logprobs"]]

@@ -42,12 +42,13 @@ class SandboxPool:
     async def acquire(self, spec: dict[str, Any], exclude: set[str]) -> Environment:
         candidates = [s for s in self.servers if s.url not in exclude] or self.servers
         server = min(candidates, key=lambda s: (s.active, s.failures))
+        server.active += 1  # counted before the request, so concurrent inits spread over the servers
         try:
             info = await server.client.create_sandbox(**spec)
         except (SandboxAPIError, httpx.HTTPError) as exc:
+            server.active -= 1
             server.failures += 1
             raise SandboxServerError(server.url, f"cannot create a sandbox: {exc}") from exc
-        server.active += 1
         return Environment(server.client, info.id, server.url, info.workdir)
 
     async def release(self, env: Environment) -> None:

@@ -43,3 +43,18 @@ def test_one_bad_call_does_not_hide_a_good_one():
     parsed = parse_tool_calls('<tool_call>oops</tool_call><tool_call>{"name": "bash", "arguments": {}}</tool_call>')
     assert [c.name for c in parsed.calls] == ["bash"]
     assert parsed.errors and parsed.errors[0].startswith("tool call 1")
+
+
+def test_tool_call_regex_matches_exactly_the_allowed_calls():
+    import json
+    import re
+
+    from prorl_adapter.chat import tool_call_regex
+
+    commands = ["ls -la", "python3 -c 'print(6*7)'", 'echo "quoted" \\ back > out.txt']
+    pattern = tool_call_regex("bash", "command", commands)
+    for command in commands:
+        call = json.dumps({"name": "bash", "arguments": {"command": command}})
+        assert re.fullmatch(pattern, f"<tool_call>{call}</tool_call>")
+        assert parse_tool_calls(f"<tool_call>{call}</tool_call>").calls[0].arguments["command"] == command
+    assert not re.fullmatch(pattern, '<tool_call>{"name": "bash", "arguments": {"command": "rm -rf /"}}</tool_call>')

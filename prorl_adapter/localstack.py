@@ -1,0 +1,129 @@
+"""The embedded defaults on one machine: a vLLM server, a sandbox runtime and the rollout service, each
+started as its own process on a free loopback port, as they would run on a cluster.
+
+Used by the demo, the benchmarks and the integration tests, so that all three start the parts the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_MODEL = REPO / "models" / "tiny-qwen2"
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Service:
+    """A server process we started; stopped by its own pid (its process group), never by name."""
+
+    name: str
+    url: str
+    process: subprocess.Popen
+    log: Path | None = None
+
+    def wait_healthy(self, path: str, timeout: float) -> Service:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                where = f" (log: {self.log})" if self.log else ""
+                raise RuntimeError(f"{self.name} exited with status {self.process.returncode}{where}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
+                    return self
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"{self.name} did not answer {path} within {timeout:g} s")
+            time.sleep(0.1)
+
+    def stop(self, timeout: float = 60) -> None:
+        """SIGTERM to its process group (a clean shutdown), SIGKILL if it does not exit in time."""
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def _spawn(name: str, argv: list[str], log: Path | None, path: str = "") -> Service:
+    port = free_port()
+    argv = [a.replace("{port}", str(port)) for a in argv]
+    out = open(log, "wb") if log else None  # noqa: SIM115 - handed to the child, closed below
+    try:
+        # Its own session and process group: stopping it reaches every process it started (vLLM's engine).
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
+    finally:
+        if out:
+            out.close()
+    return Service(name, f"http://127.0.0.1:{port}", process, log)
+
+
+def build_tiny_model() -> Path:
+    """Build the tiny offline model (random weights, locally trained tokenizer) if it is not complete."""
+    if not VLLM_PYTHON.exists():
+        raise RuntimeError("the vLLM environment is missing: run scripts/vllm-env.sh")
+    subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts" / "build_tiny_model.py")], check=True, cwd=REPO)
+    return TINY_MODEL
+
+
+def start_vllm(model: Path = TINY_MODEL, log: Path | None = None, timeout: float = 600) -> Service:
+    # --enforce-eager: no graph compilation, so it starts in half the time and serves this model as fast.
+    argv = [str(REPO / "scripts" / "serve-vllm.sh"), str(model), "{port}", "--enforce-eager"]
+    return _spawn("vLLM", argv, log).wait_healthy("/health", timeout)
+
+
+def start_sandbox_runtime(state_dir: Path, backend: str | None = None, *extra: str, log: Path | None = None) -> Service:
+    argv = [sys.executable, "-m", "sandbox_runtime", "serve", "--port", "{port}", "--state-dir", str(state_dir)]
+    argv += ["--backend", backend] if backend else []
+    return _spawn("sandbox runtime", [*argv, "--log-level", "WARNING", *extra], log).wait_healthy("/healthz", 30)
+
+
+def start_rollout_service(
+    sandbox_urls: list[str], llm_urls: list[str], *extra: str, tokenizer: Path = TINY_MODEL, log: Path | None = None
+) -> Service:
+    argv = [sys.executable, "-m", "prorl_adapter", "serve", "--port", "{port}", "--tokenizer", str(tokenizer)]
+    argv += [arg for url in sandbox_urls for arg in ("--sandbox-url", url)]
+    argv += [arg for url in llm_urls for arg in ("--llm-url", url)]
+    return _spawn("rollout service", [*argv, "--log-level", "WARNING", *extra], log).wait_healthy("/healthz", 60)
+
+
+@contextlib.contextmanager
+def local_stack(workdir: Path, *rollout_args: str) -> Iterator[tuple[Service, Service, Service]]:
+    """vLLM, a bwrap sandbox runtime and the rollout service; all stopped on exit, whatever happens."""
+    started: list[Service] = []
+    try:
+        started.append(start_vllm(log=workdir / "vllm.log"))
+        started.append(start_sandbox_runtime(workdir / "sandboxes", log=workdir / "sandbox-runtime.log"))
+        vllm, sandboxes = started
+        started.append(
+            start_rollout_service([sandboxes.url], [vllm.url], *rollout_args, log=workdir / "rollout-service.log")
+        )
+        yield started[0], started[1], started[2]
+    finally:
+        for service in reversed(started):
+            service.stop()
