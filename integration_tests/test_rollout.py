@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from prorl_adapter.chat import ChatTokenizer, tool_call_regex
-from prorl_adapter.client import RolloutAPIError, RolloutClient
+from prorl_adapter.client import RolloutAPIError, RolloutClient, SyncRolloutClient
 from prorl_adapter.localstack import TINY_MODEL
 from prorl_adapter.models import JobRequest, SamplingParams
 from prorl_plugins.tasks.shell import ShellTask
@@ -215,3 +215,73 @@ async def test_status_reports_stages(client):
     assert status["finished"]["done"] >= 1
     assert status["llm_servers"][0]["healthy"] is True
     print(json.dumps(status))
+
+
+SWE_INSTANCE = {
+    "id": "calc-1",
+    "problem_statement": "add() subtracts instead of adding.",
+    "files": {"calc.py": "def add(a, b):\n    return a - b\n"},
+    "test_files": {
+        "test_calc.py": "import unittest\nfrom calc import add\n\n\nclass T(unittest.TestCase):\n"
+        "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n"
+    },
+    "test_command": "python3 -m unittest -q",
+}
+
+
+@pytest.mark.parametrize(
+    ("command", "reward"),
+    [
+        ("sed -i s/a.-.b/a+b/ repo/calc.py", 1.0),  # the fix
+        ("printf 'def add(a, b):\\n    return 0\\n' > repo/test_calc.py", 0.0),  # "fixing" the test is undone
+    ],
+)
+async def test_swe_patch_is_applied_and_tests_run(client, command, reward):
+    request = JobRequest(
+        task="swe",
+        instance=SWE_INSTANCE,
+        sampling=SamplingParams(max_tokens=96, regex=bash_regex(command)),
+        max_turns=1,
+    )
+    trajectory = await client.run(request, wait=300)
+    assert trajectory.error is None and trajectory.turns[0].tool_calls[0].arguments["command"] == command
+    assert trajectory.reward == reward
+    assert trajectory.reward_components["patch_applied"] == 1.0
+    assert trajectory.instance_id == "calc-1"
+
+
+async def test_python_math_answer_through_finish(client):
+    request = JobRequest(
+        task="python_math",
+        instance={"question": "What is 17 * 23?", "answer": "391"},
+        sampling=SamplingParams(max_tokens=64, regex=tool_call_regex("finish", "answer", ["391", "17"])),
+        max_turns=2,
+    )
+    trajectory = await client.run(request, wait=300)
+    assert trajectory.finish_reason == "finish" and trajectory.num_turns == 1
+    answer = trajectory.turns[0].tool_calls[0].arguments["answer"]
+    assert trajectory.reward == (1.0 if answer == "391" else 0.0)
+    assert trajectory.response_mask[-1] == 1  # the episode ends on the policy's own turn
+
+
+async def test_llm_servers_can_be_added_and_removed(client, vllm):
+    added = await client.add_llm_server("http://127.0.0.1:9")  # nothing listens on the discard port
+    assert added["healthy"] is False
+    urls = {s["url"]: s for s in await client.llm_servers()}
+    assert urls["http://127.0.0.1:9"]["healthy"] is False and urls[vllm.url]["healthy"] is True
+    assert (await client.run(shell_job("pwd", max_turns=1), wait=300)).error is None  # the dead one is skipped
+    await client.remove_llm_server("http://127.0.0.1:9")
+    assert [s["url"] for s in await client.llm_servers()] == [vllm.url]
+    with pytest.raises(RolloutAPIError) as bad:
+        await client.add_llm_server("not a url")
+    assert bad.value.status == 400
+    with pytest.raises(RolloutAPIError) as unknown:
+        await client.remove_llm_server("http://127.0.0.1:9")
+    assert unknown.value.status == 404
+
+
+def test_sync_client(rollout):
+    with SyncRolloutClient(rollout.url) as client:
+        trajectory = client.run(shell_job("pwd", max_turns=1), wait=300)
+        assert trajectory.turns[0].observation == "/workspace\n[exit code 0]"
+        assert client.status()["finished"]["done"] >= 1

@@ -197,7 +197,7 @@ class RolloutPipeline:
             job.attempts += 1
             try:
                 job.env = await self.sandboxes.acquire(spec, exclude=failed_on)
-                await job.handler.init(job.env, job.request.instance)
+                await job.handler.init(job.env.for_task(), job.request.instance)
                 return
             except TaskConfigError as exc:
                 raise StageFailed("init", f"task set-up failed: {exc}") from exc
@@ -222,7 +222,7 @@ class RolloutPipeline:
 
     async def _eval(self, job: Job) -> None:
         try:
-            components = await job.handler.evaluate(job.env, job.request.instance, job.episode.state)
+            components = await job.handler.evaluate(job.env.for_task(), job.request.instance, job.episode.state)
         except (SandboxAPIError, httpx.HTTPError) as exc:
             raise StageFailed("eval", f"sandbox: {exc}") from exc
         if "outcome" not in components:

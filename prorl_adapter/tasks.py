@@ -8,24 +8,35 @@ import shlex
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from sandbox_runtime.client import SandboxClient
 from sandbox_runtime.models import ExecResult
 
 
-@dataclass
+@dataclass(frozen=True)
 class Environment:
-    """An episode's sandbox, as handlers and tools see it."""
+    """An episode's sandbox, as handlers and tools see it.
+
+    The agent's tools run in the shell session "default"; a handler's init and eval get `for_task()`, whose
+    commands run in a session of their own, so a `cd` in set-up never moves the agent's shell, and the
+    agent's shell state (a `cd`, a `set -e`, a variable) never changes what eval runs.
+    """
 
     client: SandboxClient
     sandbox_id: str
     server_url: str
     workdir: str
+    session: str = "default"
+
+    def for_task(self) -> Environment:
+        return replace(self, session="task")
 
     async def exec(self, command: str, timeout: float = 30.0, max_output_bytes: int | None = None) -> ExecResult:
-        return await self.client.exec(self.sandbox_id, command, timeout=timeout, max_output_bytes=max_output_bytes)
+        return await self.client.exec(
+            self.sandbox_id, command, timeout=timeout, session=self.session, max_output_bytes=max_output_bytes
+        )
 
     async def write_file(self, path: str, data: str | bytes) -> None:
         await self.client.write_file(self.sandbox_id, path, data)

@@ -36,7 +36,7 @@ class SweTask(TaskHandler):
         for path, content in {**instance["files"], **instance["test_files"]}.items():
             await env.write_file(f"{REPO}/{path}", content)
         result = await env.exec(
-            f"cd {REPO} && git init -q && git add -A && "
+            f"cd {env.workdir}/{REPO} && git init -q && git add -A && "
             "git -c user.name=prorl -c user.email=prorl@localhost commit -qm base && echo ok",
             timeout=60,
         )
@@ -46,12 +46,15 @@ class SweTask(TaskHandler):
     async def evaluate(self, env: Environment, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
         tests = list(instance["test_files"])
         excludes = " ".join(f"--exclude={shlex.quote(t)}" for t in tests)
-        await env.exec(f"cd {REPO} && git add -A && git diff --cached > {PATCH}; git reset -q --hard && git clean -qfd")
+        repo = f"{env.workdir}/{REPO}"  # absolute: the session's cwd is whatever the last command left
+        await env.exec(
+            f"cd {repo} && git add -A && git diff --cached --binary > {PATCH} && git reset -q --hard && git clean -qfd"
+        )
         for path, content in instance["test_files"].items():
             await env.write_file(f"{REPO}/{path}", content)
-        applied = await env.exec(f"cd {REPO} && (test ! -s {PATCH} || git apply {excludes} {PATCH}) && echo applied")
+        applied = await env.exec(f"cd {repo} && (test ! -s {PATCH} || git apply {excludes} {PATCH}) && echo applied")
         if not applied.output.endswith("applied\n"):
             return {"outcome": 0.0, "patch_applied": 0.0}
-        result = await env.exec(f"cd {REPO} && {instance['test_command']}", timeout=self.tool_timeout_s)
+        result = await env.exec(f"cd {repo} && {instance['test_command']}", timeout=self.tool_timeout_s)
         passed = result.status == "completed" and result.exit_code == 0
         return {"outcome": 1.0 if passed else 0.0, "patch_applied": 1.0}
