@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-SYSTEM_PACKAGES := bwrap:bubblewrap
+SYSTEM_PACKAGES := bwrap:bubblewrap redis-server:redis-server
 
 .PHONY: demo runtime-demo test lint system-packages llm bench
 

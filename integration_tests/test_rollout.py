@@ -246,7 +246,7 @@ async def test_swe_patch_is_applied_and_tests_run(client, command, reward):
     trajectory = await client.run(request, wait=300)
     assert trajectory.error is None and trajectory.turns[0].tool_calls[0].arguments["command"] == command
     assert trajectory.reward == reward
-    assert trajectory.reward_components["patch_applied"] == 1.0
+    assert trajectory.reward_components == {"outcome": reward}
     assert trajectory.instance_id == "calc-1"
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
+from pathlib import Path
 
 from .config import RolloutConfig
 from .pipeline import PipelineConfig
@@ -28,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-eval-workers", type=int, default=32)
     serve.add_argument("--plugin", action="append", default=[], help="import path of a plugin (repeatable)")
     serve.add_argument("--block-plugin", action="append", default=[], help="name of a plugin not to load")
+    serve.add_argument("--buffer", default="memory://", help="experience buffer: memory:// or redis://host:port/db")
+    serve.add_argument("--plugin-config", type=Path, default=None, help="JSON file: plugin settings by section")
     serve.add_argument("--log-level", default="INFO")
     plugins = sub.add_parser("plugins", help="list the plugins and task handlers that would be loaded")
     plugins.add_argument("--plugin", action="append", default=[])
@@ -57,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         ),
         plugins=args.plugin,
         blocked_plugins=args.block_plugin,
+        buffer_url=args.buffer,
+        plugin_config=json.loads(args.plugin_config.read_text()) if args.plugin_config else {},
     )
     try:
         config.check_exposure()

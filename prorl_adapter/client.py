@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from .models import JobRequest, JobStatus, PolicyVersion, Trajectory
+from .models import AckRequest, Batch, BatchRequest, JobRequest, JobStatus, PolicyVersion, PromptsRequest, Trajectory
 
 
 class RolloutAPIError(Exception):
@@ -76,6 +76,28 @@ class RolloutClient:
 
     async def run_many(self, requests: list[JobRequest], wait: float = 3600.0) -> list[Trajectory]:
         return list(await asyncio.gather(*(self.run(r, wait) for r in requests)))
+
+    # -- decoupled mode -------------------------------------------------------------------------------
+    async def enqueue_prompts(self, requests: list[JobRequest]) -> int:
+        """Queue upcoming episodes; the service starts them as admission control allows."""
+        body = PromptsRequest(requests=requests).model_dump(mode="json", exclude_none=True)
+        return (await self._call("POST", "/v1/prompts", json=body)).json()["upcoming"]
+
+    async def take_batch(
+        self, size: int, timeout: float | None = None, current_logprobs: dict[str, list[float]] | None = None
+    ) -> Batch:
+        """Up to `size` buffered trajectories with their staleness weights; acknowledge them after training."""
+        body = BatchRequest(size=size, timeout_s=timeout, current_logprobs=current_logprobs or {})
+        wait = (timeout if timeout is not None else 3600.0) + self._timeout
+        response = await self._call("POST", "/v1/batches", json=body.model_dump(mode="json"), timeout=wait)
+        return Batch.model_validate_json(response.content)
+
+    async def ack(self, ids: list[str]) -> int:
+        body = AckRequest(ids=ids).model_dump()
+        return (await self._call("POST", "/v1/batches/ack", json=body)).json()["acknowledged"]
+
+    async def buffer(self) -> dict:
+        return (await self._call("GET", "/v1/buffer")).json()
 
     async def cancel(self, job_id: str) -> JobStatus:
         return JobStatus.model_validate_json((await self._call("DELETE", f"/v1/jobs/{job_id}")).content)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from sandbox_runtime.config import is_loopback
 
@@ -21,6 +22,9 @@ class RolloutConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     plugins: list[str] = field(default_factory=list)  # import paths, beside the `prorl_adapter` entry points
     blocked_plugins: list[str] = field(default_factory=list)
+    # Settings of the plugins, by section: {"staleness": {...}, "reward": {...}}; see docs/plugins.md.
+    plugin_config: dict[str, Any] = field(default_factory=dict)
+    buffer_url: str = "memory://"  # or redis://host:port/db: the experience buffer of decoupled mode
     llm_health_interval_s: float = 5.0
     max_body_bytes: int = 16 * 1024 * 1024
 

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .hookspecs import TrajectoryWeight
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -155,3 +157,34 @@ class ProcessRequest(BaseModel):
     instance: dict[str, Any]
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     job_id: str | None = None
+
+
+class PromptsRequest(_Strict):
+    """Body of POST /v1/prompts: upcoming episodes for decoupled mode, started as admission control allows."""
+
+    requests: list[JobRequest] = Field(min_length=1)
+
+
+class BatchRequest(_Strict):
+    """Body of POST /v1/batches: take up to `size` buffered trajectories, waiting up to `timeout_s`."""
+
+    size: int = Field(gt=0, le=65536)
+    timeout_s: float | None = Field(None, ge=0)
+    # The trainer's logprobs of each entry's response tokens, by entry id (importance weighting).
+    current_logprobs: dict[str, list[float]] = Field(default_factory=dict)
+
+
+class AckRequest(_Strict):
+    ids: list[str] = Field(min_length=1)
+
+
+class BatchItem(BaseModel):
+    id: str
+    deliveries: int
+    weight: TrajectoryWeight
+    trajectory: Trajectory
+
+
+class Batch(BaseModel):
+    items: list[BatchItem]
+    policy_version: int

@@ -22,6 +22,7 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -33,6 +34,9 @@ from .llm import LLMPool, LLMRequestError, LLMUnavailable
 from .models import ErrorClass, JobError, JobRequest, JobState, JobStatus, StageTimings, Trajectory
 from .sandboxes import SandboxPool, SandboxServerError
 from .tasks import Environment, TaskConfigError, TaskHandler
+
+if TYPE_CHECKING:
+    import pluggy
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +71,7 @@ class Job:
     env: Environment | None = None
     episode: Episode | None = None
     reward_components: dict[str, float] = field(default_factory=dict)
+    reward: float = 0.0
     result: Trajectory | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     stage_task: asyncio.Task | None = None
@@ -87,6 +92,9 @@ class Job:
         )
 
 
+_STAGE_NAMES = {JobState.init: "init", JobState.running: "run", JobState.evaluating: "eval"}
+
+
 class UnknownTask(ValueError):
     status = 400
 
@@ -94,24 +102,37 @@ class UnknownTask(ValueError):
 class RolloutPipeline:
     def __init__(
         self,
+        pm: pluggy.PluginManager,
         tasks: dict[str, TaskHandler],
         sandboxes: SandboxPool,
         llm: LLMPool,
         chat: ChatTokenizer,
         config: PipelineConfig | None = None,
     ) -> None:
+        self.hooks = pm.hook
         self.tasks = tasks
         self.sandboxes = sandboxes
         self.llm = llm
         self.chat = chat
         self.config = config or PipelineConfig()
-        self.policy_version = 0
+        self._policy_version = 0
         self.jobs: OrderedDict[str, Job] = OrderedDict()
         self.counts = {state: 0 for state in (JobState.done, JobState.failed, JobState.cancelled)}
         self._finish_times: deque[float] = deque(maxlen=10_000)
         self._queues = {name: asyncio.Queue() for name in ("init", "run", "eval")}
         self._workers: list[asyncio.Task] = []
         self.on_finished: list[Callable[[Job], None]] = []
+
+    @property
+    def policy_version(self) -> int:
+        """The version new turns are tagged with: the backend's, where a backend plugin knows it."""
+        backend = self.hooks.prorl_backend_policy_version()
+        return self._policy_version if backend is None else backend
+
+    @policy_version.setter
+    def policy_version(self, version: int) -> None:
+        self._policy_version = version
+        self.hooks.prorl_policy_version_changed(version=version)
 
     # -- life cycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -228,7 +249,21 @@ class RolloutPipeline:
         if "outcome" not in components:
             raise StageFailed("eval", f"task {job.request.task!r} returned no 'outcome': {components}")
         job.reward_components = {name: float(value) for name, value in components.items()}
+        self._shape_reward(job)
         await self._finish(job, JobState.done)
+
+    def _shape_reward(self, job: Job) -> None:
+        """Reward plugins add components beside the task's own; the shaped total is what the trainer gets."""
+        trajectory = self._trajectory(job)
+        components = dict(job.reward_components)
+        for extra in self.hooks.prorl_reward_components(trajectory=trajectory, instance=job.request.instance):
+            for name, value in (extra or {}).items():
+                if name in components:
+                    raise StageFailed("eval", f"reward component {name!r} is given twice (task or plugins)")
+                components[name] = float(value)
+        total = self.hooks.prorl_combine_reward(trajectory=trajectory, components=components)
+        job.reward_components = components
+        job.reward = float(total) if total is not None else sum(components.values())
 
     # -- the machinery ----------------------------------------------------------------------------------
     async def _worker(
@@ -247,13 +282,30 @@ class RolloutPipeline:
 
     async def _run_stage(self, job: Job, state: JobState, work: Callable[[Job], Awaitable[None]]) -> None:
         job.state = state
+        stage = _STAGE_NAMES[state]
+        self.hooks.prorl_stage_event(
+            job_id=job.id, task=job.request.task, stage=stage, event="start", seconds=0.0, error=None
+        )
         budget = job.budget_left(self.config.default_timeout_s)
         started = time.monotonic()
         job.stage_task = task = asyncio.ensure_future(work(job))
         done, _ = await asyncio.wait({task}, timeout=max(budget, 0.0))
-        stage_field = {JobState.init: "init_s", JobState.running: "run_s", JobState.evaluating: "eval_s"}[state]
-        setattr(job.timings, stage_field, getattr(job.timings, stage_field) + time.monotonic() - started)
+        seconds = time.monotonic() - started
+        setattr(job.timings, f"{stage}_s", getattr(job.timings, f"{stage}_s") + seconds)
         job.stage_task = None
+        try:
+            await self._conclude_stage(job, state, task, done)
+        finally:
+            self._stage_event(
+                job, stage, {JobState.failed: "failed", JobState.cancelled: "cancelled"}.get(job.state, "end"), seconds
+            )
+
+    def _stage_event(self, job: Job, stage: str, event: str, seconds: float) -> None:
+        self.hooks.prorl_stage_event(
+            job_id=job.id, task=job.request.task, stage=stage, event=event, seconds=seconds, error=job.error
+        )
+
+    async def _conclude_stage(self, job: Job, state: JobState, task: asyncio.Task, done: set) -> None:
         if not done:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -269,8 +321,7 @@ class RolloutPipeline:
                 error = JobError(error_class=exc.error_class, message=str(exc))
             else:
                 log.error("job %s: unexpected error in %s", job.id, state.value, exc_info=exc)
-                stage_class = {"init": "init", "running": "run", "evaluating": "eval"}[state.value]
-                error = JobError(error_class=stage_class, message=f"{type(exc).__name__}: {exc}")
+                error = JobError(error_class=_STAGE_NAMES[state], message=f"{type(exc).__name__}: {exc}")
             await self._finish(job, JobState.failed, error)
 
     async def _release(self, job: Job) -> None:
@@ -304,7 +355,7 @@ class RolloutPipeline:
             turns=episode.turns,
             num_turns=len(episode.turns),
             finish_reason=episode.finish_reason if job.error is None else "error",
-            reward=job.reward_components.get("outcome", 0.0),
+            reward=job.reward,
             reward_components=job.reward_components,
             policy_version_min=min(versions),
             policy_version_max=max(versions),

@@ -8,22 +8,38 @@ ProRL Agent's request shape and blocks until the trajectory is ready.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 from aiohttp import web
 
 from sandbox_runtime.webapp import bearer_auth, count_requests, errors_as_json, json_response, parse, serve_app
 
 from . import __version__
+from .buffer import create_buffer
 from .chat import ChatTokenizer
 from .config import RolloutConfig
+from .decoupled import Producer
 from .llm import LLMPool
 from .metrics import RolloutMetrics
-from .models import JobRequest, JobState, LLMServerRequest, PolicyVersion, ProcessRequest, SamplingParams
+from .models import (
+    AckRequest,
+    Batch,
+    BatchItem,
+    BatchRequest,
+    JobRequest,
+    JobState,
+    LLMServerRequest,
+    PolicyVersion,
+    ProcessRequest,
+    PromptsRequest,
+    SamplingParams,
+)
 from .pipeline import Job, RolloutPipeline
 from .plugins import collect_tasks, make_plugin_manager
 from .sandboxes import SandboxPool
 
 PIPELINE = web.AppKey("pipeline", RolloutPipeline)
+PRODUCER = web.AppKey("producer", Producer)
 METRICS = web.AppKey("metrics", RolloutMetrics)
 MAX_WAIT_S = 3600.0
 
@@ -133,6 +149,43 @@ async def process(request: web.Request) -> web.Response:
     return json_response(job.result)
 
 
+async def enqueue_prompts(request: web.Request) -> web.Response:
+    body: PromptsRequest = await parse(request, PromptsRequest)
+    unknown = sorted({r.task for r in body.requests} - set(request.app[PIPELINE].tasks))
+    if unknown:
+        raise web.HTTPBadRequest(text=f"unknown task(s) {', '.join(unknown)}")
+    return web.json_response({"upcoming": request.app[PRODUCER].enqueue(body.requests)}, status=202)
+
+
+async def take_batch(request: web.Request) -> web.Response:
+    body: BatchRequest = await parse(request, BatchRequest)
+    timeout = MAX_WAIT_S if body.timeout_s is None else min(body.timeout_s, MAX_WAIT_S)
+    taken = await request.app[PRODUCER].take_batch(body.size, timeout, body.current_logprobs)
+    items = [
+        BatchItem(id=t.entry.id, deliveries=t.entry.deliveries, weight=t.weight, trajectory=t.entry.trajectory)
+        for t in taken
+    ]
+    return json_response(Batch(items=items, policy_version=request.app[PIPELINE].policy_version))
+
+
+async def ack_batch(request: web.Request) -> web.Response:
+    body: AckRequest = await parse(request, AckRequest)
+    return web.json_response({"acknowledged": await request.app[PRODUCER].ack(body.ids)})
+
+
+async def buffer_status(request: web.Request) -> web.Response:
+    producer = request.app[PRODUCER]
+    stats = await producer.buffer.stats()
+    return web.json_response(
+        {
+            "ready": stats.ready,
+            "pending": stats.pending,
+            "acked": stats.acked,
+            **dataclasses.asdict(producer.snapshot()),
+        }
+    )
+
+
 def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.Application:
     app_metrics = RolloutMetrics()
     middlewares = [
@@ -145,18 +198,24 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
 
     async def lifecycle(app: web.Application):
         pm = make_plugin_manager(config.plugins, blocked=config.blocked_plugins)
+        pm.hook.prorl_configure(config=config.plugin_config)  # a bad plugin config fails here, at start-up
         llm = LLMPool(config.llm_urls, health_interval=config.llm_health_interval_s)
         sandboxes = SandboxPool(config.sandbox_urls, token=config.sandbox_token)
         pipeline = RolloutPipeline(
-            collect_tasks(pm), sandboxes, llm, chat or ChatTokenizer(config.tokenizer), config.pipeline
+            pm, collect_tasks(pm), sandboxes, llm, chat or ChatTokenizer(config.tokenizer), config.pipeline
         )
         pipeline.on_finished.append(lambda job: _record(app_metrics, job))
-        app[PIPELINE] = pipeline
+        producer = Producer(pipeline, create_buffer(config.buffer_url))
+        pm.register(producer, name="decoupled-producer")  # a new policy version wakes held-back episodes
+        app[PIPELINE], app[PRODUCER] = pipeline, producer
         await llm.start()
         await pipeline.start()
+        producer.start()
         yield
+        await producer.stop()
         with contextlib.suppress(Exception):
             await pipeline.stop()
+        await producer.buffer.close()
         await llm.close()
         await sandboxes.close()
 
@@ -175,6 +234,10 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
             web.delete("/v1/llm-servers", remove_llm_server),
             web.put("/v1/policy-version", set_policy_version),
             web.post("/process", process),
+            web.post("/v1/prompts", enqueue_prompts),
+            web.post("/v1/batches", take_batch),
+            web.post("/v1/batches/ack", ack_batch),
+            web.get("/v1/buffer", buffer_status),
         ]
     )
     return app

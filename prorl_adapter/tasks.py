@@ -145,7 +145,8 @@ class TaskHandler(ABC):
 
     @abstractmethod
     async def evaluate(self, env: Environment, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
-        """Score the episode; the result must hold "outcome" (the task's own reward) and may hold more."""
+        """Score the episode: reward components as signed contributions to the reward, at least "outcome"
+        (the task's own reward). With no reward plugin, the reward is their sum."""
 
 
 class TaskConfigError(ValueError):

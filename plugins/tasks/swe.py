@@ -54,7 +54,7 @@ class SweTask(TaskHandler):
             await env.write_file(f"{REPO}/{path}", content)
         applied = await env.exec(f"cd {repo} && (test ! -s {PATCH} || git apply {excludes} {PATCH}) && echo applied")
         if not applied.output.endswith("applied\n"):
-            return {"outcome": 0.0, "patch_applied": 0.0}
+            return {"outcome": 0.0}  # the patch does not apply to a clean checkout
         result = await env.exec(f"cd {repo} && {instance['test_command']}", timeout=self.tool_timeout_s)
         passed = result.status == "completed" and result.exit_code == 0
-        return {"outcome": 1.0 if passed else 0.0, "patch_applied": 1.0}
+        return {"outcome": 1.0 if passed else 0.0}

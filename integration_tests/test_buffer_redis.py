@@ -1,0 +1,367 @@
+"""RedisBuffer against a real redis-server: counts, priority, crashed consumers, a Redis killed mid-stream.
+
+The fixture starts `redis-server` on a free loopback port from a temporary directory, waits until it answers
+PING and kills it by its own pid at the end. Most tests share one server without persistence
+(`--save '' --appendonly no`); the tests that kill Redis start their own: one with an append-only file
+(`appendfsync always`), which shows that nothing is lost across the restart, and one without, which shows
+only that the buffer recovers (Redis without persistence forgets its data when it dies, by design).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from prorl_adapter.localstack import REPO, free_port
+from prorl_adapter.models import StageTimings, Trajectory
+
+REDIS_SERVER = shutil.which("redis-server")
+if REDIS_SERVER is None:
+    pytest.skip("redis-server is not installed (apt-get install redis-server; make test does)", allow_module_level=True)
+redis = pytest.importorskip(
+    "redis", reason="the redis Python package is missing (pip install 'prorl-adapter[redis]'; make test does)"
+)
+
+from prorl_adapter.buffer import BufferStats, BufferUnavailable, create_buffer  # noqa: E402
+from prorl_adapter.buffer_redis import RedisBuffer, redact  # noqa: E402
+
+
+class RedisServer:
+    """A redis-server process of our own, on a fixed free port so that it can be restarted in place."""
+
+    def __init__(self, workdir: Path, appendonly: bool = False) -> None:
+        self.workdir = workdir
+        self.appendonly = appendonly
+        self.port = free_port()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 20) -> RedisServer:
+        persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly else ["--appendonly", "no"]
+        argv = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir)]
+        argv += ["--save", "", *persistence, "--logfile", str(self.workdir / "redis.log")]
+        self.process = subprocess.Popen(argv, cwd=self.workdir, stdin=subprocess.DEVNULL, start_new_session=True)
+        client = redis.Redis(port=self.port, socket_timeout=1, socket_connect_timeout=1)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                if self.process.poll() is not None:
+                    log = (self.workdir / "redis.log").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"redis-server exited with status {self.process.returncode}: {log}")
+                try:
+                    if client.ping():
+                        return self
+                except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):  # LOADING: reading the AOF
+                    pass
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise RuntimeError(f"redis-server on port {self.port} did not answer PING within {timeout:g} s")
+                time.sleep(0.05)  # polling a starting process, not synchronising the code under test
+        finally:
+            client.close()
+
+    def kill(self) -> None:
+        """SIGKILL by its own pid: a crash, nothing flushed at exit."""
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def own_redis_server(tmp_path, request) -> Iterator[RedisServer]:
+    """A server this test may kill and restart; `appendonly` from the test's parametrisation."""
+    server = RedisServer(tmp_path, appendonly=getattr(request, "param", False)).start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"test:{uuid.uuid4().hex[:8]}"
+
+
+def make_trajectory(job_id: str, version: int = 0) -> Trajectory:
+    return Trajectory(
+        job_id=job_id,
+        task="test",
+        prompt_ids=[1, 2, 3],
+        response_ids=[4, 5, 6],
+        response_mask=[1, 0, 1],
+        response_logprobs=[-0.5, 0.0, -1.25],
+        turns=[],
+        num_turns=1,
+        finish_reason="finish",
+        reward=1.0,
+        policy_version_min=version,
+        policy_version_max=version,
+        timings=StageTimings(),
+    )
+
+
+def jobs(batch) -> list[str]:
+    return [b.trajectory.job_id for b in batch]
+
+
+async def leftover_keys(server: RedisServer, prefix: str) -> list[str]:
+    client = redis.asyncio.Redis(port=server.port, decode_responses=True)
+    try:
+        return sorted([k async for k in client.scan_iter(f"{prefix}:v*")])
+    finally:
+        await client.aclose()
+
+
+async def test_produce_consume_ack_nothing_lost_nothing_duplicated(redis_server, prefix):
+    n = 60
+    async with (
+        RedisBuffer(redis_server.url, prefix=prefix, consumer="producer") as producer,
+        RedisBuffer(redis_server.url, prefix=prefix, consumer="trainer") as trainer,
+    ):
+        produced = {f"j{i}": i % 4 for i in range(n)}
+        ids = [await producer.put(make_trajectory(job, version)) for job, version in produced.items()]
+        assert len(set(ids)) == n
+        assert await trainer.stats() == BufferStats(ready=n, pending=0, acked=0)
+        consumed: list[str] = []
+        while batch := await trainer.take(7, timeout=0):
+            assert all(b.deliveries == 1 for b in batch)
+            assert all(b.trajectory == make_trajectory(b.trajectory.job_id, b.version) for b in batch)
+            assert all(b.version == produced[b.trajectory.job_id] for b in batch)
+            assert [b.version for b in batch] == sorted((b.version for b in batch), reverse=True)
+            assert await trainer.ack([b.id for b in batch]) == len(batch)
+            consumed += jobs(batch)
+        assert len(consumed) == n and set(consumed) == set(produced)
+        assert await trainer.ack(ids) == 0  # acknowledged once only
+        assert await trainer.stats() == BufferStats(ready=0, pending=0, acked=n)
+        assert await trainer.buffered_versions() == []
+        assert await leftover_keys(redis_server, prefix) == []  # acked entries are deleted, empty streams too
+
+
+async def test_newest_version_first_fifo_within_a_version(redis_server, prefix):
+    async with RedisBuffer(redis_server.url, prefix=prefix) as buf:
+        for job, version in [("a1", 1), ("b3", 3), ("c2", 2), ("d3", 3), ("e1", 1), ("f2", 2)]:
+            await buf.put(make_trajectory(job, version))
+        first = await buf.take(3, timeout=0)
+        assert jobs(first) == ["b3", "d3", "c2"]
+        await buf.put(make_trajectory("g5", 5))  # a newer version overtakes what is left
+        assert jobs(await buf.take(10, timeout=0)) == ["g5", "f2", "a1", "e1"]
+
+
+async def test_take_waits_for_a_put_from_another_client_and_times_out_with_what_there_is(redis_server, prefix):
+    async with (
+        RedisBuffer(redis_server.url, prefix=prefix) as producer,
+        RedisBuffer(redis_server.url, prefix=prefix) as trainer,
+    ):
+        waiter = asyncio.create_task(trainer.take(3, timeout=30))
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(waiter), 0.2)
+        for i, version in enumerate((0, 7, 3)):  # version 7 and 3: streams the waiter had never seen
+            await producer.put(make_trajectory(f"j{i}", version))
+        started = time.monotonic()
+        batch = await asyncio.wait_for(waiter, 10)
+        assert sorted(jobs(batch)) == ["j0", "j1", "j2"]
+        assert time.monotonic() - started < 2  # woken by the put, not by its timeout
+
+        await producer.put(make_trajectory("only", 1))
+        started = time.monotonic()
+        assert jobs(await trainer.take(5, timeout=0.3)) == ["only"]
+        assert 0.25 <= time.monotonic() - started < 5
+
+
+async def test_crashed_consumer_entries_are_reclaimed_and_consumed_exactly_once(redis_server, prefix):
+    n = 20
+    async with RedisBuffer(redis_server.url, prefix=prefix, consumer="producer") as producer:
+        for i in range(n):
+            await producer.put(make_trajectory(f"j{i}", i % 2))
+
+    crashed = RedisBuffer(redis_server.url, prefix=prefix, consumer="trainer-a")
+    lost = await crashed.take(8, timeout=0)
+    assert len(lost) == 8
+    await crashed.close()  # the trainer is gone without acknowledging anything
+    del crashed
+
+    async with RedisBuffer(redis_server.url, prefix=prefix, consumer="trainer-b") as survivor:
+        rest = await survivor.take(n, timeout=0)
+        assert len(rest) == n - 8
+        assert await survivor.ack([b.id for b in rest]) == n - 8
+        assert await survivor.stats() == BufferStats(ready=0, pending=8, acked=n - 8)
+        assert await survivor.take(1, timeout=0) == []
+        assert await survivor.reclaim(60) == 0  # not idle for a minute yet
+        assert await survivor.reclaim(0) == 8
+        assert await survivor.stats() == BufferStats(ready=8, pending=0, acked=n - 8)
+        recovered = await survivor.take(n, timeout=0)
+        assert sorted(b.id for b in recovered) == sorted(b.id for b in lost)
+        assert all(b.deliveries == 2 for b in recovered)
+        assert [b.version for b in recovered] == sorted((b.version for b in recovered), reverse=True)
+        assert await survivor.ack([b.id for b in recovered]) == 8
+        consumed = jobs(rest) + jobs(recovered)
+        assert len(consumed) == n and set(consumed) == {f"j{i}" for i in range(n)}
+        assert await survivor.stats() == BufferStats(ready=0, pending=0, acked=n)
+        assert await survivor.reclaim(0) == 0
+    assert await leftover_keys(redis_server, prefix) == []
+
+
+async def test_consumer_process_killed_with_sigkill_loses_nothing(redis_server, prefix):
+    async with RedisBuffer(redis_server.url, prefix=prefix) as producer:
+        for i in range(10):
+            await producer.put(make_trajectory(f"j{i}"))
+    script = textwrap.dedent(f"""
+        import asyncio, json, sys
+        from prorl_adapter.buffer_redis import RedisBuffer
+
+        async def main():
+            buf = RedisBuffer({redis_server.url!r}, prefix={prefix!r}, consumer="doomed")
+            batch = await buf.take(4, timeout=0)
+            print(json.dumps([b.id for b in batch]), flush=True)
+            await asyncio.Event().wait()  # hangs until killed, acknowledging nothing
+
+        asyncio.run(main())
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        taken = json.loads(child.stdout.readline())
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        child.stdout.close()
+    assert len(taken) == 4
+
+    async with RedisBuffer(redis_server.url, prefix=prefix, consumer="survivor") as survivor:
+        first = await survivor.take(10, timeout=0)
+        assert len(first) == 6 and not set(b.id for b in first) & set(taken)
+        assert await survivor.ack([b.id for b in first]) == 6  # (reclaim(0) would take its own pending too)
+        assert await survivor.reclaim(0) == 4
+        second = await survivor.take(10, timeout=0)
+        assert sorted(b.id for b in second) == sorted(taken)
+        assert await survivor.ack([b.id for b in second]) == 4
+        assert sorted(jobs(first + second)) == sorted(f"j{i}" for i in range(10))
+
+
+async def test_late_ack_of_a_reclaimed_entry_is_not_delivered_again(redis_server, prefix):
+    async with (
+        RedisBuffer(redis_server.url, prefix=prefix, consumer="slow") as slow,
+        RedisBuffer(redis_server.url, prefix=prefix, consumer="other") as other,
+    ):
+        await slow.put(make_trajectory("x"))
+        [entry] = await slow.take(1, timeout=0)
+        assert await other.reclaim(0) == 1
+        assert await slow.ack([entry.id]) == 1  # the slow consumer finished it after all
+        assert await other.take(1, timeout=0) == []
+        assert await other.stats() == BufferStats(ready=0, pending=0, acked=1)
+
+
+async def test_buffered_versions_count_ready_and_pending_until_acked(redis_server, prefix):
+    async with RedisBuffer(redis_server.url, prefix=prefix) as buf:
+        for version in (1, 2, 2, 4):
+            await buf.put(make_trajectory(f"v{version}", version))
+        assert await buf.buffered_versions() == [1, 2, 2, 4]
+        [newest] = await buf.take(1, timeout=0)
+        assert newest.version == 4
+        assert await buf.buffered_versions() == [1, 2, 2, 4]
+        await buf.ack([newest.id])
+        assert await buf.buffered_versions() == [1, 2, 2]
+
+
+def assert_clear(exc: BufferUnavailable, server: RedisServer, what: str) -> None:
+    message = str(exc)
+    assert server.url in message and "unavailable" in message and what in message, message
+    assert exc.__cause__ is None and exc.__suppress_context__  # no traceback from inside redis-py
+
+
+@pytest.mark.parametrize("own_redis_server", [True], indirect=True, ids=["appendonly"])
+async def test_redis_killed_mid_stream_fails_clearly_and_loses_nothing_with_aof(own_redis_server, prefix):
+    server = own_redis_server
+    async with RedisBuffer(server.url, prefix=prefix, consumer="trainer", socket_timeout=2) as buf:
+        for i in range(10):
+            await buf.put(make_trajectory(f"j{i}", i % 2))
+        batch = await buf.take(3, timeout=0)
+        assert await buf.ack([b.id for b in batch[:2]]) == 2
+        # A take waiting for more than there is: it holds the 7 ready ones (pending now) and blocks.
+        waiter = asyncio.create_task(buf.take(20, timeout=60))
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(waiter), 0.3)
+        assert (await buf.stats()).pending == 8
+
+        server.kill()
+        with pytest.raises(BufferUnavailable) as failed:
+            await asyncio.wait_for(waiter, 15)
+        assert_clear(failed.value, server, "failed")  # normally "waiting for new entries on ... failed"
+        with pytest.raises(BufferUnavailable) as failed:
+            await buf.put(make_trajectory("while-down"))
+        assert_clear(failed.value, server, "adding a trajectory")
+        with pytest.raises(BufferUnavailable):
+            await buf.stats()
+
+        server.start()  # same port, same directory: Redis replays its append-only file
+        await buf.ping()  # the same object reconnects
+        # Durable: the 2 acknowledged are gone, the other 8 are still there, pending (1 taken before the
+        # crash, 7 by the interrupted take), and reclaim hands them back.
+        assert await buf.stats() == BufferStats(ready=0, pending=8, acked=2)
+        assert len(await buf.buffered_versions()) == 8
+        assert await buf.reclaim(0) == 8
+        recovered = await buf.take(8, timeout=0)
+        assert sorted(jobs(recovered)) == sorted({f"j{i}" for i in range(10)} - set(jobs(batch[:2])))
+        assert await buf.ack([b.id for b in recovered]) == 8
+        await buf.put(make_trajectory("after"))
+        assert jobs(await buf.take(1, timeout=5)) == ["after"]
+
+
+async def test_redis_without_persistence_loses_its_data_but_the_buffer_recovers(own_redis_server, prefix):
+    server = own_redis_server
+    async with RedisBuffer(server.url, prefix=prefix, socket_timeout=2) as buf:
+        for i in range(5):
+            await buf.put(make_trajectory(f"j{i}"))
+        server.kill()
+        with pytest.raises(BufferUnavailable) as failed:
+            await buf.take(1, timeout=0)
+        assert_clear(failed.value, server, server.url)
+        server.start()
+        # Honest: an in-memory Redis that died has forgotten the 5 entries (use appendonly for durability).
+        assert await buf.stats() == BufferStats(ready=0, pending=0, acked=0)
+        await buf.put(make_trajectory("after", 3))
+        [entry] = await buf.take(1, timeout=5)
+        assert entry.trajectory.job_id == "after" and await buf.ack([entry.id]) == 1
+
+
+async def test_unreachable_redis_names_the_url_and_the_operation():
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    async with RedisBuffer(url, socket_timeout=1, retries=0) as buf:
+        with pytest.raises(BufferUnavailable, match=r"Redis at redis://127\.0\.0\.1:\d+/0 is unavailable: PING failed"):
+            await buf.ping()
+        with pytest.raises(BufferUnavailable, match="adding a trajectory to prorl:buffer:v0 failed"):
+            await buf.put(make_trajectory("x"))
+
+
+def test_passwords_are_hidden_in_messages():
+    assert redact("redis://:s3cret@host:6379/0") == "redis://:***@host:6379/0"
+    assert redact("redis://user:s3cret@host/1") == "redis://user:***@host/1"
+    assert redact("redis://host:6379/0") == "redis://host:6379/0"
+    assert "s3cret" not in repr(RedisBuffer("redis://:s3cret@127.0.0.1:1/0"))
+
+
+async def test_create_buffer_opens_a_redis_buffer_from_its_url(redis_server, prefix):
+    async with create_buffer(redis_server.url, prefix=prefix, consumer="c") as buf:
+        assert isinstance(buf, RedisBuffer) and buf.consumer == "c"
+        entry_id = await buf.put(make_trajectory("x", 2))
+        [entry] = await buf.take(1, timeout=5)
+        assert entry.id == entry_id and await buf.ack([entry_id]) == 1

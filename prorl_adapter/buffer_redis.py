@@ -1,0 +1,450 @@
+"""The experience buffer on Redis Streams: shared by processes and machines, and a trainer crash loses nothing.
+
+Layout (every key starts with `prefix`, default `prorl:buffer`; one consumer group per prefix):
+
+- `{prefix}:v{version}`: one stream per policy version (`trajectory.policy_version_min`); each entry holds one
+  trajectory as JSON (field `t`). Consumer group `group` (default `trainer`) is created with the stream.
+  A stream holds exactly the unconsumed entries of its version: ready ones (not yet delivered to the group)
+  and pending ones (delivered, in the group's pending entries list, not yet acknowledged).
+- `{prefix}:versions`: a sorted set of the versions that have a stream (score = version).
+- `{prefix}:events`: a short stream (capped at ~1000) that every `put` and `reclaim` appends to, only to wake
+  consumers blocked in `take` (one `XREAD BLOCK` covers every version, including versions not seen yet).
+- `{prefix}:acked`: the number of entries acknowledged, for `stats`.
+
+Operations (each multi-key step is one Lua script, so it is atomic):
+
+- `put`: `XADD` to the version's stream, create the group on it (id 0: it sees every entry), register the
+  version, append a wake-up event.
+- `take(n, timeout)`: for each version, newest first: this consumer's reclaimed entries of that version
+  (see `reclaim`), then `XREADGROUP ... >` (new entries, oldest first); until n are found. If fewer, block
+  on the events stream (from the last event id read *before* looking, so no wake-up is missed) until a
+  `put` or the timeout, and look again. Entries read are already pending for this consumer, so if the
+  caller is cancelled or Redis fails mid-take, they are not lost: `reclaim` recovers them.
+- `ack(ids)`: `XACK` and then `XDEL` in one script; the entry leaves Redis for good. When a version's
+  stream is empty it is deleted and the version unregistered, in the same script (a concurrent `put` is
+  either before, and the stream is not empty, or after, and recreates both).
+- `reclaim(idle_s)`: `XAUTOCLAIM` (min idle `idle_s`) over every version: entries pending for another
+  (crashed) consumer, or for this one, move to this consumer. They are remembered by this object and served
+  by its next `take` in their original place (before the new entries of their version). A Redis stream has
+  no way to put a delivered entry back among the undelivered ones; claiming it is the standard pattern,
+  and nothing is lost if this consumer crashes too: the entries are in its pending list, and the next
+  `reclaim` by anyone finds them. When served, an entry is claimed once more (`XCLAIM`, which resets its
+  idle time and counts a delivery) only if it is still pending for this consumer, so an entry that its slow
+  first consumer acknowledged meanwhile is not delivered again.
+- `buffered_versions()`: each registered version, repeated by its stream's length (`XLEN`).
+- `stats()`: ready = `XLEN` - pending; pending from `XPENDING`; this object's reclaimed-but-not-served
+  entries count as ready (as with `MemoryBuffer`), although Redis holds them as pending.
+
+Delivery is at least once (as with every buffer here): besides a slow consumer overtaken by `reclaim`, a
+command retried after a connection error may have run twice (a `put` stored twice, an entry read but its
+reply lost: pending, so `reclaim` hands it out again).
+
+Failures: a Redis that cannot be reached raises `BufferUnavailable`, whose message names the Redis URL
+(password hidden) and the operation that failed; a command Redis refuses raises `ExperienceBufferError`.
+The client reconnects on the next call, so the same object works again once Redis is back. Durability is
+Redis's own: run it with `appendonly yes` (and `appendfsync always` or `everysec`) for trajectories to
+survive a Redis restart. Unlike `MemoryBuffer`, there is no `max_size`: bound the buffer by pacing (the
+versions in `buffered_versions` feed admission control) and give Redis a `maxmemory` with `noeviction`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import socket
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+try:
+    import redis.asyncio as aioredis
+    from redis import exceptions as redis_errors
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialBackoff
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        f"prorl_adapter.buffer_redis needs the redis package (>= 5): pip install 'prorl-adapter[redis]' ({exc})"
+    ) from None
+
+from pydantic import ValidationError
+
+from .buffer import (
+    BufferClosed,
+    BufferedTrajectory,
+    BufferStats,
+    BufferUnavailable,
+    ExperienceBuffer,
+    ExperienceBufferError,
+    _check_n,
+    _check_trajectory,
+)
+from .models import Trajectory
+
+_PUT = """
+-- KEYS: the version's stream, the version registry, the events stream; ARGV: version, trajectory JSON, group
+local id = redis.call('XADD', KEYS[1], '*', 't', ARGV[2])
+redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[3], '0')  -- BUSYGROUP when it exists: fine
+redis.call('ZADD', KEYS[2], ARGV[1], ARGV[1])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', '1000', '*', 'put', ARGV[1])
+return id
+"""
+
+_ACK = """
+-- KEYS: the version's stream, the version registry, the acked counter; ARGV: version, group, stream ids...
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local n = 0
+for i = 3, #ARGV do
+  if redis.call('XACK', KEYS[1], ARGV[2], ARGV[i]) == 1 then
+    redis.call('XDEL', KEYS[1], ARGV[i])
+    n = n + 1
+  end
+end
+if redis.call('XLEN', KEYS[1]) == 0 then
+  redis.call('DEL', KEYS[1])
+  redis.call('ZREM', KEYS[2], ARGV[1])
+end
+if n > 0 then redis.call('INCRBY', KEYS[3], n) end
+return n
+"""
+
+_RECLAIM = """
+-- KEYS: the version's stream; ARGV: group, consumer, min idle ms. Returns the ids claimed.
+local ids = {}
+if redis.call('EXISTS', KEYS[1]) == 0 then return ids end
+local cursor = '0-0'
+repeat
+  local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], cursor, 'COUNT', 1000, 'JUSTID')
+  cursor = r[1]
+  for _, id in ipairs(r[2]) do ids[#ids + 1] = id end
+until cursor == '0-0'
+return ids
+"""
+
+_SERVE_RECLAIMED = """
+-- KEYS: the version's stream; ARGV: group, consumer, stream ids... Returns {id, fields, deliveries} for each
+-- id still pending for this consumer (claimed again: idle time reset, delivery counted).
+local out = {}
+if redis.call('EXISTS', KEYS[1]) == 0 then return out end
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p == 1 and p[1][2] == ARGV[2] then
+    local e = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i])
+    if #e == 1 and e[1] then
+      local q = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+      out[#out + 1] = {e[1][1], e[1][2], q[1][4]}
+    end
+  end
+end
+return out
+"""
+
+_STREAM_ID = re.compile(r"^\d+-\d+$")
+
+
+def _sid_key(sid: str) -> tuple[int, int]:
+    ms, seq = sid.split("-")
+    return int(ms), int(seq)
+
+
+def redact(url: str) -> str:
+    """The URL with its password hidden, for messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[-1]}"))
+
+
+def default_consumer_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class RedisBuffer(ExperienceBuffer):
+    """`ExperienceBuffer` on Redis Streams; see the module's docstring for the design.
+
+    `url`: e.g. `redis://127.0.0.1:6379/0` (`rediss://` for TLS, `unix:///path.sock`). `prefix`: the keys'
+    namespace (one buffer per prefix). `group`: the consumer group, the same for every trainer process of
+    one buffer. `consumer`: this object's name in the group (default: host-pid-random); a restarted trainer
+    may reuse its name, and its `reclaim` then finds its own old pending entries too. `socket_timeout`:
+    seconds before a silent Redis counts as unavailable (a blocked `take` waits in slices shorter than this).
+    `retries`: how often a command is retried after a connection error (with a short backoff) before
+    `BufferUnavailable` is raised.
+    """
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        prefix: str = "prorl:buffer",
+        group: str = "trainer",
+        consumer: str | None = None,
+        socket_timeout: float = 5.0,
+        retries: int = 2,
+        **redis_kwargs: Any,
+    ) -> None:
+        self.url = url
+        self.prefix = prefix
+        self.group = group
+        self.consumer = consumer or default_consumer_name()
+        self._where = redact(url)
+        self._block_s = max(0.05, socket_timeout / 2)
+        self._redis = aioredis.Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=socket_timeout,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
+            **redis_kwargs,
+        )
+        self._put = self._redis.register_script(_PUT)
+        self._ack = self._redis.register_script(_ACK)
+        self._reclaim = self._redis.register_script(_RECLAIM)
+        self._serve = self._redis.register_script(_SERVE_RECLAIMED)
+        self._reclaimed: dict[int, set[str]] = {}  # version -> stream ids claimed by reclaim, not yet served
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"RedisBuffer({self._where!r}, prefix={self.prefix!r}, group={self.group!r}, consumer={self.consumer!r})"
+
+    # -- keys and ids ------------------------------------------------------------------------------------
+    def _stream(self, version: int) -> str:
+        return f"{self.prefix}:v{version}"
+
+    @property
+    def _versions_key(self) -> str:
+        return f"{self.prefix}:versions"
+
+    @property
+    def _events_key(self) -> str:
+        return f"{self.prefix}:events"
+
+    @property
+    def _acked_key(self) -> str:
+        return f"{self.prefix}:acked"
+
+    @staticmethod
+    def _entry_id(version: int, sid: str) -> str:
+        return f"{version}:{sid}"
+
+    @staticmethod
+    def _split_id(entry_id: str) -> tuple[int, str]:
+        version, _, sid = str(entry_id).partition(":")
+        try:
+            if not _STREAM_ID.match(sid):
+                raise ValueError
+            return int(version), sid
+        except ValueError:
+            raise ValueError(f"not an entry id of a RedisBuffer: {entry_id!r} (expected VERSION:MS-SEQ)") from None
+
+    # -- errors ------------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BufferClosed(f"the experience buffer on Redis at {self._where} is closed")
+
+    @contextlib.contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        """Turn redis-py's errors into the buffer's: a clear message, no traceback from inside redis-py."""
+        self._check_open()
+        try:
+            yield
+        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError, asyncio.TimeoutError) as exc:
+            self._check_open()  # closed while waiting: that, not the broken connection, is the news
+            raise BufferUnavailable(
+                f"Redis at {self._where} is unavailable: {what} failed ({type(exc).__name__}: {exc})"
+            ) from None
+        except redis_errors.ResponseError as exc:
+            raise ExperienceBufferError(f"Redis at {self._where} refused {what}: {exc}") from None
+
+    async def ping(self) -> None:
+        """Check that Redis answers; raises `BufferUnavailable` if not."""
+        with self._errors("PING"):
+            await self._redis.ping()
+
+    # -- the interface -----------------------------------------------------------------------------------
+    async def put(self, trajectory: Trajectory) -> str:
+        _check_trajectory(trajectory)
+        version = trajectory.policy_version_min
+        stream = self._stream(version)
+        with self._errors(f"adding a trajectory to {stream}"):
+            sid = await self._put(
+                keys=[stream, self._versions_key, self._events_key],
+                args=[version, trajectory.model_dump_json(), self.group],
+            )
+        return self._entry_id(version, sid)
+
+    async def take(self, n: int, timeout: float | None = None) -> list[BufferedTrajectory]:
+        _check_n(n)
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + max(0.0, timeout)
+        got: list[BufferedTrajectory] = []
+        while True:
+            with self._errors(f"reading {self._events_key}"):
+                last = await self._redis.xrevrange(self._events_key, count=1)
+            mark = last[0][0] if last else "0-0"
+            got += await self._read(n - len(got))
+            if len(got) >= n:
+                return got
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                return got
+            block_s = self._block_s if remaining is None else min(self._block_s, remaining)
+            with self._errors(f"waiting for new entries on {self._events_key}"):
+                await self._redis.xread({self._events_key: mark}, count=1, block=max(1, int(block_s * 1000)))
+
+    async def _read(self, k: int) -> list[BufferedTrajectory]:
+        """Up to k entries, newest version first, without waiting."""
+        with self._errors(f"reading {self._versions_key}"):
+            registered = await self._redis.zrevrange(self._versions_key, 0, -1)
+        versions = {int(v) for v in registered} | {v for v, ids in self._reclaimed.items() if ids}
+        out: list[BufferedTrajectory] = []
+        for version in sorted(versions, reverse=True):
+            if len(out) >= k:
+                break
+            if self._reclaimed.get(version):
+                out += await self._serve_reclaimed(version, k - len(out))
+            if len(out) < k:
+                out += await self._read_new(version, k - len(out))
+        return out
+
+    async def _serve_reclaimed(self, version: int, k: int) -> list[BufferedTrajectory]:
+        held = self._reclaimed[version]
+        sids = sorted(held, key=_sid_key)[:k]
+        held.difference_update(sids)
+        if not held:
+            del self._reclaimed[version]
+        stream = self._stream(version)
+        try:
+            with self._errors(f"claiming reclaimed entries of {stream}"):
+                rows = await self._serve(keys=[stream], args=[self.group, self.consumer, *sids])
+        except BufferUnavailable:
+            self._reclaimed.setdefault(version, set()).update(sids)  # still pending for us: try again later
+            raise
+        return [self._decode(version, sid, fields, int(deliveries)) for sid, fields, deliveries in rows]
+
+    async def _read_new(self, version: int, k: int) -> list[BufferedTrajectory]:
+        stream = self._stream(version)
+        what = f"XREADGROUP on {stream}"
+        for _ in range(2):
+            try:
+                with self._errors(what):
+                    reply = await self._redis.xreadgroup(self.group, self.consumer, {stream: ">"}, count=k)
+                break
+            except ExperienceBufferError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                # The stream was emptied and deleted since the registry was read, or lacks the group.
+                with contextlib.suppress(ExperienceBufferError), self._errors(f"creating group on {stream}"):
+                    await self._redis.xgroup_create(stream, self.group, id="0")
+        else:
+            return []
+        if isinstance(reply, dict):  # RESP3
+            reply = list(reply.items())
+        out = []
+        for _, entries in reply or []:
+            for sid, fields in entries:
+                out.append(self._decode(version, sid, fields, 1))
+        return out
+
+    def _decode(self, version: int, sid: str, fields: Any, deliveries: int) -> BufferedTrajectory:
+        if isinstance(fields, list):  # from a script: a flat list of field, value
+            fields = dict(zip(fields[::2], fields[1::2]))
+        entry_id = self._entry_id(version, sid)
+        try:
+            trajectory = Trajectory.model_validate_json(fields["t"])
+        except (KeyError, ValidationError) as exc:
+            raise ExperienceBufferError(
+                f"entry {entry_id} in {self._stream(version)} on Redis at {self._where} is not a trajectory "
+                f"(written by another version of prorl_adapter?): {exc}"
+            ) from None
+        return BufferedTrajectory(entry_id, trajectory, deliveries)
+
+    async def ack(self, ids: Iterable[str]) -> int:
+        ids = [ids] if isinstance(ids, str) else list(ids)
+        by_version: dict[int, list[str]] = {}
+        for entry_id in ids:
+            version, sid = self._split_id(entry_id)
+            by_version.setdefault(version, []).append(sid)
+        done = 0
+        for version, sids in by_version.items():
+            stream = self._stream(version)
+            with self._errors(f"acknowledging {len(sids)} entries of {stream}"):
+                done += int(
+                    await self._ack(
+                        keys=[stream, self._versions_key, self._acked_key], args=[version, self.group, *sids]
+                    )
+                )
+            held = self._reclaimed.get(version)
+            if held:
+                held.difference_update(sids)
+        return done
+
+    async def reclaim(self, idle_s: float) -> int:
+        idle_ms = max(0, int(idle_s * 1000))
+        with self._errors(f"reading {self._versions_key}"):
+            versions = [int(v) for v in await self._redis.zrange(self._versions_key, 0, -1)]
+        count = 0
+        for version in versions:
+            stream = self._stream(version)
+            with self._errors(f"XAUTOCLAIM on {stream}"):
+                sids = await self._reclaim(keys=[stream], args=[self.group, self.consumer, idle_ms])
+            held = self._reclaimed.setdefault(version, set())
+            new = set(sids) - held
+            held.update(new)
+            count += len(new)
+            if not held:
+                del self._reclaimed[version]
+        if count:
+            with self._errors(f"adding to {self._events_key}"):  # wake this consumer's waiting takes
+                await self._redis.xadd(self._events_key, {"reclaim": count}, maxlen=1000, approximate=True)
+        return count
+
+    async def _registered(self) -> list[int]:
+        with self._errors(f"reading {self._versions_key}"):
+            return [int(v) for v in await self._redis.zrange(self._versions_key, 0, -1)]
+
+    async def buffered_versions(self) -> list[int]:
+        versions = await self._registered()
+        with self._errors("XLEN of the version streams"):
+            async with self._redis.pipeline(transaction=True) as pipe:
+                for version in versions:
+                    pipe.xlen(self._stream(version))
+                lengths = await pipe.execute()
+        return [v for v, length in zip(versions, lengths) for _ in range(int(length))]
+
+    async def stats(self) -> BufferStats:
+        versions = await self._registered()
+        with self._errors("reading the buffer's counts"):
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.get(self._acked_key)
+                for version in versions:
+                    pipe.xlen(self._stream(version))
+                    pipe.xpending(self._stream(version), self.group)
+                replies = await pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, (redis_errors.ConnectionError, redis_errors.TimeoutError)):
+                raise BufferUnavailable(f"Redis at {self._where} is unavailable: reading the buffer's counts failed")
+        acked = int(replies[0] or 0)
+        total = pending = 0
+        for length, summary in zip(replies[1::2], replies[2::2]):
+            if isinstance(length, Exception):
+                continue
+            total += int(length)
+            if isinstance(summary, dict):
+                pending += int(summary.get("pending") or 0)
+        held = min(pending, sum(len(ids) for ids in self._reclaimed.values()))
+        pending -= held
+        return BufferStats(ready=total - pending, pending=pending, acked=acked)
+
+    async def close(self) -> None:
+        """Close the connections. Unacknowledged entries stay in Redis (pending ones: for `reclaim`)."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            closer = getattr(self._redis, "aclose", None) or self._redis.close
+            await closer()

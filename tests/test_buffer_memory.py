@@ -1,0 +1,241 @@
+"""MemoryBuffer: order, ack, reclaim, waiting, backpressure and pacing data, without sleeps as synchronisation.
+
+"Must not complete" is checked with asyncio.wait_for on a shielded task and a short timeout; reclaim's idle time
+runs on an injected clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from prorl_adapter.buffer import (
+    BufferClosed,
+    BufferedTrajectory,
+    BufferStats,
+    ExperienceBuffer,
+    MemoryBuffer,
+    create_buffer,
+)
+from prorl_adapter.models import StageTimings, Trajectory
+
+
+def make_trajectory(job_id: str, version: int = 0) -> Trajectory:
+    return Trajectory(
+        job_id=job_id,
+        task="test",
+        prompt_ids=[1, 2, 3],
+        response_ids=[4, 5],
+        response_mask=[1, 0],
+        response_logprobs=[-0.5, 0.0],
+        turns=[],
+        num_turns=1,
+        finish_reason="finish",
+        policy_version_min=version,
+        policy_version_max=version,
+        timings=StageTimings(),
+    )
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def assert_blocked(task: asyncio.Task, within: float = 0.05) -> None:
+    """The task must not complete (it waits on the buffer)."""
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(asyncio.shield(task), within)
+    assert not task.done()
+
+
+def jobs(batch: list[BufferedTrajectory]) -> list[str]:
+    return [b.trajectory.job_id for b in batch]
+
+
+async def test_produce_consume_ack_nothing_lost_nothing_duplicated():
+    async with MemoryBuffer() as buf:
+        ids = [await buf.put(make_trajectory(f"j{i}")) for i in range(10)]
+        assert len(set(ids)) == 10
+        assert await buf.stats() == BufferStats(ready=10, pending=0, acked=0)
+        seen: list[str] = []
+        while batch := await buf.take(3, timeout=0):
+            assert all(b.deliveries == 1 for b in batch)
+            assert (await buf.stats()).pending == len(batch)
+            assert await buf.ack([b.id for b in batch]) == len(batch)
+            seen += jobs(batch)
+        assert seen == [f"j{i}" for i in range(10)]  # one version: FIFO
+        assert await buf.stats() == BufferStats(ready=0, pending=0, acked=10)
+        assert await buf.buffered_versions() == []
+
+
+async def test_newest_version_first_fifo_within_a_version():
+    buf = MemoryBuffer()
+    for job, version in [("a1", 1), ("b3", 3), ("c2", 2), ("d3", 3), ("e1", 1), ("f2", 2)]:
+        await buf.put(make_trajectory(job, version))
+    batch = await buf.take(6, timeout=0)
+    assert jobs(batch) == ["b3", "d3", "c2", "f2", "a1", "e1"]
+    assert [b.version for b in batch] == [3, 3, 2, 2, 1, 1]
+    # A newer version put later still comes first.
+    await buf.put(make_trajectory("g1", 1))
+    await buf.put(make_trajectory("h5", 5))
+    assert jobs(await buf.take(2, timeout=0)) == ["h5", "g1"]
+
+
+async def test_take_waits_until_n_are_ready():
+    buf = MemoryBuffer()
+    task = asyncio.create_task(buf.take(3))
+    await assert_blocked(task)
+    await buf.put(make_trajectory("a"))
+    await buf.put(make_trajectory("b"))
+    await assert_blocked(task)  # two are not three
+    await buf.put(make_trajectory("c"))
+    assert jobs(await task) == ["a", "b", "c"]
+
+
+async def test_timeout_returns_what_there_is():
+    buf = MemoryBuffer()
+    assert await buf.take(4, timeout=0) == []
+    assert await buf.take(4, timeout=0.01) == []
+    await buf.put(make_trajectory("a"))
+    await buf.put(make_trajectory("b"))
+    assert jobs(await buf.take(4, timeout=0.01)) == ["a", "b"]
+    await buf.put(make_trajectory("c"))
+    assert jobs(await buf.take(4, timeout=0)) == ["c"]
+
+
+async def test_concurrent_takers_get_disjoint_batches():
+    buf = MemoryBuffer()
+    first, second = asyncio.create_task(buf.take(2)), asyncio.create_task(buf.take(2))
+    await assert_blocked(first)
+    for i in range(4):
+        await buf.put(make_trajectory(f"j{i}"))
+    a, b = await first, await second
+    assert sorted(jobs(a) + jobs(b)) == ["j0", "j1", "j2", "j3"]
+
+
+async def test_ack_counts_only_pending_entries_once():
+    buf = MemoryBuffer()
+    never_taken = await buf.put(make_trajectory("a"))
+    await buf.put(make_trajectory("b"))
+    [taken] = await buf.take(1, timeout=0)
+    assert taken.trajectory.job_id == "a" and taken.id == never_taken
+    untaken = await buf.put(make_trajectory("c"))
+    assert await buf.ack([untaken, "no-such-id"]) == 0  # not taken: not consumed
+    assert await buf.ack([taken.id]) == 1
+    assert await buf.ack([taken.id]) == 0  # twice: once
+    assert await buf.stats() == BufferStats(ready=2, pending=0, acked=1)
+
+
+async def test_reclaim_hands_back_entries_idle_too_long_in_their_place():
+    clock = FakeClock()
+    buf = MemoryBuffer(clock=clock)
+    for job, version in [("old", 1), ("new-a", 2), ("new-b", 2), ("new-c", 2)]:
+        await buf.put(make_trajectory(job, version))
+    crashed = await buf.take(2, timeout=0)  # a trainer takes two and dies
+    assert jobs(crashed) == ["new-a", "new-b"]
+    clock.now += 10
+    recent = await buf.take(1, timeout=0)  # a live trainer takes one
+    assert jobs(recent) == ["new-c"]
+    clock.now += 5
+    assert await buf.reclaim(30) == 0  # nobody idle for 30 s
+    assert await buf.reclaim(15) == 2  # the crashed trainer's two, not the live one's (idle 5 s)
+    assert await buf.stats() == BufferStats(ready=3, pending=1, acked=0)
+    again = await buf.take(3, timeout=0)
+    assert jobs(again) == ["new-a", "new-b", "old"]  # their original place: version 2 before version 1
+    assert [b.deliveries for b in again] == [2, 2, 1]
+    assert [b.id for b in again[:2]] == [b.id for b in crashed]
+    assert await buf.ack([b.id for b in again + recent]) == 4
+    assert await buf.stats() == BufferStats(ready=0, pending=0, acked=4)
+
+
+async def test_late_ack_after_reclaim_is_not_delivered_again():
+    clock = FakeClock()
+    buf = MemoryBuffer(clock=clock)
+    await buf.put(make_trajectory("slow"))
+    [entry] = await buf.take(1, timeout=0)
+    clock.now += 60
+    assert await buf.reclaim(30) == 1
+    assert await buf.ack([entry.id]) == 1  # the slow trainer did consume it after all
+    assert await buf.take(1, timeout=0) == []
+    assert await buf.stats() == BufferStats(ready=0, pending=0, acked=1)
+
+
+async def test_reclaim_wakes_a_waiting_take():
+    clock = FakeClock()
+    buf = MemoryBuffer(clock=clock)
+    await buf.put(make_trajectory("a"))
+    await buf.take(1, timeout=0)
+    waiter = asyncio.create_task(buf.take(1))
+    await assert_blocked(waiter)
+    assert await buf.reclaim(0) == 1
+    [entry] = await waiter
+    assert entry.trajectory.job_id == "a" and entry.deliveries == 2
+
+
+async def test_max_size_put_waits_for_room_which_only_ack_makes():
+    buf = MemoryBuffer(max_size=2)
+    await buf.put(make_trajectory("a"))
+    await buf.put(make_trajectory("b"))
+    blocked = asyncio.create_task(buf.put(make_trajectory("c")))
+    await assert_blocked(blocked)
+    batch = await buf.take(1, timeout=0)
+    await assert_blocked(blocked)  # taken is still held until acked
+    await buf.ack([b.id for b in batch])
+    await blocked
+    assert await buf.stats() == BufferStats(ready=2, pending=0, acked=1)
+    assert jobs(await buf.take(2, timeout=0)) == ["b", "c"]
+
+
+async def test_buffered_versions_count_ready_and_pending_until_acked():
+    buf = MemoryBuffer()
+    for version in (1, 2, 2, 4):
+        await buf.put(make_trajectory(f"v{version}", version))
+    assert await buf.buffered_versions() == [1, 2, 2, 4]
+    [newest] = await buf.take(1, timeout=0)
+    assert newest.version == 4
+    assert await buf.buffered_versions() == [1, 2, 2, 4]  # pending is still buffered
+    await buf.ack([newest.id])
+    assert await buf.buffered_versions() == [1, 2, 2]
+
+
+async def test_close_wakes_waiters_and_refuses_further_calls():
+    buf = MemoryBuffer(max_size=1)
+    await buf.put(make_trajectory("a"))
+    waiting_put = asyncio.create_task(buf.put(make_trajectory("b")))
+    other = MemoryBuffer()
+    waiting_take = asyncio.create_task(other.take(1))
+    await assert_blocked(waiting_put)
+    await assert_blocked(waiting_take)
+    await buf.close()
+    await other.close()
+    with pytest.raises(BufferClosed):
+        await waiting_put
+    with pytest.raises(BufferClosed):
+        await waiting_take
+    with pytest.raises(BufferClosed):
+        await buf.put(make_trajectory("c"))
+    with pytest.raises(BufferClosed):
+        await buf.take(1, timeout=0)
+    await buf.close()  # idempotent
+
+
+async def test_bad_arguments_are_refused_with_a_message():
+    buf = MemoryBuffer()
+    with pytest.raises(ValueError, match="positive integer"):
+        await buf.take(0)
+    with pytest.raises(TypeError, match="Trajectory"):
+        await buf.put({"job_id": "x"})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_size"):
+        MemoryBuffer(max_size=0)
+
+
+def test_create_buffer_from_url():
+    assert isinstance(create_buffer(), MemoryBuffer)
+    assert isinstance(create_buffer("memory://", max_size=3), ExperienceBuffer)
+    with pytest.raises(ValueError, match="unknown experience buffer URL"):
+        create_buffer("kafka://x")

@@ -1,0 +1,379 @@
+"""The staleness plugin: its arithmetic (property tests), its configuration errors, its hooks through a real
+plugin manager, and a simulation of decoupled training showing why pacing beats dropping."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prorl_adapter.hookspecs import AdmissionState, PluginConfigError, TrajectoryWeight
+from prorl_adapter.models import StageTimings, Trajectory
+from prorl_adapter.plugins import make_plugin_manager
+from prorl_plugins import staleness as staleness_module
+from prorl_plugins.staleness import (
+    StalenessControl,
+    linear_weight,
+    should_pace,
+    staleness,
+    truncated_importance_weights,
+)
+
+versions = st.integers(min_value=0, max_value=10_000)
+ks = st.integers(min_value=0, max_value=50)
+logprobs = st.floats(min_value=-30.0, max_value=0.0)
+caps = st.floats(min_value=1.0, max_value=100.0)
+
+
+def make_trajectory(version: int, mask=(1, 1, 0, 1), behaviour=None, job_id: str = "j", task: str = "t") -> Trajectory:
+    mask = list(mask)
+    return Trajectory(
+        job_id=job_id,
+        task=task,
+        prompt_ids=[1, 2],
+        response_ids=list(range(len(mask))),
+        response_mask=mask,
+        response_logprobs=list(behaviour) if behaviour is not None else [-1.0 if m else 0.0 for m in mask],
+        turns=[],
+        num_turns=0,
+        finish_reason="finish",
+        policy_version_min=version,
+        policy_version_max=version,
+        timings=StageTimings(),
+    )
+
+
+def manager(section: dict | None, *plugins: object):
+    pm = make_plugin_manager(objects=plugins or [StalenessControl()], load_entry_points=False)
+    pm.hook.prorl_configure(config={} if section is None else {"staleness": section})
+    return pm
+
+
+def combined(results: list[TrajectoryWeight]) -> float:
+    return math.prod(r.sample for r in results)
+
+
+# -- arithmetic --------------------------------------------------------------------------------------------
+@given(versions, st.integers(min_value=0, max_value=100))
+def test_staleness_is_the_version_difference(v, d):
+    assert staleness(v, v + d) == d
+
+
+@given(versions, st.integers(min_value=1, max_value=100))
+def test_staleness_refuses_a_trajectory_from_the_future(v, d):
+    with pytest.raises(ValueError, match="newer"):
+        staleness(v + d, v)
+
+
+@given(st.integers(min_value=0, max_value=200), ks)
+def test_linear_weight_is_in_unit_interval_and_non_increasing(s, k):
+    w = linear_weight(s, k)
+    assert 0.0 <= w <= 1.0
+    assert linear_weight(s + 1, k) <= w
+
+
+@given(ks, st.integers(min_value=0, max_value=100))
+def test_linear_weight_is_one_when_fresh_and_zero_from_k_on(k, extra):
+    assert linear_weight(0, k) == 1.0
+    assert linear_weight(k + extra, k) == (1.0 if k + extra == 0 else 0.0)
+
+
+def test_linear_weight_values():
+    assert linear_weight(1, 4) == 0.75
+    assert linear_weight(0, 0) == 1.0
+    assert linear_weight(1, 0) == 0.0
+
+
+@given(versions, st.integers(min_value=0, max_value=60), ks)
+def test_drop_mode_drops_iff_staleness_exceeds_k(v, s, k):
+    plugin = StalenessControl()
+    plugin.prorl_configure({"staleness": {"mode": "drop", "max_staleness": k}})
+    verdict = plugin.prorl_trajectory_weight(make_trajectory(v), v + s, None)
+    assert verdict.sample == (0.0 if s > k else 1.0)
+    assert bool(verdict.reasons) == (s > k)
+
+
+@given(versions, st.integers(min_value=0, max_value=60), st.integers(min_value=0, max_value=60), ks)
+def test_sample_weight_never_grows_with_staleness(v, s1, s2, k):
+    lo, hi = sorted((s1, s2))
+    for mode in ("drop", "linear"):
+        plugin = StalenessControl()
+        plugin.prorl_configure({"staleness": {"mode": mode, "max_staleness": k}})
+        fresher = plugin.prorl_trajectory_weight(make_trajectory(v), v + lo, None).sample
+        staler = plugin.prorl_trajectory_weight(make_trajectory(v), v + hi, None).sample
+        assert 0.0 <= staler <= fresher <= 1.0
+
+
+@st.composite
+def aligned_logprobs(draw):
+    n = draw(st.integers(min_value=0, max_value=40))
+    behaviour = draw(st.lists(logprobs, min_size=n, max_size=n))
+    current = draw(st.lists(logprobs, min_size=n, max_size=n))
+    mask = draw(st.lists(st.sampled_from([0, 1]), min_size=n, max_size=n))
+    return behaviour, current, mask
+
+
+@given(aligned_logprobs(), caps)
+def test_importance_weights_are_truncated_ratios_on_policy_tokens(data, cap):
+    behaviour, current, mask = data
+    weights = truncated_importance_weights(behaviour, current, mask, cap)
+    assert len(weights) == len(mask)
+    for w, old, new, m in zip(weights, behaviour, current, mask):
+        assert 0.0 <= w <= cap
+        if m == 0:
+            assert w == 1.0
+        elif math.exp(new - old) < cap:
+            assert w == math.exp(new - old)
+        else:
+            assert w == cap
+
+
+def test_importance_weights_do_not_overflow_and_reject_bugs():
+    assert truncated_importance_weights([-1000.0, 0.0], [0.0, -1000.0], [1, 1], 2.0) == [2.0, math.exp(-1000.0)]
+    with pytest.raises(ValueError, match="lengths differ"):
+        truncated_importance_weights([0.0], [0.0, 0.0], [1], 2.0)
+    with pytest.raises(ValueError, match="expected 0 or 1"):
+        truncated_importance_weights([0.0], [0.0], [2], 2.0)
+    with pytest.raises(ValueError, match="NaN"):
+        truncated_importance_weights([0.0], [math.nan], [1], 2.0)
+
+
+# -- pacing: the rule's guarantee, against adversarial durations and trainer orders -----------------------
+def run_paced(durations: list[int], k: int, batch_size: int, order: str, seed: int = 0) -> list[int]:
+    """Start episodes (of the given durations, in order) whenever `should_pace` allows; the trainer consumes
+    any `batch_size` finished ones (newest, oldest or random first) and bumps the version. Returns the
+    staleness of every consumed trajectory."""
+    rng = random.Random(seed)
+    queue = deque(durations)
+    running: list[tuple[int, int]] = []  # (end time, version)
+    buffered: list[int] = []
+    consumed: list[int] = []
+    version = t = 0
+    while queue or running or buffered:
+        assert t < 100 * (len(durations) + 10), "pacing deadlocked"
+        buffered += [v for end, v in running if end <= t]
+        running = [(end, v) for end, v in running if end > t]
+        while len(buffered) >= batch_size:
+            if order == "random":
+                rng.shuffle(buffered)
+            else:
+                buffered.sort(reverse=order == "newest")
+            batch, buffered = buffered[:batch_size], buffered[batch_size:]
+            consumed += [staleness(v, version) for v in batch]
+            version += 1
+        while queue:
+            state = AdmissionState(version, [v for _, v in running], list(buffered))
+            if should_pace(state, k, batch_size):
+                break
+            running.append((t + queue.popleft(), version))
+        if not queue and not running and 0 < len(buffered) < batch_size:
+            break  # a last partial batch the trainer never takes
+        t += 1
+    return consumed
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.integers(min_value=1, max_value=12), min_size=1, max_size=60),
+    st.integers(min_value=0, max_value=4),
+    st.integers(min_value=1, max_value=5),
+    st.sampled_from(["newest", "oldest", "random"]),
+    st.integers(min_value=0, max_value=1000),
+)
+def test_pacing_never_lets_a_trajectory_exceed_k(durations, k, batch_size, order, seed):
+    durations = durations[: len(durations) // batch_size * batch_size] or [1] * batch_size
+    consumed = run_paced(durations, k, batch_size, order, seed)
+    assert len(consumed) == len(durations)  # nothing lost, no deadlock
+    assert max(consumed) <= k
+
+
+@given(ks, st.integers(min_value=1, max_value=8))
+def test_pacing_admits_k_plus_one_batches_when_nothing_is_old(k, b):
+    def held(pending: int) -> bool:
+        return should_pace(AdmissionState(10, [10] * pending, []), k, b)
+
+    assert not held((k + 1) * b - 1)
+    assert held((k + 1) * b)
+
+
+def test_pacing_holds_while_the_oldest_is_at_its_limit():
+    # The oldest pending episode started at 3; at version 5 with K=2 the next batch is its last chance, so only
+    # a batch's worth of episodes may be pending.
+    assert not should_pace(AdmissionState(5, [3], [5, 5]), 2, 4)
+    assert should_pace(AdmissionState(5, [3], [5, 5, 5]), 2, 4)
+    assert should_pace(AdmissionState(6, [3], []), 2, 4)
+    assert should_pace(AdmissionState(5, [5, 5], []), 2, 100, max_in_flight=2)
+
+
+# -- configuration -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("section", "key"),
+    [
+        ({"mode": "sometimes", "max_staleness": 2}, "mode"),
+        ({"max_staleness": 2}, "mode"),
+        ({"mode": "drop"}, "max_staleness"),
+        ({"mode": "drop", "max_staleness": -1}, "max_staleness"),
+        ({"mode": "drop", "max_staleness": 1.5}, "max_staleness"),
+        ({"mode": "drop", "max_staleness": "2"}, "max_staleness"),
+        ({"mode": "drop", "max_staleness": True}, "max_staleness"),
+        ({"mode": "importance", "max_staleness": 2, "importance_cap": 0.5}, "importance_cap"),
+        ({"mode": "importance", "max_staleness": 2, "importance_cap": math.inf}, "importance_cap"),
+        ({"mode": "importance", "max_staleness": 2, "importance_cap": "2"}, "importance_cap"),
+        ({"mode": "pace", "max_staleness": 2}, "batch_size"),
+        ({"mode": "pace", "max_staleness": 2, "batch_size": 0}, "batch_size"),
+        ({"mode": "pace", "max_staleness": 2, "batch_size": 4, "pace_max_in_flight": 0}, "pace_max_in_flight"),
+        ({"mode": "drop", "max_staleness": 2, "max_stalenes": 3}, "max_stalenes"),
+    ],
+)
+def test_a_bad_key_is_named(section, key):
+    with pytest.raises(PluginConfigError, match=rf"staleness\.{key}\b") as info:
+        manager(section)
+    message = str(info.value)
+    assert "must be" in message or "required" in message or "allowed" in message
+
+
+def test_bad_configuration_messages_say_what_is_allowed():
+    with pytest.raises(PluginConfigError, match="one of off, drop, linear, pace, importance"):
+        manager({"mode": "sometimes"})
+    with pytest.raises(PluginConfigError, match="allowed: mode, max_staleness"):
+        manager({"mode": "off", "k": 1})
+    with pytest.raises(PluginConfigError, match="must be a mapping"):
+        manager("drop")
+
+
+def test_off_and_no_section_have_no_opinion():
+    for section in (None, {"mode": "off"}):
+        pm = manager(section)
+        assert (
+            pm.hook.prorl_trajectory_weight(trajectory=make_trajectory(0), current_version=9, current_logprobs=None)
+            == []
+        )
+        assert pm.hook.prorl_admit_episode(state=AdmissionState(9, [0] * 100, [])) == []
+
+
+# -- the hooks through pluggy ------------------------------------------------------------------------------
+def test_drop_through_the_plugin_manager():
+    pm = manager({"mode": "drop", "max_staleness": 2})
+    hook = pm.hook.prorl_trajectory_weight
+    [kept] = hook(trajectory=make_trajectory(5), current_version=7, current_logprobs=None)
+    [dropped] = hook(trajectory=make_trajectory(4), current_version=7, current_logprobs=None)
+    assert (kept.sample, kept.reasons) == (1.0, [])
+    assert dropped.sample == 0.0
+    assert dropped.reasons == ["staleness 3 > K=2: dropped"]
+
+
+def test_linear_through_the_plugin_manager():
+    pm = manager({"mode": "linear", "max_staleness": 4})
+    [w] = pm.hook.prorl_trajectory_weight(trajectory=make_trajectory(2), current_version=3, current_logprobs=None)
+    assert w.sample == 0.75
+    assert w.reasons == ["staleness 1 of K=4: linear weight 0.75"]
+    [w] = pm.hook.prorl_trajectory_weight(trajectory=make_trajectory(2), current_version=6, current_logprobs=None)
+    assert w.sample == 0.0
+    assert "dropped" in w.reasons[0]
+
+
+def test_importance_through_the_plugin_manager():
+    pm = manager({"mode": "importance", "max_staleness": 2, "importance_cap": 2.0})
+    hook = pm.hook.prorl_trajectory_weight
+    trajectory = make_trajectory(3, mask=[1, 1, 0, 1], behaviour=[-1.0, -2.0, 0.0, -3.0])
+    [w] = hook(trajectory=trajectory, current_version=4, current_logprobs=[-1.5, -0.5, -7.0, -3.0])
+    assert w.sample == 1.0
+    assert w.tokens == [math.exp(-0.5), 2.0, 1.0, 1.0]
+    assert "1 capped at 2" in w.reasons[0]
+    # without the trainer's logprobs: no opinion within K, still dropped above it
+    assert hook(trajectory=trajectory, current_version=4, current_logprobs=None) == []
+    [dropped] = hook(trajectory=trajectory, current_version=6, current_logprobs=None)
+    assert dropped.sample == 0.0
+    with pytest.raises(ValueError, match="lengths differ"):
+        hook(trajectory=trajectory, current_version=4, current_logprobs=[0.0])
+
+
+def test_pace_through_the_plugin_manager_admits_and_never_drops():
+    pm = manager({"mode": "pace", "max_staleness": 2, "batch_size": 4})
+    assert pm.hook.prorl_admit_episode(state=AdmissionState(5, [3], [5, 5])) == [True]
+    assert pm.hook.prorl_admit_episode(state=AdmissionState(5, [3], [5, 5, 5])) == [False]
+    [w] = pm.hook.prorl_trajectory_weight(trajectory=make_trajectory(0), current_version=9, current_logprobs=None)
+    assert w.sample == 1.0
+    assert "despite pacing (kept)" in w.reasons[0]
+
+
+def test_the_import_path_registers_the_plugin_object():
+    pm = make_plugin_manager(import_paths=["prorl_plugins.staleness:plugin"], load_entry_points=False)
+    try:
+        pm.hook.prorl_configure(config={"staleness": {"mode": "drop", "max_staleness": 0}})
+        assert staleness_module.plugin.config.mode == "drop"
+        [w] = pm.hook.prorl_trajectory_weight(trajectory=make_trajectory(0), current_version=1, current_logprobs=None)
+        assert w.sample == 0.0
+    finally:
+        staleness_module.plugin.prorl_configure({})
+
+
+# -- a simulation of decoupled training: pacing keeps the slow tasks that dropping loses -----------------
+@dataclass
+class SimResult:
+    submitted: list[str] = field(default_factory=list)  # the kind of each episode started
+    trained: list[str] = field(default_factory=list)  # the kind of each consumed trajectory with weight > 0
+    staleness: list[int] = field(default_factory=list)  # of every consumed trajectory
+    steps: int = 0
+
+    def slow_fraction(self, kinds: list[str]) -> float:
+        return kinds.count("slow") / len(kinds)
+
+
+def simulate(section: dict, workers: int = 16, batch_size: int = 4, duration: int = 400) -> SimResult:
+    """Discrete time. Tasks arrive as an endless stream, every 4th slow (6 time units) and the rest fast (1);
+    up to `workers` episodes run at once, each started when every `prorl_admit_episode` agrees. The trainer
+    consumes the first `batch_size` finished trajectories whenever it has them, weighs each through
+    `prorl_trajectory_weight`, trains on those with weight > 0 and bumps the policy version."""
+    pm = manager(section)
+    lengths = {"fast": 1, "slow": 6}
+    result = SimResult()
+    running: list[tuple[int, int, str]] = []  # (end time, version, kind)
+    buffer: deque[tuple[int, str]] = deque()
+    version = 0
+    for t in range(duration):
+        buffer.extend((v, kind) for end, v, kind in running if end == t)
+        running = [r for r in running if r[0] > t]
+        while len(buffer) >= batch_size:
+            for _ in range(batch_size):
+                v, kind = buffer.popleft()
+                weights = pm.hook.prorl_trajectory_weight(
+                    trajectory=make_trajectory(v, task=kind), current_version=version, current_logprobs=None
+                )
+                result.staleness.append(staleness(v, version))
+                if combined(weights) > 0:
+                    result.trained.append(kind)
+            version += 1
+            result.steps += 1
+        while len(running) < workers:
+            state = AdmissionState(version, [v for _, v, _ in running], [v for v, _ in buffer])
+            if False in pm.hook.prorl_admit_episode(state=state):
+                break
+            kind = "slow" if len(result.submitted) % 4 == 3 else "fast"
+            result.submitted.append(kind)
+            running.append((t + lengths[kind], version, kind))
+    return result
+
+
+def test_pacing_keeps_slow_tasks_that_dropping_loses():
+    k, b = 2, 4
+    dropped = simulate({"mode": "drop", "max_staleness": k, "batch_size": b}, batch_size=b)
+    paced = simulate({"mode": "pace", "max_staleness": k, "batch_size": b}, batch_size=b)
+
+    submitted = dropped.slow_fraction(dropped.submitted)
+    assert submitted == pytest.approx(0.25, abs=0.01)
+    # dropping: slow episodes come back too stale and (almost) never reach the loss
+    assert max(dropped.staleness) > k
+    assert dropped.slow_fraction(dropped.trained) < 0.1 * submitted
+
+    # pacing: every trajectory is trained on, none beyond K, and the slow ones keep their share
+    assert paced.steps >= 50
+    assert len(paced.trained) == len(paced.staleness)
+    assert max(paced.staleness) <= k
+    assert paced.slow_fraction(paced.trained) == pytest.approx(paced.slow_fraction(paced.submitted), abs=0.02)
+    assert paced.slow_fraction(paced.submitted) == pytest.approx(0.25, abs=0.01)
