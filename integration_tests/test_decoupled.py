@@ -10,17 +10,8 @@ import pytest
 from prorl_adapter.client import RolloutAPIError, RolloutClient
 from prorl_adapter.models import JobRequest
 
-from .conftest import BACKEND_SKIPS, start_rollout, start_server, stop_server
+from .conftest import start_rollout
 from .test_rollout import shell_job
-
-
-@pytest.fixture(scope="module")
-def sandbox_server(tmp_path_factory):
-    if BACKEND_SKIPS["bwrap"]:
-        pytest.skip(BACKEND_SKIPS["bwrap"])
-    server = start_server(tmp_path_factory.mktemp("decoupled-sandboxes"), "bwrap")
-    yield server
-    stop_server(server)
 
 
 def rollout_with(vllm, sandbox_server, tmp_path, staleness: dict):

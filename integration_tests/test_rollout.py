@@ -15,7 +15,7 @@ from prorl_adapter.localstack import TINY_MODEL
 from prorl_adapter.models import JobRequest, SamplingParams
 from prorl_plugins.tasks.shell import ShellTask
 
-from .conftest import BACKEND_SKIPS, start_rollout, start_server, stop_server
+from .conftest import start_rollout
 
 
 def bash_regex(*commands: str) -> str:
@@ -31,15 +31,6 @@ def shell_job(*commands: str, max_turns: int = 3, **fields) -> JobRequest:
         max_turns=max_turns,
         **fields,
     )
-
-
-@pytest.fixture(scope="module")
-def sandbox_server(tmp_path_factory):
-    if BACKEND_SKIPS["bwrap"]:
-        pytest.skip(BACKEND_SKIPS["bwrap"])
-    server = start_server(tmp_path_factory.mktemp("rollout-sandboxes"), "bwrap")
-    yield server
-    stop_server(server)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -69,9 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"prorl-rollout: {exc}")
         return 2
+    from sandbox_runtime.webapp import run_forever
+
     from .server import serve
 
-    asyncio.run(serve(config))
+    run_forever(serve(config))
     return 0
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import os
@@ -61,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prorl-sandbox: {exc}")
         return 2
     from .server import serve
+    from .webapp import run_forever
 
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(config))
+        run_forever(serve(config))
     return 0

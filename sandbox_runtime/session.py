@@ -121,6 +121,7 @@ class ShellSession:
         self.started_at = 0  # kernel start time of `pid`, for crash recovery
         self._loop = asyncio.get_event_loop()
         self._out = OutputBuffer(default_output_limit)
+        self._reading = False  # whether the terminal's fd is registered with the event loop
         self._carry = b""
         self._prefix = b""  # marker prefix awaited, empty when idle
         self._done: asyncio.Future[tuple[int, str]] | None = None
@@ -282,16 +283,20 @@ class ShellSession:
             self._out = OutputBuffer(limit)
             self._out.feed(pending.encode())
         self._carry = b""
-        self._loop.add_reader(self._proc.fd, self._on_readable)
+        if not self._reading:
+            self._loop.add_reader(self._proc.fd, self._on_readable)
+            self._reading = True
         return nonce
 
     def _disarm(self) -> None:
+        # The reader stays registered (two epoll calls per command saved); `_on_readable` pauses it only if
+        # output arrives while no command is in flight.
         self._prefix = b""
-        self._stop_reading()
 
     def _stop_reading(self) -> None:
-        if self._proc is not None:
+        if self._proc is not None and self._reading:
             self._loop.remove_reader(self._proc.fd)
+        self._reading = False
 
     async def _wait(self, timeout: float) -> tuple[int, str] | None:
         """Wait for the armed marker, the shell's death, or the timeout; None unless the marker came."""
@@ -313,6 +318,9 @@ class ShellSession:
             pass
 
     def _on_readable(self) -> None:
+        if not self._prefix:  # idle: leave the output in the terminal (a flooding background job blocks)
+            self._stop_reading()
+            return
         self._read_once()
 
     def _read_once(self) -> bool:

