@@ -323,9 +323,10 @@ class RewardShaping:
         self.config: RewardConfig | None = None
 
     @hookimpl
-    def prorl_configure(self, config: dict[str, Any]) -> None:
+    def prorl_configure(self, config: dict[str, Any]) -> list[str]:
         # Parsed in full before it replaces anything: a failed reconfiguration leaves the last good one.
         self.config = parse_config(config[SECTION]) if config and SECTION in config else None
+        return [SECTION]
 
     @hookimpl
     def prorl_reward_components(self, trajectory: Trajectory, instance: dict[str, Any]) -> dict[str, float] | None:

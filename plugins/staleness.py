@@ -198,8 +198,9 @@ class StalenessControl:
         self.config = config or StalenessConfig()
 
     @hookimpl
-    def prorl_configure(self, config: dict[str, Any]) -> None:
+    def prorl_configure(self, config: dict[str, Any]) -> list[str]:
         self.config = StalenessConfig.from_section(config.get(SECTION))
+        return [SECTION]
 
     @hookimpl
     def prorl_admit_episode(self, state: AdmissionState) -> bool | None:

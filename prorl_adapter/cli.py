@@ -35,13 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list the plugins and task handlers that would be loaded")
     plugins.add_argument("--plugin", action="append", default=[])
     plugins.add_argument("--block-plugin", action="append", default=[])
+    plugins.add_argument("--plugin-config", type=Path, default=None, help="check this plugin configuration too")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "plugins":
-        return list_plugins(args.plugin, args.block_plugin)
+        return list_plugins(args.plugin, args.block_plugin, args.plugin_config)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the service's own log
     config = RolloutConfig(
@@ -76,13 +77,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def list_plugins(paths: list[str], blocked: list[str]) -> int:
-    from .plugins import collect_tasks, make_plugin_manager
+def list_plugins(paths: list[str], blocked: list[str], config_file: Path | None = None) -> int:
+    """Print the plugins, their hooks and the tasks; with a config file, also check it as start-up would."""
+    from .hookspecs import PluginConfigError
+    from .plugins import PluginLoadError, collect_tasks, configure_plugins, make_plugin_manager
 
-    pm = make_plugin_manager(paths, blocked=blocked)
+    try:
+        pm = make_plugin_manager(paths, blocked=blocked)
+        tasks = collect_tasks(pm)
+        if config_file is not None:
+            configure_plugins(pm, json.loads(config_file.read_text()))
+    except (PluginLoadError, PluginConfigError, OSError, ValueError) as exc:
+        print(f"prorl-rollout: {exc}")
+        return 2
     for name, plugin in pm.list_name_plugin():
+        if plugin is None:
+            print(f"{name}: blocked")
+            continue
         hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
         print(f"{name}: {getattr(plugin, '__name__', type(plugin).__name__)} hooks={','.join(hooks)}")
-    for name, handler in sorted(collect_tasks(pm).items()):
+    for name, handler in sorted(tasks.items()):
         print(f"task {name}: {type(handler).__module__}.{type(handler).__name__}")
+    if config_file is not None:
+        print(f"configuration {config_file}: accepted")
     return 0

@@ -60,12 +60,14 @@ def prorl_register_tasks() -> list[TaskHandler]:
 
 
 @hookspec
-def prorl_configure(config: dict[str, Any]) -> None:
+def prorl_configure(config: dict[str, Any]) -> list[str] | None:
     """Called once at start-up with the whole plugin configuration (a mapping of section name to settings,
     e.g. `{"staleness": {"mode": "linear", "max_staleness": 4}, "reward": {...}}`).
 
     Each plugin reads and validates its own section and raises `PluginConfigError` naming the bad key, so that
-    a wrong config fails at start-up, not mid-training. All implementations are called.
+    a wrong config fails at start-up, not mid-training; it returns the names of the sections it reads. All
+    implementations are called, and a section that none of them names is an error (a typo, or a plugin that is
+    not installed).
     """
 
 

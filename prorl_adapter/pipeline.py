@@ -301,9 +301,12 @@ class RolloutPipeline:
             )
 
     def _stage_event(self, job: Job, stage: str, event: str, seconds: float) -> None:
-        self.hooks.prorl_stage_event(
-            job_id=job.id, task=job.request.task, stage=stage, event=event, seconds=seconds, error=job.error
-        )
+        try:
+            self.hooks.prorl_stage_event(
+                job_id=job.id, task=job.request.task, stage=stage, event=event, seconds=seconds, error=job.error
+            )
+        except Exception:  # an observer's bug must not stall the job it observes
+            log.exception("a prorl_stage_event plugin failed on job %s (%s %s)", job.id, stage, event)
 
     async def _conclude_stage(self, job: Job, state: JobState, task: asyncio.Task, done: set) -> None:
         if not done:

@@ -11,6 +11,7 @@ from typing import Any
 import pluggy
 
 from . import hookspecs
+from .hookspecs import PluginConfigError
 from .tasks import TaskHandler
 
 ENTRY_POINT_GROUP = "prorl_adapter"
@@ -26,7 +27,7 @@ def import_object(path: str) -> Any:
     try:
         module = importlib.import_module(module_name)
         return getattr(module, attribute) if attribute else module
-    except (ImportError, AttributeError) as exc:
+    except Exception as exc:  # whatever a broken plugin raises on import, report it with the plugin's name
         raise PluginLoadError(f"cannot load plugin {path!r}: {type(exc).__name__}: {exc}") from exc
 
 
@@ -41,7 +42,7 @@ def make_plugin_manager(
     for name in blocked:
         pm.set_blocked(name)
     if load_entry_points:
-        for entry_point in entry_points(group=ENTRY_POINT_GROUP):
+        for entry_point in _entry_points():
             if pm.is_blocked(entry_point.name) or pm.has_plugin(entry_point.name):
                 continue
             try:
@@ -55,8 +56,39 @@ def make_plugin_manager(
         if not pm.is_blocked(path):
             pm.register(import_object(path), name=path)
     for plugin in objects:
-        pm.register(plugin)
+        name = f"{type(plugin).__module__}.{type(plugin).__qualname__}"
+        if not pm.is_blocked(name):
+            pm.register(plugin, name=name if not pm.has_plugin(name) else None)
+    try:
+        pm.check_pending()  # an implementation of a hook that does not exist (a typo) is an error
+    except pluggy.PluginValidationError as exc:
+        raise PluginLoadError(f"a plugin implements a hook that does not exist: {exc}") from exc
     return pm
+
+
+def _entry_points() -> list:
+    """The group's entry points; two distributions claiming one name is an error naming both."""
+    found: dict[str, object] = {}
+    for entry_point in entry_points(group=ENTRY_POINT_GROUP):
+        other = found.setdefault(entry_point.name, entry_point)
+        if other is not entry_point and other.value != entry_point.value:
+            raise PluginLoadError(
+                f"two plugins are named {entry_point.name!r}: {other.value} and {entry_point.value}; "
+                "uninstall one, or block the name"
+            )
+    return list(found.values())
+
+
+def configure_plugins(pm: pluggy.PluginManager, config: dict[str, Any]) -> None:
+    """Hand every plugin the configuration; a section that no plugin reads is an error (a typo, or a plugin
+    that is not installed), as is whatever a plugin finds wrong in its own section."""
+    claimed = {name for sections in pm.hook.prorl_configure(config=config) for name in sections or []}
+    unknown = sorted(set(config) - claimed)
+    if unknown:
+        raise PluginConfigError(
+            f"plugin configuration has unknown section(s) {', '.join(map(repr, unknown))}; "
+            f"the loaded plugins read: {', '.join(sorted(claimed)) or 'none'}"
+        )
 
 
 def collect_tasks(pm: pluggy.PluginManager) -> dict[str, TaskHandler]:

@@ -35,7 +35,7 @@ from .models import (
     SamplingParams,
 )
 from .pipeline import Job, RolloutPipeline
-from .plugins import collect_tasks, make_plugin_manager
+from .plugins import collect_tasks, configure_plugins, make_plugin_manager
 from .sandboxes import SandboxPool
 
 PIPELINE = web.AppKey("pipeline", RolloutPipeline)
@@ -198,7 +198,7 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
 
     async def lifecycle(app: web.Application):
         pm = make_plugin_manager(config.plugins, blocked=config.blocked_plugins)
-        pm.hook.prorl_configure(config=config.plugin_config)  # a bad plugin config fails here, at start-up
+        configure_plugins(pm, config.plugin_config)  # a bad plugin config fails here, at start-up
         llm = LLMPool(config.llm_urls, health_interval=config.llm_health_interval_s)
         sandboxes = SandboxPool(config.sandbox_urls, token=config.sandbox_token)
         pipeline = RolloutPipeline(
