@@ -53,6 +53,8 @@ class BufferUnavailable(ExperienceBufferError):
     Nothing acknowledged is lost and nothing pending is dropped by the error itself; the same buffer object
     works again once the storage is back."""
 
+    status = 503  # what the service's API answers with: try again later
+
 
 @dataclass(frozen=True)
 class BufferedTrajectory:

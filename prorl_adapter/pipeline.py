@@ -24,8 +24,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import httpx
-
 from sandbox_runtime.client import SandboxAPIError
 
 from .agent import Episode, run_episode
@@ -222,7 +220,7 @@ class RolloutPipeline:
                 return
             except TaskConfigError as exc:
                 raise StageFailed("init", f"task set-up failed: {exc}") from exc
-            except (SandboxServerError, SandboxAPIError, httpx.HTTPError) as exc:
+            except (SandboxServerError, SandboxAPIError) as exc:
                 last_error = str(exc)
                 failed_on.add(exc.url if isinstance(exc, SandboxServerError) else job.env.server_url)
                 await self._release(job)
@@ -236,7 +234,7 @@ class RolloutPipeline:
             )
         except (LLMUnavailable, LLMRequestError) as exc:
             raise StageFailed("run", f"LLM: {exc}") from exc
-        except (SandboxAPIError, httpx.HTTPError) as exc:
+        except SandboxAPIError as exc:
             raise StageFailed("run", f"sandbox: {exc}") from exc
         job.timings.generate_s = job.episode.generate_s
         job.timings.tools_s = job.episode.tools_s
@@ -244,7 +242,7 @@ class RolloutPipeline:
     async def _eval(self, job: Job) -> None:
         try:
             components = await job.handler.evaluate(job.env.for_task(), job.request.instance, job.episode.state)
-        except (SandboxAPIError, httpx.HTTPError) as exc:
+        except SandboxAPIError as exc:
             raise StageFailed("eval", f"sandbox: {exc}") from exc
         if "outcome" not in components:
             raise StageFailed("eval", f"task {job.request.task!r} returned no 'outcome': {components}")
@@ -336,7 +334,10 @@ class RolloutPipeline:
         if job.state.finished:
             return
         job.state, job.error = state, error
-        await self._release(job)
+        try:
+            await self._release(job)
+        except Exception:  # the job's result must still be delivered: never leave a waiter hanging
+            log.exception("job %s: releasing its sandbox failed", job.id)
         job.result = self._trajectory(job)
         self.counts[state] += 1
         self._finish_times.append(time.monotonic())

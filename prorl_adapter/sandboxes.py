@@ -10,8 +10,6 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from sandbox_runtime.client import SandboxAPIError, SandboxClient
 
 from .tasks import Environment
@@ -45,7 +43,7 @@ class SandboxPool:
         server.active += 1  # counted before the request, so concurrent inits spread over the servers
         try:
             info = await server.client.create_sandbox(**spec)
-        except (SandboxAPIError, httpx.HTTPError) as exc:
+        except SandboxAPIError as exc:
             server.active -= 1
             server.failures += 1
             raise SandboxServerError(server.url, f"cannot create a sandbox: {exc}") from exc
@@ -55,7 +53,7 @@ class SandboxPool:
         """Delete the episode's sandbox. A server that is gone took its sandboxes with it."""
         server = next(s for s in self.servers if s.url == env.server_url)
         server.active -= 1
-        with contextlib.suppress(SandboxAPIError, httpx.HTTPError):
+        with contextlib.suppress(SandboxAPIError):
             await server.client.delete_sandbox(env.sandbox_id)
 
     async def close(self) -> None:

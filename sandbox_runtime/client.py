@@ -8,9 +8,11 @@ async with SandboxClient("http://127.0.0.1:8765") as client:
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
-import httpx
+import aiohttp
 
 from .models import ExecResult, SandboxInfo, SandboxSpec, ServerInfo
 
@@ -24,12 +26,30 @@ class SandboxAPIError(Exception):
         self.message = message
 
 
+class SandboxUnreachable(SandboxAPIError):
+    """No answer at all: the server is down, unreachable, or did not answer in time (status 503)."""
+
+    def __init__(self, url: str, cause: BaseException):
+        super().__init__(503, f"cannot reach the sandbox runtime at {url}: {type(cause).__name__}: {cause}")
+
+
 class SandboxClient:
-    def __init__(self, base_url: str, token: str | None = None, timeout: float = 30.0, **httpx_options: Any):
+    """Async client; create it inside a running event loop.
+
+    It is built on aiohttp's client, not httpx: the rollout service calls it once per tool call of every
+    episode, and measured here an exec cost 0.8-1 ms of client CPU with httpx against about 0.2 ms with aiohttp.
+    """
+
+    def __init__(self, base_url: str, token: str | None = None, timeout: float = 30.0):
+        self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         # The HTTP timeout must outlast a command's own timeout: `exec` adds the command's to this slack.
         self._slack = timeout
-        self._http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, **httpx_options)
+        self._http = aiohttp.ClientSession(
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=timeout),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0),
+        )
 
     async def __aenter__(self) -> SandboxClient:
         return self
@@ -38,36 +58,42 @@ class SandboxClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self._http.close()
 
-    async def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
-        response = await self._http.request(method, url, **kwargs)
-        if response.status_code >= 400:
+    async def _request(self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any) -> bytes:
+        if timeout is not None:
+            kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout)
+        try:
+            async with self._http.request(method, self.base_url + path, **kwargs) as response:
+                body = await response.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise SandboxUnreachable(self.base_url, exc) from exc
+        if response.status >= 400:
             try:
-                message = response.json()["error"]
+                message = json.loads(body)["error"]
             except (ValueError, KeyError, TypeError):
-                message = response.text
-            raise SandboxAPIError(response.status_code, message)
-        return response
+                message = body.decode(errors="replace")
+            raise SandboxAPIError(response.status, message)
+        return body
 
     # -- server -----------------------------------------------------------------------------------------
     async def health(self) -> bool:
-        return (await self._request("GET", "/healthz")).json()["ok"]
+        return json.loads(await self._request("GET", "/healthz"))["ok"]
 
     async def info(self) -> ServerInfo:
-        return ServerInfo.model_validate_json((await self._request("GET", "/v1/info")).content)
+        return ServerInfo.model_validate_json(await self._request("GET", "/v1/info"))
 
     # -- sandboxes --------------------------------------------------------------------------------------
     async def create_sandbox(self, **spec: Any) -> SandboxInfo:
         body = SandboxSpec(**spec).model_dump(mode="json", exclude_none=True)
-        return SandboxInfo.model_validate_json((await self._request("POST", "/v1/sandboxes", json=body)).content)
+        return SandboxInfo.model_validate_json(await self._request("POST", "/v1/sandboxes", json=body))
 
     async def list_sandboxes(self) -> list[SandboxInfo]:
-        data = (await self._request("GET", "/v1/sandboxes")).json()
+        data = json.loads(await self._request("GET", "/v1/sandboxes"))
         return [SandboxInfo.model_validate(s) for s in data["sandboxes"]]
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxInfo:
-        return SandboxInfo.model_validate_json((await self._request("GET", f"/v1/sandboxes/{sandbox_id}")).content)
+        return SandboxInfo.model_validate_json(await self._request("GET", f"/v1/sandboxes/{sandbox_id}"))
 
     async def delete_sandbox(self, sandbox_id: str) -> None:
         await self._request("DELETE", f"/v1/sandboxes/{sandbox_id}")
@@ -90,7 +116,7 @@ class SandboxClient:
             body["max_output_bytes"] = max_output_bytes
         http_timeout = (timeout or 3600.0) + self._slack
         response = await self._request("POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body, timeout=http_timeout)
-        return ExecResult.model_validate_json(response.content)
+        return ExecResult.model_validate_json(response)
 
     async def send_input(
         self,
@@ -108,11 +134,11 @@ class SandboxClient:
             body["keys"] = keys
         url = f"/v1/sandboxes/{sandbox_id}/sessions/{session}/input"
         response = await self._request("POST", url, json=body, timeout=timeout + self._slack)
-        return ExecResult.model_validate_json(response.content)
+        return ExecResult.model_validate_json(response)
 
     async def read_output(self, sandbox_id: str, session: str) -> ExecResult:
         response = await self._request("GET", f"/v1/sandboxes/{sandbox_id}/sessions/{session}/output")
-        return ExecResult.model_validate_json(response.content)
+        return ExecResult.model_validate_json(response)
 
     async def delete_session(self, sandbox_id: str, session: str) -> None:
         await self._request("DELETE", f"/v1/sandboxes/{sandbox_id}/sessions/{session}")
@@ -120,19 +146,17 @@ class SandboxClient:
     # -- files ------------------------------------------------------------------------------------------
     async def write_file(self, sandbox_id: str, path: str, data: bytes | str) -> int:
         content = data.encode() if isinstance(data, str) else data
-        response = await self._request(
-            "PUT", f"/v1/sandboxes/{sandbox_id}/files", params={"path": path}, content=content
-        )
-        return response.json()["bytes"]
+        response = await self._request("PUT", f"/v1/sandboxes/{sandbox_id}/files", params={"path": path}, data=content)
+        return json.loads(response)["bytes"]
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
-        return (await self._request("GET", f"/v1/sandboxes/{sandbox_id}/files", params={"path": path})).content
+        return await self._request("GET", f"/v1/sandboxes/{sandbox_id}/files", params={"path": path})
 
     async def upload_archive(self, sandbox_id: str, path: str, archive: bytes) -> int:
         """Extract a tar (optionally gzip'd) into directory `path` of the sandbox; returns the member count."""
         url = f"/v1/sandboxes/{sandbox_id}/archive"
-        return (await self._request("PUT", url, params={"path": path}, content=archive)).json()["members"]
+        return json.loads(await self._request("PUT", url, params={"path": path}, data=archive))["members"]
 
     async def download_archive(self, sandbox_id: str, path: str) -> bytes:
         """A tar.gz of directory `path` of the sandbox."""
-        return (await self._request("GET", f"/v1/sandboxes/{sandbox_id}/archive", params={"path": path})).content
+        return await self._request("GET", f"/v1/sandboxes/{sandbox_id}/archive", params={"path": path})

