@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from markdown_section import replace_section
+
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -973,14 +975,7 @@ Details:
 
 
 def write_markdown(path: Path, block: str) -> None:
-    """Replace this benchmark's block in `path` (re-read just now), keeping whatever else the file holds."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    if BLOCK_START in text and BLOCK_END in text:
-        head, rest = text.split(BLOCK_START, 1)
-        text = head + block.rstrip("\n") + rest.split(BLOCK_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
+    replace_section(path, BLOCK_START, BLOCK_END, block)
 
 
 # -- main -------------------------------------------------------------------------------------------------

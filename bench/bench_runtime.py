@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+from markdown_section import replace_section
 from ptyprocess import PtyProcess
 
 MiB = 1024 * 1024
@@ -1340,15 +1341,7 @@ Details:
 
 
 def write_markdown(path: Path, block: str) -> None:
-    """Replace this benchmark's block in `path`, keeping whatever else the file holds."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    if BLOCK_START in text and BLOCK_END in text:
-        head, rest = text.split(BLOCK_START, 1)
-        text = head + block.rstrip("\n") + rest.split(BLOCK_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    replace_section(path, BLOCK_START, BLOCK_END, block)
 
 
 # -- main ---------------------------------------------------------------------------------------------------

@@ -87,7 +87,10 @@ def build_tiny_model() -> Path:
     """Build the tiny offline model (random weights, locally trained tokenizer) if it is not complete."""
     if not VLLM_PYTHON.exists():
         raise RuntimeError("the vLLM environment is missing: run scripts/vllm-env.sh")
-    subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts" / "build_tiny_model.py")], check=True, cwd=REPO)
+    build = [str(VLLM_PYTHON), str(REPO / "scripts" / "build_tiny_model.py")]
+    done = subprocess.run(build, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"building the tiny model failed:\n{done.stdout}{done.stderr}")
     return TINY_MODEL
 
 
