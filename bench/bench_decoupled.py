@@ -72,7 +72,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from markdown_section import replace_section
+from report import replace_section
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:

@@ -36,7 +36,6 @@ import contextlib
 import datetime
 import math
 import os
-import platform
 import random
 import shlex
 import signal
@@ -50,7 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from markdown_section import replace_section
+from report import machine as report_machine
+from report import replace_section
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -914,28 +914,11 @@ effect of decoupling generation from tool execution, not of load balancing.\
 
 
 def machine(vllm_url: str) -> str:
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor() or "unknown CPU",
-    )
-    mem_total = next(
-        int(line.split()[1]) * 1024
-        for line in Path("/proc/meminfo").read_text().splitlines()
-        if line.startswith("MemTotal:")
-    )
     try:
         version = httpx.get(vllm_url + "/version", timeout=5).json()["version"]
     except (httpx.HTTPError, ValueError, KeyError):
         version = "?"
-    return (
-        f"{len(os.sched_getaffinity(0))} CPUs (nproc), {model}, {mem_total / GiB:.1f} GiB RAM, "
-        f"Linux {platform.release()}, Python {platform.python_version()}, vLLM {version} (CPU, --enforce-eager, "
-        "models/tiny-qwen2), sandboxes: bubblewrap"
-    )
+    return f"{report_machine()}, vLLM {version} (CPU, --enforce-eager, models/tiny-qwen2), sandboxes: bubblewrap"
 
 
 def render_block(

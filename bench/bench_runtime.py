@@ -33,7 +33,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import platform
 import queue as queue_module
 import select
 import selectors
@@ -51,8 +50,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-from markdown_section import replace_section
 from ptyprocess import PtyProcess
+from report import machine as report_machine
+from report import replace_section
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -1247,24 +1247,7 @@ def markdown_table(rows: list[Row]) -> str:
 
 
 def machine() -> str:
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor() or "unknown CPU",
-    )
-    mem_total = next(
-        int(line.split()[1]) * 1024
-        for line in Path("/proc/meminfo").read_text().splitlines()
-        if line.startswith("MemTotal:")
-    )
-    nproc = len(os.sched_getaffinity(0))
-    return (
-        f"{nproc} CPUs (nproc), {model}, {mem_total / GiB:.1f} GiB RAM, Linux {platform.release()}, "
-        f"Python {platform.python_version()}, bubblewrap {bwrap_version()}"
-    )
+    return f"{report_machine()}, bubblewrap {bwrap_version()}"
 
 
 def bwrap_version() -> str:
