@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sandbox_runtime.config import is_loopback
+from sandbox_runtime.config import check_exposure
 
 from .pipeline import PipelineConfig
 
@@ -29,8 +29,4 @@ class RolloutConfig:
     max_body_bytes: int = 16 * 1024 * 1024
 
     def check_exposure(self) -> None:
-        if not (self.token or is_loopback(self.host)):
-            raise ValueError(
-                f"refusing to listen on {self.host!r} without a token: set --token or PRORL_ROLLOUT_TOKEN, "
-                "or bind to 127.0.0.1"
-            )
+        check_exposure(self.host, self.token, "PRORL_ROLLOUT_TOKEN")

@@ -37,12 +37,16 @@ class ServerConfig:
 
     def check_exposure(self) -> None:
         """Refuse to listen beyond loopback without a token: anyone who reaches the port runs commands."""
-        if self.token or is_loopback(self.host):
-            return
-        raise ValueError(
-            f"refusing to listen on {self.host!r} without a token: set --token or PRORL_SANDBOX_TOKEN, "
-            "or bind to 127.0.0.1"
-        )
+        check_exposure(self.host, self.token, "PRORL_SANDBOX_TOKEN")
+
+
+def check_exposure(host: str, token: str | None, token_variable: str) -> None:
+    """A server of this project listens beyond loopback only with a token (both servers use this rule)."""
+    if token or is_loopback(host):
+        return
+    raise ValueError(
+        f"refusing to listen on {host!r} without a token: set --token or {token_variable}, or bind to 127.0.0.1"
+    )
 
 
 def is_loopback(host: str) -> bool:

@@ -14,3 +14,12 @@ def test_other_hosts_need_a_token(host):
     with pytest.raises(ValueError, match="without a token"):
         ServerConfig(host=host).check_exposure()
     ServerConfig(host=host, token="t").check_exposure()
+
+
+def test_the_rollout_service_refuses_a_public_bind_without_a_token(capsys, monkeypatch):
+    from prorl_adapter.cli import main
+
+    monkeypatch.delenv("PRORL_ROLLOUT_TOKEN", raising=False)
+    argv = ["serve", "--host", "0.0.0.0", "--sandbox-url", "http://s", "--llm-url", "http://l", "--tokenizer", "t"]
+    assert main(argv) == 2
+    assert "PRORL_ROLLOUT_TOKEN" in capsys.readouterr().out
