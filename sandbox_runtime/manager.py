@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import fcntl
 import logging
+import os
 import secrets
 import shutil
 import time
@@ -53,6 +54,11 @@ class SandboxManager:
     async def start(self) -> None:
         self.boxes_dir.mkdir(parents=True, exist_ok=True)
         self._lock_state_dir()
+        if os.geteuid() == 0:
+            log.warning(
+                "running as root: the kernel does not apply the pids limit (RLIMIT_NPROC) to uid 0, so a fork "
+                "bomb is not contained; run the server as an unprivileged user (memory and file limits still hold)"
+            )
         reaped = await self.reap_leftovers()
         if reaped:
             log.warning("reaped %d sandboxes left by a previous server in %s", reaped, self.state_dir)
