@@ -39,7 +39,6 @@ import os
 import random
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,9 @@ from typing import Any
 
 from report import machine as report_machine
 from report import replace_section
+
+from prorl_adapter import localstack
+from prorl_adapter.localstack import TINY_MODEL
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -535,62 +537,6 @@ class Environment:
         return self.log_dir / "rollout-llm-requests.txt"
 
 
-TINY_MODEL = REPO / "models" / "tiny-qwen2"
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class Proc:
-    """A server process this benchmark started, in its own session; stopped by its pid, never by name."""
-
-    name: str
-    url: str
-    process: subprocess.Popen
-    log: Path
-
-    @classmethod
-    def spawn(cls, name: str, argv: list[str], port: int, log_dir: Path, env: dict[str, str] | None = None) -> Proc:
-        log = log_dir / f"{name}.log"
-        with open(log, "wb") as out:
-            process = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
-            )
-        return cls(name, f"http://127.0.0.1:{port}", process, log)
-
-    def wait_healthy(self, path: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.process.poll() is not None:
-                raise BenchError(f"{self.name} exited with status {self.process.returncode} (log: {self.log})")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(self.url + path, timeout=2).status_code == 200:
-                    return
-            if time.monotonic() > deadline:
-                raise BenchError(f"{self.name} did not answer {path} within {timeout:g} s (log: {self.log})")
-            time.sleep(0.2)
-
-    def stop(self, group: bool, timeout: float = 60) -> None:
-        """SIGTERM (to the process, or to its whole process group), then SIGKILL to the group if need be."""
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                if group:
-                    os.killpg(self.process.pid, signal.SIGTERM)
-                else:
-                    self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-
-
 class Services:
     """vLLM, the sandbox runtime and the rollout service, each a process of its own started here the way
     integration_tests/conftest.py starts them (serve-vllm.sh --enforce-eager, `python -m sandbox_runtime
@@ -601,9 +547,9 @@ class Services:
         self.vllm_url = vllm_url
         self.max_run_workers = max_run_workers
         self.max_init_workers = max_init_workers
-        self.vllm: Proc | None = None
-        self.sandbox: Proc | None = None
-        self.rollout: Proc | None = None
+        self.vllm: localstack.Service | None = None
+        self.sandbox: localstack.Service | None = None
+        self.rollout: localstack.Service | None = None
 
     def __enter__(self) -> Environment:
         from prorl_adapter.chat import ChatTokenizer
@@ -611,31 +557,21 @@ class Services:
         try:
             vllm_url = self.vllm_url
             if vllm_url is None:
-                if not VLLM_PYTHON.exists():
-                    raise BenchError("the vLLM environment is missing: run scripts/vllm-env.sh")
-                # builds models/tiny-qwen2 if missing; a no-op when it is complete
-                subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts" / "build_tiny_model.py")], check=True, cwd=REPO)
-                port = free_port()
-                argv = [str(REPO / "scripts" / "serve-vllm.sh"), str(TINY_MODEL), str(port), "--enforce-eager"]
-                self.vllm = Proc.spawn("vllm", argv, port, self.log_dir)
-                print(f"starting vLLM (log: {self.vllm.log}) ...", flush=True)
-                self.vllm.wait_healthy("/health", 600)
+                localstack.build_tiny_model()
+                print("starting vLLM ...", flush=True)
+                self.vllm = localstack.start_vllm(log=self.log_dir / "vllm.log")
                 vllm_url = self.vllm.url
-            port = free_port()
-            argv = [sys.executable, "-m", "sandbox_runtime", "serve", "--port", str(port), "--backend", "bwrap"]
-            argv += ["--state-dir", str(self.log_dir / "sandbox-state"), "--log-level", "WARNING"]
-            argv += ["--max-sandboxes", "2048"]
-            env = {**os.environ, "PRORL_SANDBOX_TOKEN": ""}
-            self.sandbox = Proc.spawn("sandbox-runtime", argv, port, self.log_dir, env)
-            self.sandbox.wait_healthy("/healthz", 60)
+            self.sandbox = localstack.start_sandbox_runtime(
+                self.log_dir / "sandbox-state", "bwrap", "--max-sandboxes", "2048", log=self.log_dir / "sandbox.log"
+            )
             # `prorl-rollout serve`, unchanged, started through this script only to add the request recorder.
-            port = free_port()
-            serve = ["serve", "--port", str(port), "--tokenizer", str(TINY_MODEL), "--sandbox-url", self.sandbox.url]
+            serve = ["serve", "--port", "{port}", "--tokenizer", str(TINY_MODEL), "--sandbox-url", self.sandbox.url]
             serve += ["--llm-url", vllm_url, "--log-level", "WARNING", "--max-run-workers", str(self.max_run_workers)]
             serve += ["--max-init-workers", str(self.max_init_workers)]
             argv = [sys.executable, __file__, "--_serve-instrumented", str(self.log_dir / "rollout-llm-requests.txt")]
-            self.rollout = Proc.spawn("rollout-service", [*argv, *serve], port, self.log_dir)
-            self.rollout.wait_healthy("/healthz", 120)
+            self.rollout = localstack.start_service(
+                "rollout service", [*argv, *serve], "/healthz", 120, self.log_dir / "rollout-service.log"
+            )
             chat = ChatTokenizer(str(TINY_MODEL))
         except BaseException:
             self.__exit__()
@@ -655,11 +591,11 @@ class Services:
 
     def __exit__(self, *exc: object) -> None:
         if self.rollout is not None:
-            self.rollout.stop(group=False)  # a clean exit: it writes its request intervals
+            self.rollout.stop()  # a clean exit (SIGTERM): it writes its request intervals
         if self.sandbox is not None:
-            self.sandbox.stop(group=False)  # it deletes its sandboxes itself
+            self.sandbox.stop()  # it deletes its sandboxes itself
         if self.vllm is not None:
-            self.vllm.stop(group=True, timeout=30)  # vLLM's engine processes are in its group
+            self.vllm.stop(timeout=30)  # vLLM's engine processes are in its group
 
 
 def reset_prefix_cache(url: str) -> None:

@@ -63,8 +63,7 @@ def unprivileged_bwrap_server(tmp_path_factory):
     if os.geteuid() == 0:
         os.chown(state, NOBODY, NOBODY)
     argv = [*prefix, sys.executable, "-m", "sandbox_runtime", "serve", "--port", "{port}", "--state-dir", str(state)]
-    service = localstack._spawn("unprivileged sandbox runtime", [*argv, "--backend", "bwrap"], None)
-    service.wait_healthy("/healthz", 30)
+    service = localstack.start_service("unprivileged sandbox runtime", [*argv, "--backend", "bwrap"], "/healthz", 30)
     yield service
     service.stop()
     shutil.rmtree(state, ignore_errors=True)

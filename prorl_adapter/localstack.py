@@ -70,17 +70,18 @@ class Service:
             self.process.wait()
 
 
-def _spawn(name: str, argv: list[str], log: Path | None, path: str = "") -> Service:
+def start_service(name: str, argv: list[str], health_path: str, timeout: float, log: Path | None = None) -> Service:
+    """Start `argv` (where "{port}" stands for a free port) as its own session and process group, so that
+    stopping it reaches every process it started (vLLM's engine), and wait until `health_path` answers 200."""
     port = free_port()
     argv = [a.replace("{port}", str(port)) for a in argv]
     out = open(log, "wb") if log else None  # noqa: SIM115 - handed to the child, closed below
     try:
-        # Its own session and process group: stopping it reaches every process it started (vLLM's engine).
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
     finally:
         if out:
             out.close()
-    return Service(name, f"http://127.0.0.1:{port}", process, log)
+    return Service(name, f"http://127.0.0.1:{port}", process, log).wait_healthy(health_path, timeout)
 
 
 def build_tiny_model() -> Path:
@@ -97,13 +98,13 @@ def build_tiny_model() -> Path:
 def start_vllm(model: Path = TINY_MODEL, log: Path | None = None, timeout: float = 600) -> Service:
     # --enforce-eager: no graph compilation, so it starts in half the time and serves this model as fast.
     argv = [str(REPO / "scripts" / "serve-vllm.sh"), str(model), "{port}", "--enforce-eager"]
-    return _spawn("vLLM", argv, log).wait_healthy("/health", timeout)
+    return start_service("vLLM", argv, "/health", timeout, log)
 
 
 def start_sandbox_runtime(state_dir: Path, backend: str | None = None, *extra: str, log: Path | None = None) -> Service:
     argv = [sys.executable, "-m", "sandbox_runtime", "serve", "--port", "{port}", "--state-dir", str(state_dir)]
     argv += ["--backend", backend] if backend else []
-    return _spawn("sandbox runtime", [*argv, "--log-level", "WARNING", *extra], log).wait_healthy("/healthz", 30)
+    return start_service("sandbox runtime", [*argv, "--log-level", "WARNING", *extra], "/healthz", 30, log)
 
 
 def start_rollout_service(
@@ -112,7 +113,7 @@ def start_rollout_service(
     argv = [sys.executable, "-m", "prorl_adapter", "serve", "--port", "{port}", "--tokenizer", str(tokenizer)]
     argv += [arg for url in sandbox_urls for arg in ("--sandbox-url", url)]
     argv += [arg for url in llm_urls for arg in ("--llm-url", url)]
-    return _spawn("rollout service", [*argv, "--log-level", "WARNING", *extra], log).wait_healthy("/healthz", 60)
+    return start_service("rollout service", [*argv, "--log-level", "WARNING", *extra], "/healthz", 60, log)
 
 
 @contextlib.contextmanager
