@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -67,7 +67,6 @@ class Pin:
 
     server: LLMServer | None = None
     failovers: int = 0
-    history: list[str] = field(default_factory=list)
 
 
 class _ServerError(Exception):
@@ -117,10 +116,6 @@ class LLMPool:
 
     def servers(self) -> list[LLMServerInfo]:
         return [s.info() for s in self._servers.values()]
-
-    @property
-    def busy_requests(self) -> int:
-        return sum(s.in_flight for s in self._servers.values())
 
     # -- life cycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -178,7 +173,6 @@ class LLMPool:
         if current is not None and chosen is not current:
             pin.failovers += 1
         pin.server = chosen
-        pin.history.append(chosen.url)
         return chosen
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, pin: Pin) -> Generation:

@@ -133,8 +133,3 @@ class ServerInfo(BaseModel):
     max_timeout_s: float
     max_output_bytes: int
     max_body_bytes: int
-
-
-class ErrorBody(BaseModel):
-    error: str
-    status: int
