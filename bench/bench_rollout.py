@@ -332,29 +332,21 @@ class CoupledEpisode:
     done: bool = False
     error: str | None = None
     reward: float = 0.0
-    pending: Any = None  # the turn's parsed calls, between the generation and the tool phase
+    pending: Any = None  # the sampled turn (agent.PolicyTurn), between the generation and the tool phase
 
 
 async def run_coupled(
     requests: list[Any], handler: Any, chat: Any, llm: Any, sandboxes: Any, init_workers: int = INIT_WORKERS
 ) -> tuple[Any, Any]:
     """The batch in lock-step; the per-episode steps are those of prorl_adapter.agent.run_episode."""
-    from prorl_adapter.agent import Episode, _run_tools
-    from prorl_adapter.chat import parse_tool_calls
+    from prorl_adapter.agent import policy_turn, start_episode, tool_turn
     from prorl_adapter.llm import Pin
-    from prorl_adapter.models import Turn
 
     phases: list[tuple[str, float]] = []
     eps: list[CoupledEpisode] = []
     for request in requests:
-        instance = request.instance
-        tools = {tool.name: tool for tool in handler.tools(instance)}
-        messages = [
-            {"role": "system", "content": handler.system_prompt(instance)},
-            {"role": "user", "content": handler.user_prompt(instance)},
-        ]
-        prompt = chat.prompt_ids(messages, [t.schema() for t in tools.values()])
-        eps.append(CoupledEpisode(request, tools, Episode(prompt_ids=prompt), Pin()))
+        episode, tools = start_episode(request, handler, chat)
+        eps.append(CoupledEpisode(request, tools, episode, Pin()))
 
     def fail(ep: CoupledEpisode, stage: str, exc: BaseException) -> None:
         ep.done, ep.error = True, f"{stage}: {type(exc).__name__}: {exc}"
@@ -376,63 +368,19 @@ async def run_coupled(
     phases.append(("init (sandboxes + set-up)", time.monotonic() - started))
 
     async def generate(ep: CoupledEpisode, index: int) -> None:
-        episode, request = ep.episode, ep.request
-        room = request.max_context_tokens - episode.context_length
-        if room <= 0:
-            ep.done, episode.finish_reason = True, "max_context"
-            return
-        sampling = request.sampling.model_copy(update={"max_tokens": min(request.sampling.max_tokens, room)})
         try:
-            generation = await llm.generate(episode.prompt_ids + episode.response_ids, sampling, ep.pin)
+            ep.pending = await policy_turn(ep.episode, ep.request, llm, ep.pin, 0, index)
         except Exception as exc:
             fail(ep, "run", exc)
             return
-        episode.append(generation.token_ids, 1, generation.logprobs)
-        episode.generate_s += generation.seconds
-        episode.state.response_tokens += len(generation.token_ids)
-        parsed = parse_tool_calls(generation.text)
-        turn = Turn(
-            index=index,
-            policy_version=0,
-            llm_server=generation.server,
-            response_tokens=len(generation.token_ids),
-            finish_reason=generation.finish_reason,
-            text=generation.text,
-            tool_calls=parsed.calls,
-            generate_s=generation.seconds,
-        )
-        episode.turns.append(turn)
-        episode.state.turns = len(episode.turns)
-        episode.state.malformed_calls += len(parsed.errors)
-        if not parsed.calls and not parsed.errors:
-            ep.done, episode.finish_reason = True, "no_tool_call"
-            return
-        ep.pending = (parsed, generation, turn)
+        ep.done = ep.pending is None
 
     async def act(ep: CoupledEpisode) -> None:
-        parsed, generation, turn = ep.pending
-        ep.pending = None
-        episode, request = ep.episode, ep.request
-        tool_started = time.perf_counter()
+        pending, ep.pending = ep.pending, None
         try:
-            results, finished = await _run_tools(parsed.calls, ep.tools, ep.env, episode.state)
+            ep.done = not await tool_turn(ep.episode, pending, ep.tools, ep.env, chat, ep.request.max_context_tokens)
         except Exception as exc:
             fail(ep, "run", exc)
-            return
-        results += [f"error: {error}" for error in parsed.errors]
-        turn.tools_s = time.perf_counter() - tool_started
-        episode.tools_s += turn.tools_s
-        if finished:
-            ep.done, episode.finish_reason = True, "finish"
-            return
-        turn.observation = "\n".join(results)
-        closed = bool(generation.token_ids) and generation.token_ids[-1] == chat.eos_id
-        observation_ids = chat.tool_turn_ids([{"role": "tool", "content": r} for r in results], closed)
-        if episode.context_length + len(observation_ids) >= request.max_context_tokens:
-            ep.done, episode.finish_reason = True, "max_context"
-            return
-        turn.observation_tokens = len(observation_ids)
-        episode.append(observation_ids, 0)
 
     for index in range(max(r.max_turns for r in requests)):
         active = [ep for ep in eps if not ep.done and index < ep.request.max_turns]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from .chat import ChatTokenizer, parse_tool_calls
 from .llm import LLMPool, Pin
-from .models import FinishReason, JobRequest, Turn
+from .models import FinishReason, JobRequest, ToolCall, Turn
 from .tasks import Environment, EpisodeState, TaskHandler, Tool
 
 MAX_OBSERVATION_CHARS = 8000
@@ -50,6 +50,85 @@ def clip(text: str, limit: int = MAX_OBSERVATION_CHARS) -> str:
     return f"{text[:half]}\n[... {len(text) - limit} characters omitted ...]\n{text[-half:]}"
 
 
+@dataclass
+class PolicyTurn:
+    """A sampled turn whose tool calls have not run yet."""
+
+    turn: Turn
+    calls: list[ToolCall]
+    errors: list[str]
+    last_token: int | None
+
+
+def start_episode(request: JobRequest, handler: TaskHandler, chat: ChatTokenizer) -> tuple[Episode, dict[str, Tool]]:
+    """The episode's prompt (system prompt with the task's tool schemas, then the task) and its tools."""
+    instance = request.instance
+    tools = {tool.name: tool for tool in handler.tools(instance)}
+    messages = [
+        {"role": "system", "content": handler.system_prompt(instance)},
+        {"role": "user", "content": handler.user_prompt(instance)},
+    ]
+    return Episode(prompt_ids=chat.prompt_ids(messages, [t.schema() for t in tools.values()])), tools
+
+
+async def policy_turn(
+    episode: Episode, request: JobRequest, llm: LLMPool, pin: Pin, version: int, index: int
+) -> PolicyTurn | None:
+    """Sample the next turn and record it; None when the episode ends here (context full, or no tool call)."""
+    room = request.max_context_tokens - episode.context_length
+    if room <= 0:
+        episode.finish_reason = "max_context"
+        return None
+    sampling = request.sampling.model_copy(update={"max_tokens": min(request.sampling.max_tokens, room)})
+    generation = await llm.generate(episode.prompt_ids + episode.response_ids, sampling, pin)
+    episode.append(generation.token_ids, 1, generation.logprobs)
+    episode.generate_s += generation.seconds
+    episode.state.response_tokens += len(generation.token_ids)
+    parsed = parse_tool_calls(generation.text)
+    turn = Turn(
+        index=index,
+        policy_version=version,
+        llm_server=generation.server,
+        response_tokens=len(generation.token_ids),
+        finish_reason=generation.finish_reason,
+        text=generation.text,
+        tool_calls=parsed.calls,
+        generate_s=generation.seconds,
+    )
+    episode.turns.append(turn)
+    episode.state.turns = len(episode.turns)
+    episode.state.malformed_calls += len(parsed.errors)
+    if not parsed.calls and not parsed.errors:
+        episode.finish_reason = "no_tool_call"
+        return None
+    return PolicyTurn(turn, parsed.calls, parsed.errors, generation.token_ids[-1] if generation.token_ids else None)
+
+
+async def tool_turn(
+    episode: Episode, pending: PolicyTurn, tools: dict[str, Tool], env: Environment, chat: ChatTokenizer, limit: int
+) -> bool:
+    """Run the turn's tool calls and append their results; False when the episode ends here (finish, or the
+    results would not fit the context of `limit` tokens)."""
+    started = time.perf_counter()
+    results, finished = await _run_tools(pending.calls, tools, env, episode.state)
+    results += [f"error: {error}" for error in pending.errors]
+    turn = pending.turn
+    turn.tools_s = time.perf_counter() - started
+    episode.tools_s += turn.tools_s
+    if finished:
+        episode.finish_reason = "finish"
+        return False
+    turn.observation = "\n".join(results)
+    closed = pending.last_token == chat.eos_id  # else the template's eos is added, as a token nobody sampled
+    observation_ids = chat.tool_turn_ids([{"role": "tool", "content": r} for r in results], closed)
+    if episode.context_length + len(observation_ids) >= limit:
+        episode.finish_reason = "max_context"
+        return False
+    turn.observation_tokens = len(observation_ids)
+    episode.append(observation_ids, 0)
+    return True
+
+
 async def run_episode(
     request: JobRequest,
     handler: TaskHandler,
@@ -58,58 +137,12 @@ async def run_episode(
     llm: LLMPool,
     policy_version: Callable[[], int],
 ) -> Episode:
-    instance = request.instance
-    tools = {tool.name: tool for tool in handler.tools(instance)}
-    messages = [
-        {"role": "system", "content": handler.system_prompt(instance)},
-        {"role": "user", "content": handler.user_prompt(instance)},
-    ]
-    episode = Episode(prompt_ids=chat.prompt_ids(messages, [t.schema() for t in tools.values()]))
+    episode, tools = start_episode(request, handler, chat)
     pin = Pin()
     for index in range(request.max_turns):
-        room = request.max_context_tokens - episode.context_length
-        if room <= 0:
-            episode.finish_reason = "max_context"
+        pending = await policy_turn(episode, request, llm, pin, policy_version(), index)
+        if pending is None or not await tool_turn(episode, pending, tools, env, chat, request.max_context_tokens):
             break
-        sampling = request.sampling.model_copy(update={"max_tokens": min(request.sampling.max_tokens, room)})
-        version = policy_version()
-        generation = await llm.generate(episode.prompt_ids + episode.response_ids, sampling, pin)
-        episode.append(generation.token_ids, 1, generation.logprobs)
-        episode.generate_s += generation.seconds
-        episode.state.response_tokens += len(generation.token_ids)
-        parsed = parse_tool_calls(generation.text)
-        turn = Turn(
-            index=index,
-            policy_version=version,
-            llm_server=generation.server,
-            response_tokens=len(generation.token_ids),
-            finish_reason=generation.finish_reason,
-            text=generation.text,
-            tool_calls=parsed.calls,
-            generate_s=generation.seconds,
-        )
-        episode.turns.append(turn)
-        episode.state.turns = len(episode.turns)
-        episode.state.malformed_calls += len(parsed.errors)
-        if not parsed.calls and not parsed.errors:
-            episode.finish_reason = "no_tool_call"
-            break
-        started = time.perf_counter()
-        results, finished = await _run_tools(parsed.calls, tools, env, episode.state)
-        results += [f"error: {error}" for error in parsed.errors]
-        turn.tools_s = time.perf_counter() - started
-        episode.tools_s += turn.tools_s
-        if finished:
-            episode.finish_reason = "finish"
-            break
-        turn.observation = "\n".join(results)
-        closed = bool(generation.token_ids) and generation.token_ids[-1] == chat.eos_id
-        observation_ids = chat.tool_turn_ids([{"role": "tool", "content": r} for r in results], closed)
-        if episode.context_length + len(observation_ids) >= request.max_context_tokens:
-            episode.finish_reason = "max_context"
-            break
-        turn.observation_tokens = len(observation_ids)
-        episode.append(observation_ids, 0)
     return episode
 
 
