@@ -44,7 +44,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plugins":
         return list_plugins(args.plugin, args.block_plugin, args.plugin_config)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the service's own log
     config = RolloutConfig(
         sandbox_urls=args.sandbox_url,
         llm_urls=args.llm_url,
@@ -62,9 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         plugins=args.plugin,
         blocked_plugins=args.block_plugin,
         buffer_url=args.buffer,
-        plugin_config=json.loads(args.plugin_config.read_text()) if args.plugin_config else {},
     )
     try:
+        config.plugin_config = read_plugin_config(args.plugin_config)
         config.check_exposure()
     except ValueError as exc:
         print(f"prorl-rollout: {exc}")
@@ -77,6 +76,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def read_plugin_config(path: Path | None) -> dict:
+    if path is None:
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the plugin configuration {path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"the plugin configuration {path} must be a JSON object of sections")
+    return config
+
+
 def list_plugins(paths: list[str], blocked: list[str], config_file: Path | None = None) -> int:
     """Print the plugins, their hooks and the tasks; with a config file, also check it as start-up would."""
     from .hookspecs import PluginConfigError
@@ -86,8 +97,8 @@ def list_plugins(paths: list[str], blocked: list[str], config_file: Path | None 
         pm = make_plugin_manager(paths, blocked=blocked)
         tasks = collect_tasks(pm)
         if config_file is not None:
-            configure_plugins(pm, json.loads(config_file.read_text()))
-    except (PluginLoadError, PluginConfigError, OSError, ValueError) as exc:
+            configure_plugins(pm, read_plugin_config(config_file))
+    except (PluginLoadError, PluginConfigError, ValueError) as exc:
         print(f"prorl-rollout: {exc}")
         return 2
     for name, plugin in pm.list_name_plugin():

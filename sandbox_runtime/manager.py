@@ -17,6 +17,7 @@ import secrets
 import shutil
 import time
 from collections import OrderedDict
+from typing import TextIO
 
 from . import procs
 from .backends import make_backend
@@ -47,7 +48,7 @@ class SandboxManager:
         self._deleted: OrderedDict[str, None] = OrderedDict()  # recent ids, so DELETE stays idempotent
         self._backends: dict[str, Backend] = {}
         self._reaper: asyncio.Task[None] | None = None
-        self._lock_fd: int | None = None
+        self._lock_file: TextIO | None = None
         self.default_backend = config.backend or self._pick_default()
 
     # -- start and stop ---------------------------------------------------------------------------------
@@ -70,8 +71,8 @@ class SandboxManager:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         await asyncio.gather(*(self.delete(i) for i in list(self._sandboxes)), return_exceptions=True)
-        if self._lock_fd is not None:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        if self._lock_file is not None:
+            self._lock_file.close()  # closing releases the lock
 
     def _lock_state_dir(self) -> None:
         lock = open(self.state_dir / "server.lock", "w")  # noqa: SIM115 - held for the server's lifetime
@@ -81,7 +82,6 @@ class SandboxManager:
             lock.close()
             raise RuntimeError(f"another sandbox server is using state dir {self.state_dir}") from None
         self._lock_file = lock
-        self._lock_fd = lock.fileno()
 
     # -- backends ---------------------------------------------------------------------------------------
     def _pick_default(self) -> str:
