@@ -1,17 +1,22 @@
 # The two commands of the README: `make demo` (the main job on embedded defaults) and `make test`.
-# Each sets itself up: Debian packages, a virtualenv in .venv (the project, editable), and a separate one in
-# .venv-vllm for the vLLM server (its pins are its own), plus the tiny offline model the tests and demo serve.
+# Each sets itself up: Debian packages, a virtualenv in .venv (the project, editable, with the trainer
+# backends), and a separate one in .venv-vllm for the vLLM server (its pins are its own), plus the tiny
+# offline model the tests and demo serve.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 SYSTEM_PACKAGES := bwrap:bubblewrap redis-server:redis-server
 
-.PHONY: demo runtime-demo test lint system-packages llm bench
+.PHONY: demo rollout-demo runtime-demo test lint system-packages llm bench
 
+# torch first, pinned: it is the CPU build on disk here, and nothing later may pull a CUDA build instead.
+# verl brings torchcodec, built for another torch: it breaks transformers' model imports, so it goes.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,train,verl,skyrl]'
+	$(PY) -m pip uninstall -q -y torchcodec torchvision torchaudio
 	touch $@
 
 system-packages:
@@ -22,6 +27,9 @@ llm:  # idempotent: each step checks a marker of its own
 	.venv-vllm/bin/python scripts/build_tiny_model.py
 
 demo: system-packages $(VENV)/.installed llm
+	$(VENV)/bin/prorl-train-cpu --out runs/cpu-grpo
+
+rollout-demo: system-packages $(VENV)/.installed llm
 	$(PY) examples/quickstart/run_rollouts.py
 
 runtime-demo: system-packages $(VENV)/.installed

@@ -124,9 +124,20 @@ def _regex_literal(text: str) -> str:
     return re.sub(r"([\\.^$*+?()\[\]{}|])", r"\\\1", text)
 
 
+def _tool_call_parts(tool: str, argument: str) -> tuple[str, str]:
+    """The text of a hermes tool call of `tool` around its one string `argument`'s JSON-escaped value."""
+    return f'<tool_call>{{"name": {json.dumps(tool)}, "arguments": {{{json.dumps(argument)}: "', '"}}</tool_call>'
+
+
 def tool_call_regex(tool: str, argument: str, values: list[str]) -> str:
     """A structured-output regex for exactly one hermes tool call of `tool` whose string `argument` is one of
     `values`: it lets a model that knows nothing (the tiny test model) make real, well-formed tool calls."""
     choices = "|".join(_regex_literal(json.dumps(value)[1:-1]) for value in values)
-    prefix = _regex_literal(f'<tool_call>{{"name": {json.dumps(tool)}, "arguments": {{{json.dumps(argument)}: "')
-    return prefix + f"({choices})" + _regex_literal('"}}</tool_call>')
+    prefix, suffix = _tool_call_parts(tool, argument)
+    return _regex_literal(prefix) + f"({choices})" + _regex_literal(suffix)
+
+
+def tool_call_texts(tool: str, argument: str, values: list[str]) -> list[str]:
+    """Every text `tool_call_regex(tool, argument, values)` matches: the action set of a constrained turn."""
+    prefix, suffix = _tool_call_parts(tool, argument)
+    return [prefix + json.dumps(value)[1:-1] + suffix for value in values]

@@ -44,22 +44,6 @@ class ProducerStats:
     versions_in_flight: list[int] = field(default_factory=list)
 
 
-def combine_weights(weights: list[TrajectoryWeight | None], length: int) -> TrajectoryWeight:
-    """Sample weights multiply; token weights multiply element-wise; reasons are kept in order."""
-    combined = TrajectoryWeight()
-    for weight in weights:
-        if weight is None:
-            continue
-        combined.sample *= weight.sample
-        combined.reasons += weight.reasons
-        if weight.tokens is not None:
-            if len(weight.tokens) != length:
-                raise ValueError(f"a plugin returned {len(weight.tokens)} token weights for {length} tokens")
-            base = combined.tokens or [1.0] * length
-            combined.tokens = [a * b for a, b in zip(base, weight.tokens)]
-    return combined
-
-
 class Producer:
     """Feeds admitted prompts to the pipeline and finished trajectories to the buffer.
 
@@ -154,7 +138,7 @@ class Producer:
             verdicts = self.pipeline.hooks.prorl_trajectory_weight(
                 trajectory=entry.trajectory, current_version=version, current_logprobs=logprobs
             )
-            weight = combine_weights(verdicts, len(entry.trajectory.response_ids))
+            weight = TrajectoryWeight.combine(verdicts, len(entry.trajectory.response_ids))
             if weight.sample == 0.0:
                 dropped.append(entry.id)
             else:

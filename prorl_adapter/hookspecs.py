@@ -49,6 +49,23 @@ class TrajectoryWeight:
     tokens: list[float] | None = None
     reasons: list[str] = field(default_factory=list)
 
+    @classmethod
+    def combine(cls, weights: list[TrajectoryWeight | None], length: int) -> TrajectoryWeight:
+        """Several plugins' verdicts on one trajectory of `length` response tokens: sample weights multiply,
+        token weights multiply element-wise, reasons are kept in order."""
+        combined = cls()
+        for weight in weights:
+            if weight is None:
+                continue
+            combined.sample *= weight.sample
+            combined.reasons += weight.reasons
+            if weight.tokens is not None:
+                if len(weight.tokens) != length:
+                    raise ValueError(f"a plugin returned {len(weight.tokens)} token weights for {length} tokens")
+                base = combined.tokens or [1.0] * length
+                combined.tokens = [a * b for a, b in zip(base, weight.tokens)]
+        return combined
+
 
 # -- start-up --------------------------------------------------------------------------------------------
 @hookspec

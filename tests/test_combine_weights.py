@@ -1,16 +1,15 @@
 import pytest
 
-from prorl_adapter.decoupled import combine_weights
 from prorl_adapter.hookspecs import TrajectoryWeight
 
 
 def test_no_opinion_is_weight_one():
-    combined = combine_weights([None, None], 3)
+    combined = TrajectoryWeight.combine([None, None], 3)
     assert combined.sample == 1.0 and combined.tokens is None and combined.reasons == []
 
 
 def test_sample_weights_multiply_and_token_weights_multiply_elementwise():
-    combined = combine_weights(
+    combined = TrajectoryWeight.combine(
         [
             TrajectoryWeight(sample=0.5, reasons=["staleness 1 of K=2"]),
             TrajectoryWeight(tokens=[1.0, 2.0, 0.5]),
@@ -25,9 +24,9 @@ def test_sample_weights_multiply_and_token_weights_multiply_elementwise():
 
 
 def test_a_zero_drops_whatever_else_says():
-    assert combine_weights([TrajectoryWeight(sample=3.0), TrajectoryWeight(sample=0.0)], 1).sample == 0.0
+    assert TrajectoryWeight.combine([TrajectoryWeight(sample=3.0), TrajectoryWeight(sample=0.0)], 1).sample == 0.0
 
 
 def test_token_weights_of_the_wrong_length_are_an_error():
     with pytest.raises(ValueError, match="2 token weights for 3 tokens"):
-        combine_weights([TrajectoryWeight(tokens=[1.0, 1.0])], 3)
+        TrajectoryWeight.combine([TrajectoryWeight(tokens=[1.0, 1.0])], 3)

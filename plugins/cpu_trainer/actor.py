@@ -1,0 +1,113 @@
+"""The CPU trainer's actor: the same tiny model the vLLM server serves, in torch, updated with verl's own
+GRPO advantage and clipped policy loss (`verl.trainer.ppo.core_algos`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+from verl.trainer.ppo import core_algos
+from verl.workers.config import ActorConfig
+
+from .batch import PaddedBatch
+
+
+@dataclass
+class UpdateStats:
+    pg_loss: float
+    clip_fraction: float
+    ppo_kl: float
+    grad_norm: float
+    advantage_abs_mean: float
+
+
+class TorchActor:
+    def __init__(self, model_dir: Path, learning_rate: float, clip_ratio: float = 0.2, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate, weight_decay=0.0)
+        self.loss_config = ActorConfig(
+            strategy="fsdp",
+            rollout_n=1,
+            ppo_micro_batch_size_per_gpu=1,  # unused by the loss; verl validates it
+            clip_ratio=clip_ratio,
+            clip_ratio_low=clip_ratio,
+            clip_ratio_high=clip_ratio,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    def logprobs(self, batch: PaddedBatch, constrained: bool = True) -> torch.Tensor:
+        """[B, R] logprobs of the response tokens; under the grammar's mask where the batch has one (the policy
+        the server sampled from). Zero on non-policy tokens."""
+        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        # The logits at position p predict the token at p + 1.
+        index = (batch.response_positions - 1).clamp(min=0)
+        logits = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        if constrained and batch.allowed is not None:
+            allowed = batch.allowed | _one_hot(batch.response_ids, logits.shape[-1])  # never -inf on a sampled token
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
+        return logprobs * batch.response_mask
+
+    def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Unconstrained logprobs of tokens 1..n of one sequence (the weight-sync probe)."""
+        with torch.no_grad():
+            logits = self.model(input_ids=torch.tensor([token_ids])).logits[0, :-1]
+        return (
+            torch.log_softmax(logits.float(), -1)
+            .gather(-1, torch.tensor(token_ids[1:]).unsqueeze(-1))
+            .squeeze(-1)
+            .tolist()
+        )
+
+    def update(self, batch: PaddedBatch, epochs: int = 1, epsilon: float = 1e-6) -> tuple[UpdateStats, torch.Tensor]:
+        """One GRPO step (`epochs` optimizer steps on the batch); also returns the logprobs before it, under the
+        weights the server has now. The behaviour logprobs are the PPO ratio's denominator (decoupled PPO: the
+        policy that sampled each token, whatever its version), and the staleness weights go in as verl's
+        per-token `rollout_is_weights`."""
+        advantages, _ = core_algos.compute_grpo_outcome_advantage(
+            token_level_rewards=batch.token_level_rewards,
+            response_mask=batch.response_mask,
+            index=batch.groups,
+            epsilon=epsilon,
+        )
+        before = None
+        for _ in range(epochs):  # PPO epochs: the clipped ratio keeps repeated steps on one batch safe
+            self.optimizer.zero_grad()
+            logprobs = self.logprobs(batch)
+            before = logprobs.detach() if before is None else before
+            loss, metrics = core_algos.compute_policy_loss_vanilla(
+                old_log_prob=batch.behaviour_logprobs,
+                log_prob=logprobs,
+                advantages=advantages,
+                response_mask=batch.response_mask,
+                loss_agg_mode="token-mean",
+                config=self.loss_config,
+                rollout_is_weights=batch.loss_weights,
+            )
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.optimizer.step()
+        policy = batch.response_mask.bool()
+        stats = UpdateStats(
+            pg_loss=float(loss.detach()),
+            clip_fraction=metrics["actor/pg_clipfrac"],
+            ppo_kl=metrics["actor/ppo_kl"],
+            grad_norm=float(grad_norm),
+            advantage_abs_mean=float(advantages[policy].abs().mean()) if policy.any() else 0.0,
+        )
+        return stats, before
+
+    def save(self, directory: Path) -> Path:
+        self.model.save_pretrained(directory, safe_serialization=True)
+        return directory
+
+
+def _one_hot(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(ids, vocab).bool()

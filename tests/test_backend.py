@@ -1,0 +1,57 @@
+"""The core every training backend shares: TrainingSample's weights, version tags and truncation."""
+
+from prorl_adapter.backend import GROUP_LABEL, TrainingSample, group_key, job_request, trajectory_from_tensors
+from prorl_adapter.hookspecs import TrajectoryWeight
+from prorl_adapter.models import Turn
+
+
+def two_turn_trajectory(versions=(3, 4)):
+    # policy [5, 6], tool [7], policy [8], tool [9]
+    trajectory = trajectory_from_tensors(
+        prompt_ids=[1, 2],
+        response_ids=[5, 6, 7, 8, 9],
+        response_mask=[1, 1, 0, 1, 0],
+        response_logprobs=[-0.5, -0.25, 0.0, -1.0, 0.0],
+        policy_version_min=min(versions),
+        policy_version_max=max(versions),
+        reward=0.75,
+    )
+    turns = [
+        Turn(index=i, policy_version=v, llm_server="s", response_tokens=n, finish_reason="stop", text="")
+        for i, (v, n) in enumerate(zip(versions, (2, 1)))
+    ]
+    return trajectory.model_copy(update={"turns": turns, "num_turns": 2})
+
+
+def test_token_versions_follow_the_turns():
+    sample = TrainingSample.from_trajectory(two_turn_trajectory((3, 4)))
+    assert sample.token_versions() == [3, 3, None, 4, None]
+
+
+def test_token_versions_without_turns_fall_back_to_the_oldest_version():
+    sample = TrainingSample.from_trajectory(two_turn_trajectory((3, 4)).model_copy(update={"turns": []}))
+    assert sample.token_versions() == [3, 3, None, 3, None]
+
+
+def test_loss_weights_are_sample_times_token_weight():
+    weight = TrajectoryWeight(sample=0.5, tokens=[1.0, 2.0, 1.0, 0.5, 1.0])
+    sample = TrainingSample.from_trajectory(two_turn_trajectory(), weight)
+    assert sample.loss_weights() == [0.5, 1.0, 0.5, 0.25, 0.5]
+    assert TrainingSample.from_trajectory(two_turn_trajectory()).loss_weights() == [1.0] * 5
+
+
+def test_truncation_cuts_every_aligned_list_and_keeps_the_reward():
+    weight = TrajectoryWeight(sample=0.5, tokens=[1.0, 2.0, 1.0, 0.5, 1.0])
+    sample = TrainingSample.from_trajectory(two_turn_trajectory(), weight).truncated(3)
+    assert sample.response_ids == [5, 6, 7] and sample.response_mask == [1, 1, 0]
+    assert sample.response_logprobs == [-0.5, -0.25, 0.0] and sample.weight.tokens == [1.0, 2.0, 1.0]
+    assert sample.reward == 0.75 and sample.weight.sample == 0.5
+
+
+def test_group_is_the_label_a_backend_set_else_the_instance():
+    request = job_request("relay", {"word": "red"}, group="prompt-7", sampling={"max_tokens": 8})
+    assert request.labels[GROUP_LABEL] == "prompt-7" and request.sampling.max_tokens == 8
+    trajectory = two_turn_trajectory().model_copy(update={"labels": {GROUP_LABEL: "prompt-7"}})
+    assert group_key(trajectory) == "prompt-7"
+    unlabelled = two_turn_trajectory().model_copy(update={"instance_id": "i-1", "task": "relay"})
+    assert group_key(unlabelled) == "relay:i-1"
