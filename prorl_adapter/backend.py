@@ -23,6 +23,7 @@ import pluggy
 from .hookspecs import TrajectoryWeight
 from .models import BatchItem, FinishReason, JobRequest, SamplingParams, StageTimings, Trajectory
 from .plugins import configure_plugins, make_plugin_manager
+from .rewards import shape_reward
 
 GROUP_LABEL = "group"  # JobRequest.labels[GROUP_LABEL]: the samples of one prompt, compared by GRPO
 
@@ -216,19 +217,9 @@ class TrainerPlugins:
 
     def shaped_reward(self, trajectory: Trajectory, instance: Mapping[str, Any]) -> tuple[dict[str, float], float]:
         """The components and shaped reward of a finished trajectory, asked of the reward plugins in the
-        trainer's process the way the service's eval stage asks them (a trainer that scores on its side,
-        e.g. verl's custom_reward_function, must get the service's number). The task's own components are
-        the recorded ones that no plugin gives; the plugins' are recomputed from the turns."""
-        extras: dict[str, float] = {}
-        for extra in self.hooks.prorl_reward_components(trajectory=trajectory, instance=dict(instance)):
-            for name, value in (extra or {}).items():
-                if name in extras:
-                    raise ValueError(f"reward component {name!r} is given by two plugins")
-                extras[name] = float(value)
-        components = {k: v for k, v in trajectory.reward_components.items() if k not in extras}
-        components.update(extras)
-        total = self.hooks.prorl_combine_reward(trajectory=trajectory, components=components)
-        return components, float(total) if total is not None else sum(components.values())
+        trainer's process exactly as the service's eval stage asks them (a trainer that scores on its side,
+        e.g. verl's custom_reward_function, must get the service's number)."""
+        return shape_reward(self.hooks, trajectory, instance, trajectory.reward_components, replace_recorded=True)
 
     def samples(self, trajectories: Iterable[Trajectory], current_version: int) -> list[TrainingSample]:
         """Trajectories weighed at `current_version`, in order; weight-0 samples are kept (the caller

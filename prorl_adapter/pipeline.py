@@ -30,6 +30,7 @@ from .agent import Episode, run_episode
 from .chat import ChatTokenizer
 from .llm import LLMPool, LLMRequestError, LLMUnavailable
 from .models import ErrorClass, JobError, JobRequest, JobState, JobStatus, StageTimings, Trajectory
+from .rewards import RewardComponentConflict, shape_reward
 from .sandboxes import SandboxPool, SandboxServerError
 from .tasks import Environment, TaskConfigError, TaskHandler
 
@@ -252,16 +253,12 @@ class RolloutPipeline:
 
     def _shape_reward(self, job: Job) -> None:
         """Reward plugins add components beside the task's own; the shaped total is what the trainer gets."""
-        trajectory = self._trajectory(job)
-        components = dict(job.reward_components)
-        for extra in self.hooks.prorl_reward_components(trajectory=trajectory, instance=job.request.instance):
-            for name, value in (extra or {}).items():
-                if name in components:
-                    raise StageFailed("eval", f"reward component {name!r} is given twice (task or plugins)")
-                components[name] = float(value)
-        total = self.hooks.prorl_combine_reward(trajectory=trajectory, components=components)
-        job.reward_components = components
-        job.reward = float(total) if total is not None else sum(components.values())
+        try:
+            job.reward_components, job.reward = shape_reward(
+                self.hooks, self._trajectory(job), job.request.instance, job.reward_components
+            )
+        except RewardComponentConflict as exc:
+            raise StageFailed("eval", str(exc)) from exc
 
     # -- the machinery ----------------------------------------------------------------------------------
     async def _worker(

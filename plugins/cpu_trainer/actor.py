@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.utils import logging as transformers_logging
 from verl.trainer.ppo import core_algos
 from verl.workers.config import ActorConfig
 
@@ -26,6 +27,7 @@ class UpdateStats:
 class TorchActor:
     def __init__(self, model_dir: Path, learning_rate: float, clip_ratio: float = 0.2, seed: int = 0) -> None:
         torch.manual_seed(seed)
+        transformers_logging.disable_progress_bar()  # a bar per weight save would bury the training's own
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate, weight_decay=0.0)

@@ -36,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--groups-per-step", type=int, default=defaults.groups_per_step)
     parser.add_argument("--group-size", type=int, default=defaults.group_size)
     parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
+    parser.add_argument("--ppo-epochs", type=int, default=defaults.ppo_epochs)
     parser.add_argument("--staleness-mode", default=defaults.staleness["mode"], help="pace, drop, linear, ...")
     parser.add_argument("--max-staleness", type=int, default=defaults.staleness["max_staleness"])
     parser.add_argument("--seed", type=int, default=defaults.seed)
@@ -49,6 +50,7 @@ def settings_from(args: argparse.Namespace) -> TrainSettings:
         groups_per_step=args.groups_per_step,
         group_size=args.group_size,
         learning_rate=args.learning_rate,
+        ppo_epochs=args.ppo_epochs,
         staleness={"mode": args.staleness_mode, "max_staleness": args.max_staleness},
         seed=args.seed,
     )

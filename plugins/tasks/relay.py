@@ -1,45 +1,47 @@
-"""`relay`: read a word from a file with one command, then write it where the checker looks with another.
+"""`relay`: unpack a box with one command, then copy what was in it to where the checker looks with another.
 
-Instance: {"word": "red"}. The sandbox holds note.txt with the word; the episode succeeds when answer.txt
-holds it. Two turns and a real tool result are needed: the word is only in the sandbox, never in the prompt.
+Instance: {"word": "fix"}. The sandbox holds box.tar, and in it note.txt with the word; the episode succeeds
+when answer.txt holds the word. It takes two turns in order, each acting on what the one before really did
+in the sandbox: `cp note.txt answer.txt` fails until `tar -xf box.tar` has run.
 
 It is the built-in task that a tiny random model learns in minutes on CPU (the CPU trainer's demonstration),
-so its action space is small and fixed: `relay_commands(words)` lists every command a turn may run, and
-`relay_regex(words)` is the structured-output regex that makes each turn exactly one of them
-(`relay_turn_texts(words)`: the turns' full texts). A policy that
-ignores the tool result can at best write a fixed word (reward 1/len(words)); above that, it reads the note.
+so its action space is small and fixed: `relay_commands()` lists every command a turn may run, and
+`relay_regex()` is the structured-output regex that makes each turn exactly one of them (`relay_turn_texts()`:
+the turns' full texts). A random policy succeeds about once in sixteen episodes.
+
+Left out on purpose, measured: a variant where the agent must read the word and write it with `echo <word>`
+(the tool's output, not just its effect, decides the next turn) collapsed to writing one fixed word before it
+learned to read, on this 2-layer random model within the minutes this demonstration has (docs/cpu-trainer.md).
 """
 
 from __future__ import annotations
 
-import random
 import shlex
 from typing import Any
 
 from prorl_adapter.chat import tool_call_regex, tool_call_texts
 from prorl_adapter.tasks import Environment, EpisodeState, TaskConfigError, TaskHandler, Tool, bash_tool
 
-WORDS = ("red", "green", "blue", "gold")
-NOTE = "note.txt"
-ANSWER = "answer.txt"
+WORDS = ("fix", "log", "bug", "url")
+BOX, NOTE, ANSWER = "box.tar", "note.txt", "answer.txt"
+COMMANDS = (f"tar -xf {BOX}", f"cp {NOTE} {ANSWER}", "ls", f"rm {BOX}")
 
 
-def relay_commands(words: tuple[str, ...] | list[str] = WORDS) -> list[str]:
-    return [f"cat {NOTE}", *(f"echo {word} > {ANSWER}" for word in words)]
+def relay_commands() -> list[str]:
+    return list(COMMANDS)
 
 
-def relay_regex(words: tuple[str, ...] | list[str] = WORDS) -> str:
-    return tool_call_regex("bash", "command", relay_commands(words))
+def relay_regex() -> str:
+    return tool_call_regex("bash", "command", relay_commands())
 
 
-def relay_turn_texts(words: tuple[str, ...] | list[str] = WORDS) -> list[str]:
+def relay_turn_texts() -> list[str]:
     """The exact text of every turn `relay_regex` allows."""
-    return tool_call_texts("bash", "command", relay_commands(words))
+    return tool_call_texts("bash", "command", relay_commands())
 
 
-def relay_instances(count: int, seed: int, words: tuple[str, ...] | list[str] = WORDS) -> list[dict[str, Any]]:
-    rng = random.Random(seed)
-    return [{"id": f"relay-{seed}-{i}", "word": rng.choice(list(words))} for i in range(count)]
+def relay_instances(count: int, seed: int) -> list[dict[str, Any]]:
+    return [{"id": f"relay-{seed}-{i}", "word": WORDS[(seed + i) % len(WORDS)]} for i in range(count)]
 
 
 class RelayTask(TaskHandler):
@@ -53,15 +55,20 @@ class RelayTask(TaskHandler):
         return "You operate a Linux shell. Call the bash tool once per turn inside <tool_call></tool_call>."
 
     def user_prompt(self, instance: dict[str, Any]) -> str:
-        return f"{NOTE} holds a word. Write that word into {ANSWER}."
+        return f"{BOX} holds {NOTE}. Put the word in it into {ANSWER}."
 
     async def init(self, env: Environment, instance: dict[str, Any]) -> None:
         word = instance.get("word")
         if not isinstance(word, str) or not word.isalnum():
             raise TaskConfigError("a relay instance needs 'word': letters and digits only")
-        result = await env.exec(f"printf '%s\\n' {shlex.quote(word)} > {NOTE}", timeout=10)
+        staging = f"/tmp/relay-{instance.get('id', 'box')}"
+        script = (
+            f"mkdir -p {shlex.quote(staging)} && printf '%s\\n' {shlex.quote(word)} > {shlex.quote(staging)}/{NOTE}"
+            f" && tar -C {shlex.quote(staging)} -cf {BOX} {NOTE} && rm -rf {shlex.quote(staging)}"
+        )
+        result = await env.exec(script, timeout=10)
         if result.exit_code != 0:
-            raise TaskConfigError(f"could not write {NOTE}: {result.output[-200:]}")
+            raise TaskConfigError(f"could not pack {BOX}: {result.output[-200:]}")
 
     async def evaluate(self, env: Environment, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
         result = await env.exec(f"cat {ANSWER} 2>/dev/null", timeout=10)
