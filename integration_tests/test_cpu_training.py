@@ -38,15 +38,15 @@ def start_trainer(vllm, sandbox_server, tmp_path, settings: TrainSettings):
 async def test_reward_rises_and_the_server_samples_from_the_trained_weights(
     vllm, sandbox_server, tmp_path, restore_weights
 ):
-    settings = TrainSettings(steps=24, seed=0)
+    settings = TrainSettings(steps=22, seed=0)  # measured: ~0.1 at the start, 0.8-0.97 by step 18-19
     rollout, trainer = start_trainer(vllm, sandbox_server, tmp_path, settings)
     try:
         records = await trainer.run()
     finally:
         rollout.stop()
     outcome = [r.reward_components["outcome"] for r in records]
-    first, last = statistics.fmean(outcome[:6]), statistics.fmean(outcome[-6:])
-    assert last >= first + 0.25, f"no learning: outcome {first:.2f} over the first 6 steps, {last:.2f} over the last"
+    first, last = statistics.fmean(outcome[:5]), statistics.fmean(outcome[-5:])
+    assert last >= first + 0.25, f"no learning: outcome {first:.2f} over the first 5 steps, {last:.2f} over the last"
     gaps = [r.logprob_gap for r in records if r.logprob_gap is not None]
     assert gaps, "no step trained on tokens sampled at its own version"
     assert max(gaps) < 1e-4, f"trainer and server disagree on the same tokens by {max(gaps):.2g}"
