@@ -2,7 +2,8 @@
 # Each sets itself up: Debian packages, a virtualenv in .venv (the project, editable, with the trainer
 # backends), and a separate one in .venv-vllm for the vLLM server (its pins are its own), plus the tiny
 # offline model the tests and demo serve.
-PYTHON ?= python3
+# verl and SkyRL need Python 3.11.
+PYTHON ?= $(shell command -v python3.11 || echo python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 SYSTEM_PACKAGES := bwrap:bubblewrap redis-server:redis-server
@@ -40,7 +41,7 @@ lint: $(VENV)/.installed
 	$(PY) -m ruff format --check .
 
 test: system-packages lint llm
-	$(PY) -m pytest
+	PRORL_REQUIRE_BACKENDS=1 $(PY) -m pytest
 
 bench: system-packages $(VENV)/.installed llm
 	$(PY) bench/bench_runtime.py --out docs/benchmarks.md

@@ -587,7 +587,7 @@ def machine() -> str:
 
 
 def render_block(stream: Stream, main: list[RunResult], sweeps: list[list[RunResult]], args: Any) -> str:
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     command = " ".join(["python bench/bench_decoupled.py", *args.argv])
     s = main[0].setting
     verdicts = "\n".join(f"- {line}" for line in verdict(sweeps))

@@ -813,7 +813,7 @@ def render_block(
     machine_text: str,
     discarded: list[ModeResult],
 ) -> str:
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     command = "python bench/bench_rollout.py " + " ".join(args.argv)
     bullets = "\n".join(f"- {line}" for line in details(coupled, pipeline, latencies, args, discarded))
     mode = (

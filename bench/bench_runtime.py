@@ -470,7 +470,7 @@ class Sampler:
         for _ in range(rounds):
             try:
                 self.samples.append(await timed_call(self.http, self.call))
-            except (BenchError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, BenchError, aiohttp.ClientError) as exc:
                 self.failures.append(str(exc))
 
     def latency(self) -> Latency:
@@ -576,7 +576,7 @@ async def _closed_loop(http: aiohttp.ClientSession, call: Call, deadline: float)
     while time.perf_counter() < deadline:
         try:
             samples.append(await timed_call(http, call))
-        except (BenchError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, BenchError, aiohttp.ClientError) as exc:
             errors += 1
             first_error = first_error or str(exc)
     return samples, errors, first_error
@@ -907,7 +907,7 @@ async def bench_swerex(settings: Settings, work: Path) -> SwerexResults:
     try:
         async with http_session() as http:
             results = await _swerex_phases(settings, http, base, headers, server.pid)
-    except (BenchError, aiohttp.ClientError, asyncio.TimeoutError) as exc:  # a comparison, not the subject
+    except (TimeoutError, BenchError, aiohttp.ClientError) as exc:  # a comparison, not the subject
         print(f"swe-rex failed, its figures are left out: {exc}")
         return SwerexResults(skipped=f"it failed during the run ({str(exc)[:200]})")
     finally:
@@ -1301,7 +1301,7 @@ BASELINES = """\
 
 
 def markdown(report: Report, command: str) -> str:
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     bullets = "\n".join(f"- {line}" for line in report.details())
     return f"""{BLOCK_START}
 ## Sandbox runtime — {now}

@@ -276,3 +276,16 @@ def test_sync_client(rollout):
         trajectory = client.run(shell_job("pwd", max_turns=1), wait=300)
         assert trajectory.turns[0].observation == "/workspace\n[exit code 0]"
         assert client.status()["finished"]["done"] >= 1
+
+
+async def test_a_client_that_gives_up_cancels_its_job(client, sandbox_server):
+    with pytest.raises(TimeoutError):
+        await client.run(shell_job("sleep 60", max_turns=2, job_id="given-up-1"), wait=1)
+    assert (await client.job("given-up-1")).state == "cancelled"
+
+
+async def test_raise_only_never_moves_the_version_back(client):
+    assert await client.set_policy_version(5) == 5
+    assert await client.set_policy_version(3, raise_only=True) == 5
+    assert await client.set_policy_version(6, raise_only=True) == 6
+    assert await client.set_policy_version(0) == 0

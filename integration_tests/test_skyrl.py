@@ -83,7 +83,7 @@ async def test_generate_answers_skyrl_with_shaped_rewards_and_tool_masks(rollout
     validate_generator_output(4, output)  # SkyRL's own check of a generator's answer
     assert output["trajectory_ids"] == batch["trajectory_ids"]
     async with RolloutClient(rollout.url) as client:
-        assert (await client.status())["policy_version"] == 3  # the global step, published before the jobs
+        assert (await client.status())["policy_version"] == 2  # global step 3 - 1, published before the jobs
     for ids, mask, logprobs, reward, reason in zip(
         output["response_ids"],
         output["loss_masks"],
@@ -113,7 +113,7 @@ async def test_one_trajectory_gives_equivalent_verl_and_skyrl_batches(rollout):
     batch = generator_input(step=5)
     fresh = await generator.samples(batch)
     assert {s.weight.sample for s in fresh} == {1.0}
-    samples = generator.plugins.samples([s.trajectory for s in fresh], current_version=6)  # one step later
+    samples = generator.plugins.samples([s.trajectory for s in fresh], current_version=5)  # one step later
     assert {s.weight.sample for s in samples} == {0.5}
     skyrl = generator.plugins.hooks.prorl_backend_batch(
         trajectories=[s.trajectory for s in samples], weights=[s.weight for s in samples], batch=batch

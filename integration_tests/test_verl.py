@@ -161,7 +161,9 @@ def test_version_tags_and_llm_servers_reach_the_service(generated, rollout, repl
     assert all(turn.policy_version == STEP - 1 for t in trajectories for turn in t.turns)
     assert httpx.get(f"{rollout.url}/v1/status").json()["policy_version"] == STEP - 1
     servers = [s["url"] for s in httpx.get(f"{rollout.url}/v1/llm-servers").json()["servers"]]
-    assert f"http://{replica_address}" in servers  # verl's replica address, registered by the agent loop
+    # verl's replica address, registered by the agent loop; the one the service started with (127.0.0.1) is
+    # gone: it stands for a server whose weights verl would never update
+    assert servers == [f"http://{replica_address}"]
 
 
 def test_grpo_advantages_and_policy_loss_on_the_batch(generated):

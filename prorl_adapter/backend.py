@@ -14,8 +14,9 @@ for every trainer and lives here, so that a third backend is one more small plug
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from statistics import fmean
 from typing import Any
 
 import pluggy
@@ -122,6 +123,17 @@ class TrainingSample:
             response_logprobs=self.response_logprobs[:n],
             weight=TrajectoryWeight(self.weight.sample, tokens, list(self.weight.reasons)),
         )
+
+
+def group_neutral_rewards(samples: Sequence[TrainingSample]) -> list[float]:
+    """Each sample's reward, except that an untrainable one (dropped, failed) gets the mean reward of the
+    trainable samples of its group (0.0 if none is): a trainer that must keep its row (a fixed batch size)
+    and computes GRPO advantages over the whole group then gives it no pull on its siblings' baseline."""
+    trainable: dict[str, list[float]] = {}
+    for sample in samples:
+        if sample.trainable:
+            trainable.setdefault(sample.group, []).append(sample.reward)
+    return [s.reward if s.trainable else (fmean(trainable[s.group]) if s.group in trainable else 0.0) for s in samples]
 
 
 def group_key(trajectory: Trajectory) -> str:

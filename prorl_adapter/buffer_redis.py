@@ -251,7 +251,7 @@ class RedisBuffer(ExperienceBuffer):
         self._check_open()
         try:
             yield
-        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
             self._check_open()  # closed while waiting: that, not the broken connection, is the news
             raise BufferUnavailable(
                 f"Redis at {self._where} is unavailable: {what} failed ({type(exc).__name__}: {exc})"

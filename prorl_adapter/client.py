@@ -8,6 +8,7 @@ async with RolloutClient("http://127.0.0.1:8766") as client:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -72,7 +73,15 @@ class RolloutClient:
                 raise TimeoutError(f"job {job_id} did not finish within {wait:g} s")
 
     async def run(self, request: JobRequest, wait: float = 3600.0) -> Trajectory:
-        return await self.result((await self.submit(request)).job_id, wait)
+        """Submit and wait for the trajectory. A caller that gives up (timeout, cancellation, an error) cancels
+        the job, so that its sandbox does not run on for nobody."""
+        job = await self.submit(request)
+        try:
+            return await self.result(job.job_id, wait)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.cancel(job.job_id))
+            raise
 
     async def run_many(self, requests: list[JobRequest], wait: float = 3600.0) -> list[Trajectory]:
         return list(await asyncio.gather(*(self.run(r, wait) for r in requests)))
@@ -105,8 +114,11 @@ class RolloutClient:
     async def status(self) -> dict:
         return (await self._call("GET", "/v1/status")).json()
 
-    async def set_policy_version(self, version: int) -> None:
-        await self._call("PUT", "/v1/policy-version", json=PolicyVersion(version=version).model_dump())
+    async def set_policy_version(self, version: int, raise_only: bool = False) -> int:
+        """Publish the trainer's policy version; returns the version in effect (with `raise_only`, a lower
+        one than asked is never set: several trainer workers may publish the same steps out of order)."""
+        body = PolicyVersion(version=version, raise_only=raise_only).model_dump()
+        return (await self._call("PUT", "/v1/policy-version", json=body)).json()["version"]
 
     async def llm_servers(self) -> list[dict]:
         return (await self._call("GET", "/v1/llm-servers")).json()["servers"]

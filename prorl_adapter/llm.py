@@ -148,7 +148,7 @@ class LLMPool:
                 server.model = (await r.json())["data"][0]["id"]
             server.healthy = True
             server.consecutive_failures = 0
-        except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, KeyError, IndexError, ValueError) as exc:
             if server.healthy:
                 log.warning("LLM server %s is unhealthy: %s", server.url, exc)
             server.healthy = False
@@ -222,7 +222,7 @@ class LLMPool:
                 if response.status >= 400:
                     raise LLMRequestError(f"{server.url} refused the request: {(await response.text())[:500]}")
                 choice = (await response.json())["choices"][0]
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise _ServerError(f"{type(exc).__name__}: {exc}") from exc
         finally:
             server.in_flight -= 1

@@ -43,7 +43,7 @@ class JobRequest(_Strict):
     labels: dict[str, str] = Field(default_factory=dict)
 
 
-class JobState(str, Enum):
+class JobState(str, Enum):  # noqa: UP042 - StrEnum would change str(state), which logs and messages use
     queued = "queued"
     init = "init"
     running = "running"
@@ -149,6 +149,9 @@ class LLMServerRequest(_Strict):
 
 class PolicyVersion(_Strict):
     version: int = Field(ge=0)
+    # Several trainer workers publish the same steps, in no fixed order: with raise_only a late publisher
+    # never moves the version back.
+    raise_only: bool = False
 
 
 class ProcessRequest(BaseModel):

@@ -129,8 +129,10 @@ async def remove_llm_server(request: web.Request) -> web.Response:
 
 async def set_policy_version(request: web.Request) -> web.Response:
     body: PolicyVersion = await parse(request, PolicyVersion)
-    request.app[PIPELINE].policy_version = body.version
-    return web.json_response({"version": body.version})
+    pipeline = request.app[PIPELINE]
+    if not (body.raise_only and body.version <= pipeline.policy_version):
+        pipeline.policy_version = body.version
+    return web.json_response({"version": pipeline.policy_version})
 
 
 async def process(request: web.Request) -> web.Response:

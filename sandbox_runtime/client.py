@@ -8,7 +8,6 @@ async with SandboxClient("http://127.0.0.1:8765") as client:
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -66,7 +65,7 @@ class SandboxClient:
         try:
             async with self._http.request(method, self.base_url + path, **kwargs) as response:
                 body = await response.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise SandboxUnreachable(self.base_url, exc) from exc
         if response.status >= 400:
             try:

@@ -1,6 +1,13 @@
 """The core every training backend shares: TrainingSample's weights, version tags and truncation."""
 
-from prorl_adapter.backend import GROUP_LABEL, TrainingSample, group_key, job_request, trajectory_from_tensors
+from prorl_adapter.backend import (
+    GROUP_LABEL,
+    TrainingSample,
+    group_key,
+    group_neutral_rewards,
+    job_request,
+    trajectory_from_tensors,
+)
 from prorl_adapter.hookspecs import TrajectoryWeight
 from prorl_adapter.models import Turn
 
@@ -55,3 +62,14 @@ def test_group_is_the_label_a_backend_set_else_the_instance():
     assert group_key(trajectory) == "prompt-7"
     unlabelled = two_turn_trajectory().model_copy(update={"instance_id": "i-1", "task": "relay"})
     assert group_key(unlabelled) == "relay:i-1"
+
+
+def test_untrainable_samples_get_their_groups_trainable_mean():
+    def sample(reward, group, weight=1.0, failed=False):
+        labels = {GROUP_LABEL: group}
+        trajectory = two_turn_trajectory().model_copy(update={"reward": reward, "labels": labels, "filter": failed})
+        return TrainingSample.from_trajectory(trajectory, TrajectoryWeight(sample=weight))
+
+    samples = [sample(1.0, "a"), sample(0.0, "a"), sample(1.0, "a", weight=0.0), sample(0.0, "a", failed=True)]
+    samples.append(sample(1.0, "b", weight=0.0))  # a group with nothing trainable
+    assert group_neutral_rewards(samples) == [1.0, 0.0, 0.5, 0.5, 0.0]

@@ -44,8 +44,7 @@ def test_the_plugin_lines_compose_into_verls_config():
 
 def example_overrides() -> list[str]:
     """The overrides in examples/verl/run_grpo.sh, with its shell variables filled in."""
-    text = EXAMPLE.read_text().split("python3 -m verl.trainer.main_ppo", 1)[1].split("\n\n", 1)[0]
-    text = text.replace("\\\n", " ").replace('"$@"', "")
+    text = EXAMPLE.read_text().split("ARGS=(", 1)[1].split("\n)", 1)[0].replace('"$@"', "")
     for name, value in {
         "$MODEL": "Qwen/Qwen2.5-1.5B-Instruct",
         "$DATA": "/tmp/data",
@@ -73,6 +72,10 @@ def test_every_key_of_the_gpu_example_exists_in_verl():
         ([*BLOCK, "+prorl.staleness.mode=linaer"], r"staleness.mode"),
         ([*BLOCK, "+prorl.reward.weights.step_cost=-1"], r"reward.weights.step_cost"),
         ([*BLOCK, "+prorl.sampling.temperature=0.5"], r"set actor_rollout_ref.rollout.temperature"),
+        (
+            [*verl_lines(), *BLOCK, *STALENESS, "algorithm.filter_groups.enable=True"],
+            r"filter_groups \(DAPO\) would silently do nothing",
+        ),
         ([*BLOCK, *STALENESS], r"custom_sampler.path=pkg://prorl_plugins.verl.sampler"),
         (
             [*verl_lines(), *BLOCK, *STALENESS, "algorithm.rollout_correction.rollout_is=token"],

@@ -1,6 +1,6 @@
 """The same hook from your own SkyRL entry point: `get_generator` is the one method to override.
 
-python examples/skyrl/my_experiment.py prorl.rollout_url=http://rollout:8766 ...  (same keys as run.sh)
+python examples/skyrl/my_experiment.py prorl.rollout_url=http://rollout:8766 ...  (the keys in this folder's README.md)
 """
 
 from __future__ import annotations

@@ -94,6 +94,8 @@ class CpuTrainerBackend:
 
     @hookimpl
     def prorl_backend_requests(self, batch: Any, config: dict[str, Any]) -> list[JobRequest] | None:
+        if not (isinstance(batch, list) and all(isinstance(row, dict) and "word" in row for row in batch)):
+            return None  # not relay rows: another backend's request
         rows: list[dict[str, Any]] = batch
         sampling = {"max_tokens": self.settings.max_tokens_per_turn, "temperature": 1.0}
         sampling["regex"] = relay_regex()
@@ -107,6 +109,8 @@ class CpuTrainerBackend:
     def prorl_backend_batch(
         self, trajectories: list[Trajectory], weights: list[TrajectoryWeight], batch: Any
     ) -> PaddedBatch | None:
+        if not (isinstance(batch, list) and all(isinstance(sample, TrainingSample) for sample in batch)):
+            return None
         samples: list[TrainingSample] = batch
         return pad_samples(samples, self.pad_id, self.action_mask, self.token_texts)
 
@@ -114,7 +118,12 @@ class CpuTrainerBackend:
 class GroupCollector:
     """Takes batches from the service until it holds `size` samples in complete GRPO groups; samples of an
     incomplete group wait (unacknowledged) for their siblings. GRPO needs whole groups: a lone sample's
-    advantage would be its raw reward."""
+    advantage would be its raw reward.
+
+    A group can stay incomplete for good: the service does not buffer an episode that failed for an
+    infrastructure reason, and drops (acknowledges) one its staleness plugin weighed 0. Once the service has
+    nothing left to produce, incomplete groups of two or more are released as they are; a lone sample is
+    acknowledged unused."""
 
     def __init__(self, client: RolloutClient, group_size: int) -> None:
         self.client = client
@@ -123,23 +132,40 @@ class GroupCollector:
 
     async def take(self, size: int, timeout: float) -> list[BatchItem]:
         deadline = time.monotonic() + timeout
-        while self._complete() < size:
+        while self._count(self.group_size) < size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"the service delivered no full batch of {size} within {timeout:g} s")
-            batch = await self.client.take_batch(size, timeout=min(remaining, 30.0))
+            batch = await self.client.take_batch(size, timeout=min(remaining, 5.0))
             for item in batch.items:
                 group = TrainingSample.from_batch_item(item).group
                 self._waiting[group][item.id] = item  # a redelivered item replaces itself
+            if not batch.items and await self._production_finished():
+                if self._count(2) == 0:
+                    raise RuntimeError(f"the service has nothing left to produce: no batch of {size} will come")
+                await self._give_up_on_singletons()
+                return self._pop_groups(size, minimum=2)
+        return self._pop_groups(size, minimum=self.group_size)
+
+    def _count(self, minimum: int) -> int:
+        return sum(len(items) for items in self._waiting.values() if len(items) >= minimum)
+
+    def _pop_groups(self, size: int, minimum: int) -> list[BatchItem]:
         taken: list[BatchItem] = []
-        for group in [g for g, items in self._waiting.items() if len(items) >= self.group_size]:
+        for group in [g for g, items in self._waiting.items() if len(items) >= minimum]:
             if len(taken) >= size:
                 break
             taken += self._waiting.pop(group).values()
         return taken
 
-    def _complete(self) -> int:
-        return sum(len(items) for items in self._waiting.values() if len(items) >= self.group_size)
+    async def _production_finished(self) -> bool:
+        status = await self.client.buffer()
+        return status["upcoming"] == 0 and status["in_flight"] == 0 and status["ready"] == 0
+
+    async def _give_up_on_singletons(self) -> None:
+        lone = [g for g, items in self._waiting.items() if len(items) == 1]
+        if lone:
+            await self.client.ack([item.id for g in lone for item in self._waiting.pop(g).values()])
 
 
 class CpuTrainer:

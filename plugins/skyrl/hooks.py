@@ -11,7 +11,8 @@ How a SkyRL row becomes an episode:
 - `trajectory_ids[i].instance_id` (SkyRL's uid of the row) is the GRPO group, as SkyRL groups by it too;
 - `sampling_params` (vLLM names, from `generator.sampling_params`, `additional_kwargs` included) become the
   job's sampling settings; a setting the service cannot honour (e.g. `top_k=50`) is an error, not a silent drop;
-- `batch_metadata.global_step` is the policy version (`prorl_backend_policy_version`).
+- `batch_metadata.global_step` - 1 is the policy version (`prorl_backend_policy_version`): SkyRL's step g
+  (from 1) generates with the weights after g - 1 updates, as verl's does, so both backends count alike.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 from skyrl.train.generators.base import GeneratorInput, GeneratorOutput
 
-from prorl_adapter.backend import TrainingSample, job_request
+from prorl_adapter.backend import TrainingSample, group_neutral_rewards, job_request
 from prorl_adapter.hookspecs import TrajectoryWeight, hookimpl
 from prorl_adapter.models import JobRequest, Trajectory
 
@@ -128,7 +129,9 @@ def generator_output(
 
     Weights: SkyRL has no per-sample loss weight, but its `loss_mask` is a float tensor that multiplies each
     token's loss, so the weights ride in it (`TrainingSample.weighted_mask`): a dropped sample keeps its row with
-    an all-zero mask (SkyRL needs one row per prompt); a linear staleness weight w scales its policy tokens to w.
+    an all-zero mask (SkyRL needs one row per prompt) and its group's mean reward, so that SkyRL's GRPO
+    baseline, computed over every row, is not pulled by it; a linear staleness weight w scales its policy
+    tokens to w.
     """
     samples = [_filled(s, filler_token_id) for s in samples]
     masks = []
@@ -140,7 +143,7 @@ def generator_output(
     return GeneratorOutput(
         prompt_token_ids=[s.prompt_ids for s in samples],
         response_ids=[s.response_ids for s in samples],
-        rewards=[float(s.reward) for s in samples],
+        rewards=group_neutral_rewards(samples),
         loss_masks=masks,
         stop_reasons=[STOP_REASONS[t.finish_reason] if t else "stop" for t in trajectories],
         rollout_metrics=rollout_metrics(samples),
@@ -216,4 +219,4 @@ class SkyRLBackend:
 
     @hookimpl
     def prorl_backend_policy_version(self) -> int | None:
-        return self.global_step
+        return None if self.global_step is None else max(0, self.global_step - 1)

@@ -51,30 +51,44 @@ class _ServiceSession:
         self.client = RolloutClient(prorl.service_url, token=prorl.token)
         self.registered: set[str] = set()
         self.published_version = -1
+        self.answered = False  # whether the service has answered this process yet
         self.lock = asyncio.Lock()
 
     async def _call(self, what: str, coroutine):
         try:
-            return await coroutine
+            result = await coroutine
         except httpx.TransportError as exc:
+            if self.answered:  # it worked before: a failure of the service, not of the config
+                raise EpisodeFailed(
+                    f"the rollout service at {self.url} stopped answering ({what}): {type(exc).__name__}: {exc}"
+                ) from exc
             raise ProrlVerlConfigError(
                 f"the rollout service at {self.url} ({BLOCK}.service_url) does not answer ({what}): "
                 f"{type(exc).__name__}: {exc}; start it (`prorl-rollout --sandbox-url ...`) or fix the URL"
             ) from exc
+        self.answered = True
+        return result
 
     async def register_llm_servers(self, urls: list[str]) -> None:
+        """Make verl's replicas the service's only LLM servers: any other one (the `--llm-url` the service
+        was started with) serves weights verl never updates, and its turns would be tagged as current."""
         async with self.lock:
+            if set(urls) <= self.registered:
+                return
             for url in urls:
-                if url not in self.registered:
-                    await self._call("adding an LLM server", self.client.add_llm_server(url))
-                    self.registered.add(url)
-                    logger.info("registered LLM server %s with the rollout service %s", url, self.url)
+                await self._call("adding an LLM server", self.client.add_llm_server(url))
+                logger.info("registered LLM server %s with the rollout service %s", url, self.url)
+            for server in await self._call("listing LLM servers", self.client.llm_servers()):
+                if server["url"] not in urls:
+                    await self._call("removing an LLM server", self.client.remove_llm_server(server["url"]))
+                    logger.info("removed LLM server %s (not one of verl's replicas) from %s", server["url"], self.url)
+            self.registered.update(urls)
 
     async def publish_version(self, version: int) -> None:
         """Raise the service's policy version (never lower it: workers see the steps in order)."""
         async with self.lock:
             if version > self.published_version:
-                await self._call("setting the policy version", self.client.set_policy_version(version))
+                await self._call("setting the policy version", self.client.set_policy_version(version, raise_only=True))
                 self.published_version = version
 
 

@@ -217,6 +217,12 @@ def check_verl_config(config: DictConfig) -> ProrlVerlConfig:
                 f"the sampler reads the staleness section from its kwargs; add "
                 f"+trainer.v1.sampler.sampler_kwargs.staleness='${{{BLOCK}.staleness}}'"
             )
+        if _select(config, "algorithm.filter_groups.enable"):
+            raise ProrlVerlConfigError(
+                "verl hands a custom sampler no group-filtering settings, so algorithm.filter_groups (DAPO) would "
+                f"silently do nothing with the staleness sampler; set algorithm.filter_groups.enable=False or "
+                f"+{BLOCK}.staleness.mode=off"
+            )
     rollout_is = _select(config, "algorithm.rollout_correction.rollout_is")
     if mode == "linear" and rollout_is is not None:
         raise ProrlVerlConfigError(

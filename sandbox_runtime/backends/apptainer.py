@@ -57,7 +57,7 @@ async def run_command(argv: list[str], timeout: float = COMMAND_TIMEOUT_S) -> tu
         return 127, f"cannot run {argv[0]}: {exc}"
     try:
         output, _ = await asyncio.wait_for(proc.communicate(), timeout)
-    except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+    except TimeoutError:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
