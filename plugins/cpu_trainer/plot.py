@@ -22,7 +22,7 @@ def plot_rewards(records: Sequence[StepRecord], path: Path, title: str = "") -> 
         reward_axis.plot(steps, values, linestyle="--", linewidth=1, label=name)
     reward_axis.set_xlabel("training step (policy version)")
     reward_axis.set_ylabel("reward")
-    reward_axis.set_ylim(-0.05, 1.05)
+    reward_axis.set_ylim(-0.1, 1.05)
     reward_axis.grid(alpha=0.3)
     reward_axis.legend(loc="upper left", fontsize=8)
     reward_axis.set_title(title, fontsize=9)

@@ -49,6 +49,9 @@ class TrainSettings:
     ppo_epochs: int = 4
     clip_ratio: float = 0.2
     staleness: dict[str, Any] = field(default_factory=lambda: {"mode": "pace", "max_staleness": 1})
+    # The shared reward plugin's section: a cost per turn, so the log shows a shaped reward beside the task's
+    # outcome (every relay episode takes two turns, so it shifts each group alike and GRPO is unmoved).
+    reward: dict[str, Any] = field(default_factory=lambda: {"weights": {"outcome": 1.0, "step_cost": 0.01}})
     max_tokens_per_turn: int = 64
     seed: int = 0
     take_timeout_s: float = 300.0
@@ -62,7 +65,7 @@ class TrainSettings:
         staleness = dict(self.staleness)
         if staleness.get("mode") == "pace":
             staleness.setdefault("batch_size", self.batch_size)
-        return {"staleness": staleness}
+        return {"staleness": staleness, "reward": dict(self.reward)}
 
 
 @dataclass
