@@ -142,3 +142,13 @@ def test_verl_reward_function_equals_the_service_shaping():
     assert result["prorl/safety"] == pytest.approx(-2.0) and result["prorl/format"] == pytest.approx(-0.5)
     with pytest.raises(ValueError, match="prorl_agent"):
         compute_score(extra_info={})
+
+
+def test_the_verl_plugins_entry_point_registers_the_agent_loop():
+    from importlib.metadata import entry_points
+
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+
+    (entry_point,) = [e for e in entry_points(group="verl.plugins") if e.name == "prorl"]
+    entry_point.load()  # what `import verl` does with the group
+    assert _agent_loop_registry["prorl_agent"]["_target_"] == "prorl_plugins.verl.agent_loop.ProrlAgentLoop"
