@@ -10,6 +10,7 @@ import asyncio
 
 import pytest
 
+from prorl_adapter.backend import trajectory_from_tensors
 from prorl_adapter.buffer import (
     BufferClosed,
     BufferedTrajectory,
@@ -18,24 +19,11 @@ from prorl_adapter.buffer import (
     MemoryBuffer,
     create_buffer,
 )
-from prorl_adapter.models import StageTimings, Trajectory
+from prorl_adapter.models import Trajectory
 
 
 def make_trajectory(job_id: str, version: int = 0) -> Trajectory:
-    return Trajectory(
-        job_id=job_id,
-        task="test",
-        prompt_ids=[1, 2, 3],
-        response_ids=[4, 5],
-        response_mask=[1, 0],
-        response_logprobs=[-0.5, 0.0],
-        turns=[],
-        num_turns=1,
-        finish_reason="finish",
-        policy_version_min=version,
-        policy_version_max=version,
-        timings=StageTimings(),
-    )
+    return trajectory_from_tensors([1, 2, 3], [4, 5], [1, 0], [-0.5, 0.0], version, version, job_id=job_id, task="test")
 
 
 class FakeClock:

@@ -30,7 +30,7 @@ def test_a_token_is_allowed_iff_it_keeps_the_text_on_an_action():
 
 def test_special_tokens_are_never_allowed_and_turn_masks_follow_the_prefix():
     mask = FiniteActionMask(["ab"], TEXTS, [STOP])
-    turn = mask.turn_masks(["a", "b", ""])  # the sampled turn: "a", "b", then the stop token
+    turn = mask.turn_masks([2, 3, STOP])  # the sampled turn: "a", "b", then the stop token
     assert [allowed_ids(m) for m in turn] == [{2, 4}, {3}, {STOP}]
     assert not turn[:, 0].any()
 

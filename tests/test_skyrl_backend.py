@@ -12,9 +12,8 @@ import pytest
 pytest.importorskip("skyrl", reason="SkyRL is not installed: pip install -e '.[torch,skyrl]'")
 pytest.importorskip("loguru", reason="SkyRL's trainer needs loguru: pip install -e '.[skyrl]'")
 
-from prorl_adapter.backend import GROUP_LABEL, TrainerPlugins
+from prorl_adapter.backend import GROUP_LABEL, TrainerPlugins, trajectory_from_tensors
 from prorl_adapter.hookspecs import PluginConfigError, TrajectoryWeight
-from prorl_adapter.models import StageTimings, Trajectory
 from prorl_plugins.skyrl import compat  # noqa: F401  (SkyRL on Python 3.11: before any skyrl import)
 
 # isort: split
@@ -45,23 +44,12 @@ def generator_input(rows, n=2, step=5, **sampling):
 
 
 def trajectory(job_id, version, mask, reward=1.0, finish="finish", filter=False):
-    n = len(mask)
-    return Trajectory(
-        job_id=job_id,
-        task="shell",
-        prompt_ids=[1, 2, 3],
-        response_ids=list(range(10, 10 + n)),
-        response_mask=mask,
-        response_logprobs=[-0.5 if m else 0.0 for m in mask],
-        turns=[],
-        num_turns=1,
-        finish_reason=finish,
-        reward=reward,
-        policy_version_min=version,
-        policy_version_max=version,
-        timings=StageTimings(init_s=0.1, run_s=0.2, eval_s=0.3),
-        filter=filter,
+    logprobs = [-0.5 if m else 0.0 for m in mask]
+    ids = list(range(10, 10 + len(mask)))
+    trajectory = trajectory_from_tensors(
+        [1, 2, 3], ids, mask, logprobs, version, version, reward, job_id, task="shell", finish_reason=finish
     )
+    return trajectory.model_copy(update={"filter": filter})
 
 
 def test_real_generator_input_becomes_one_job_per_row():

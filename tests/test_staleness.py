@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prorl_adapter.backend import trajectory_from_tensors
 from prorl_adapter.hookspecs import AdmissionState, PluginConfigError, TrajectoryWeight
-from prorl_adapter.models import StageTimings, Trajectory
+from prorl_adapter.models import Trajectory
 from prorl_adapter.plugins import make_plugin_manager
 from prorl_plugins import staleness as staleness_module
 from prorl_plugins.staleness import (
@@ -32,20 +33,9 @@ caps = st.floats(min_value=1.0, max_value=100.0)
 
 def make_trajectory(version: int, mask=(1, 1, 0, 1), behaviour=None, job_id: str = "j", task: str = "t") -> Trajectory:
     mask = list(mask)
-    return Trajectory(
-        job_id=job_id,
-        task=task,
-        prompt_ids=[1, 2],
-        response_ids=list(range(len(mask))),
-        response_mask=mask,
-        response_logprobs=list(behaviour) if behaviour is not None else [-1.0 if m else 0.0 for m in mask],
-        turns=[],
-        num_turns=0,
-        finish_reason="finish",
-        policy_version_min=version,
-        policy_version_max=version,
-        timings=StageTimings(),
-    )
+    logprobs = list(behaviour) if behaviour is not None else [-1.0 if m else 0.0 for m in mask]
+    ids = list(range(len(mask)))
+    return trajectory_from_tensors([1, 2], ids, mask, logprobs, version, version, job_id=job_id, task=task)
 
 
 def manager(section: dict | None, *plugins: object):

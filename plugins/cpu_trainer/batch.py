@@ -42,9 +42,7 @@ def pad_samples(
     samples: Sequence[TrainingSample],
     pad_token_id: int,
     action_mask: FiniteActionMask | None = None,
-    token_texts: Sequence[str] | None = None,
 ) -> PaddedBatch:
-    """`token_texts[id]` is the text a token adds; needed with `action_mask`, to follow each turn's prefix."""
     if not samples:
         raise ValueError("no samples to pad")
     batch, length = len(samples), max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
@@ -70,10 +68,9 @@ def pad_samples(
         if response:
             floats["rewards"][row, response - 1] = sample.reward
         versions[row, :response] = torch.tensor([-1 if v is None else v for v in sample.token_versions()])
-        if allowed is not None and token_texts is not None:
+        if action_mask is not None:
             for start, end in _policy_runs(sample.response_mask):
-                texts = [token_texts[t] or "" for t in sample.response_ids[start:end]]
-                allowed[row, start:end] = action_mask.turn_masks(texts)
+                allowed[row, start:end] = action_mask.turn_masks(sample.response_ids[start:end])
     return PaddedBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,

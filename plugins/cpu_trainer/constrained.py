@@ -50,10 +50,10 @@ class FiniteActionMask:
             allowed[list(self.stop_token_ids)] = True
         return allowed
 
-    def turn_masks(self, token_texts: Sequence[str]) -> torch.Tensor:
-        """[len(turn), vocab] masks for one sampled turn, given the text each of its tokens added."""
+    def turn_masks(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """[len(turn), vocab] masks for one sampled turn: before each token, what the text so far allows."""
         masks, prefix = [], ""
-        for text in token_texts:
+        for token_id in token_ids:
             masks.append(self.allowed_after(prefix))
-            prefix += text
+            prefix += self.token_texts[token_id] or ""
         return torch.stack(masks) if masks else torch.zeros(0, self.vocab_size, dtype=torch.bool)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from prorl_adapter.backend import TrainerPlugins, TrainingSample, job_request
+from prorl_adapter.backend import TrainerPlugins, TrainingSample, group_key, job_request
 from prorl_adapter.client import RolloutClient
 from prorl_adapter.hookspecs import TrajectoryWeight, hookimpl
 from prorl_adapter.models import BatchItem, JobRequest, Trajectory
@@ -89,10 +89,9 @@ class StepRecord:
 class CpuTrainerBackend:
     """The hook implementation: dataset rows to jobs, and taken trajectories to the actor's padded batch."""
 
-    def __init__(self, settings: TrainSettings, action_mask: FiniteActionMask, token_texts: list[str], pad_id: int):
+    def __init__(self, settings: TrainSettings, action_mask: FiniteActionMask, pad_id: int):
         self.settings = settings
         self.action_mask = action_mask
-        self.token_texts = token_texts
         self.pad_id = pad_id
 
     @hookimpl
@@ -115,7 +114,7 @@ class CpuTrainerBackend:
         if not (isinstance(batch, list) and all(isinstance(sample, TrainingSample) for sample in batch)):
             return None
         samples: list[TrainingSample] = batch
-        return pad_samples(samples, self.pad_id, self.action_mask, self.token_texts)
+        return pad_samples(samples, self.pad_id, self.action_mask)
 
 
 class GroupCollector:
@@ -141,8 +140,7 @@ class GroupCollector:
                 raise TimeoutError(f"the service delivered no full batch of {size} within {timeout:g} s")
             batch = await self.client.take_batch(size, timeout=min(remaining, 5.0))
             for item in batch.items:
-                group = TrainingSample.from_batch_item(item).group
-                self._waiting[group][item.id] = item  # a redelivered item replaces itself
+                self._waiting[group_key(item.trajectory)][item.id] = item  # a redelivered item replaces itself
             if not batch.items and await self._production_finished():
                 if self._count(2) == 0:
                     raise RuntimeError(f"the service has nothing left to produce: no batch of {size} will come")
@@ -181,8 +179,7 @@ class CpuTrainer:
         self.actor = TorchActor(model_dir, settings.learning_rate, settings.clip_ratio, settings.seed)
         actions = relay_turn_texts()
         self.action_mask = FiniteActionMask.for_tokenizer(actions, tokenizer, self.actor.vocab_size)
-        token_texts = [text or "" for text in self.action_mask.token_texts]
-        backend = CpuTrainerBackend(settings, self.action_mask, token_texts, tokenizer.pad_token_id or 0)
+        backend = CpuTrainerBackend(settings, self.action_mask, tokenizer.pad_token_id or 0)
         self.plugins = TrainerPlugins(settings.plugin_config(), objects=[backend])
         self.sync = VllmWeightSync(llm_urls)
         # Any text scores the weights; the task's own prompt keeps the probe in the model's usual context.
