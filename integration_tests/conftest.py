@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +56,23 @@ class RuntimeServer:
         return os.environ.get("PRORL_APPTAINER_TEST_IMAGE") if self.backend == "apptainer" else None
 
 
+def reachable(path: Path) -> Path:
+    """`path`, made traversable by the sandboxes' own uids where pytest made it private.
+
+    A root server runs each sandbox as an unprivileged uid, which bwrap binds the workspace as: it must be
+    able to traverse the state dir's ancestors (the server refuses to start otherwise), and pytest creates
+    its temporary directories 0700. Only pytest's own directories under the temp dir are opened up (o+x).
+    """
+    path.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.gettempdir()).resolve()
+    for directory in [path.resolve(), *path.resolve().parents]:
+        if directory.is_relative_to(temp) and directory != temp and directory.stat().st_uid == os.geteuid():
+            directory.chmod(directory.stat().st_mode | 0o011)
+    return path
+
+
 def start_server(state_dir: Path, backend: str, token: str | None = None, *extra: str) -> RuntimeServer:
+    state_dir = reachable(state_dir)
     args = ["--token", token] if token else []
     service = localstack.start_sandbox_runtime(state_dir, backend, *args, *extra)
     return RuntimeServer(service, state_dir, backend, token)

@@ -56,6 +56,12 @@ class BufferUnavailable(ExperienceBufferError):
     status = 503  # what the service's API answers with: try again later
 
 
+class MalformedEntryId(ExperienceBufferError, ValueError):
+    """An entry id that this buffer never hands out (a client's mistake: the API answers 400)."""
+
+    status = 400
+
+
 @dataclass(frozen=True)
 class BufferedTrajectory:
     """One delivered entry: `id` is what `ack` takes; `deliveries` counts deliveries, 1 the first time."""

@@ -78,6 +78,7 @@ from .buffer import (
     BufferUnavailable,
     ExperienceBuffer,
     ExperienceBufferError,
+    MalformedEntryId,
     _check_n,
     _check_trajectory,
 )
@@ -238,7 +239,7 @@ class RedisBuffer(ExperienceBuffer):
                 raise ValueError
             return int(version), sid
         except ValueError:
-            raise ValueError(f"not an entry id of a RedisBuffer: {entry_id!r} (expected VERSION:MS-SEQ)") from None
+            raise MalformedEntryId(f"not an entry id of this buffer: {entry_id!r} (expected VERSION:MS-SEQ)") from None
 
     # -- errors ------------------------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -120,9 +122,11 @@ def start_rollout_service(
 def local_stack(workdir: Path, *rollout_args: str) -> Iterator[tuple[Service, Service, Service]]:
     """vLLM, a bwrap sandbox runtime and the rollout service; all stopped on exit, whatever happens."""
     started: list[Service] = []
+    # A state dir of its own under the temp dir: the sandboxes' uids (under a root server) must reach it.
+    state = Path(tempfile.mkdtemp(prefix="prorl-sandbox-state-"))
     try:
         started.append(start_vllm(log=workdir / "vllm.log"))
-        started.append(start_sandbox_runtime(workdir / "sandboxes", log=workdir / "sandbox-runtime.log"))
+        started.append(start_sandbox_runtime(state, log=workdir / "sandbox-runtime.log"))
         vllm, sandboxes = started
         started.append(
             start_rollout_service([sandboxes.url], [vllm.url], *rollout_args, log=workdir / "rollout-service.log")
@@ -131,3 +135,4 @@ def local_stack(workdir: Path, *rollout_args: str) -> Iterator[tuple[Service, Se
     finally:
         for service in reversed(started):
             service.stop()
+        shutil.rmtree(state, ignore_errors=True)

@@ -242,6 +242,8 @@ class RolloutPipeline:
 
     async def _eval(self, job: Job) -> None:
         try:
+            # Nothing the agent started may run on while it is graded (a loop rewriting the tests, say).
+            await job.env.end_processes()
             components = await job.handler.evaluate(job.env.for_task(), job.request.instance, job.episode.state)
         except SandboxAPIError as exc:
             raise StageFailed("eval", f"sandbox: {exc}") from exc

@@ -12,7 +12,15 @@ import dataclasses
 
 from aiohttp import web
 
-from sandbox_runtime.webapp import bearer_auth, count_requests, errors_as_json, json_response, parse, serve_app
+from sandbox_runtime.webapp import (
+    bearer_auth,
+    count_requests,
+    errors_as_json,
+    json_response,
+    parse,
+    refuse_browsers,
+    serve_app,
+)
 
 from . import __version__
 from .buffer import create_buffer
@@ -192,6 +200,7 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
     app_metrics = RolloutMetrics()
     middlewares = [
         errors_as_json(config.max_body_bytes),
+        refuse_browsers(config.token),
         bearer_auth(config.token),
         count_requests(app_metrics.requests),
     ]

@@ -12,16 +12,19 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from sandbox_runtime.client import SandboxClient
-from sandbox_runtime.models import ExecResult
+from sandbox_runtime.models import ExecResult, RunResult
 
 
 @dataclass(frozen=True)
 class Environment:
     """An episode's sandbox, as handlers and tools see it.
 
-    The agent's tools run in the shell session "default"; a handler's init and eval get `for_task()`, whose
-    commands run in a session of their own, so a `cd` in set-up never moves the agent's shell, and the
-    agent's shell state (a `cd`, a `set -e`, a variable) never changes what eval runs.
+    The agent's tools run in the shell session "default"; a handler's init gets `for_task()`, whose commands
+    run in a session of their own, so a `cd` in set-up never moves the agent's shell.
+
+    Eval must not trust anything the agent could have planted. Before eval the pipeline ends every process the
+    agent started (`end_processes`), and eval runs its checks with `run`: a fresh process whose exit status the
+    runtime takes from the kernel, never from terminal output that the agent's code could imitate.
     """
 
     client: SandboxClient
@@ -37,6 +40,42 @@ class Environment:
         return await self.client.exec(
             self.sandbox_id, command, timeout=timeout, session=self.session, max_output_bytes=max_output_bytes
         )
+
+    async def run(
+        self,
+        *,
+        argv: list[str] | None = None,
+        script: str | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float = 60.0,
+        max_output_bytes: int | None = None,
+    ) -> RunResult:
+        """A one-shot run in the sandbox (give `argv` or a bash `script`): what eval should use."""
+        return await self.client.run(
+            self.sandbox_id,
+            argv=argv,
+            script=script,
+            cwd=cwd,
+            env=env,
+            timeout=timeout,
+            max_output_bytes=max_output_bytes,
+        )
+
+    async def end_processes(self) -> list[str]:
+        """End every process in the sandbox, daemons included; the files stay."""
+        return await self.client.end_processes(self.sandbox_id)
+
+    async def wipe(self) -> None:
+        """End every process and empty the workspace and /tmp, as in a freshly created sandbox."""
+        await self.client.wipe(self.sandbox_id)
+
+    async def download_archive(self, path: str) -> bytes:
+        """A tar.gz of `path` read by the runtime itself: links stored as links, never followed."""
+        return await self.client.download_archive(self.sandbox_id, path)
+
+    async def upload_archive(self, path: str, archive: bytes) -> int:
+        return await self.client.upload_archive(self.sandbox_id, path, archive)
 
     async def write_file(self, path: str, data: str | bytes) -> None:
         await self.client.write_file(self.sandbox_id, path, data)
@@ -146,7 +185,11 @@ class TaskHandler(ABC):
     @abstractmethod
     async def evaluate(self, env: Environment, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
         """Score the episode: reward components as signed contributions to the reward, at least "outcome"
-        (the task's own reward). With no reward plugin, the reward is their sum."""
+        (the task's own reward). With no reward plugin, the reward is their sum.
+
+        By the time it is called every process the agent started is gone. Check with `env.run` (exit status
+        from the kernel) or the file API, never with `env.exec`'s terminal output, and never run a program
+        the agent could have configured (its git config and hooks, its shell files)."""
 
 
 class TaskConfigError(ValueError):

@@ -8,7 +8,7 @@ import logging
 import os
 from pathlib import Path
 
-from .config import ServerConfig, default_state_dir
+from .config import DEFAULT_SANDBOX_UIDS, ServerConfig, default_state_dir, parse_uid_range
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +27,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--token",
         default=os.environ.get("PRORL_SANDBOX_TOKEN"),
         help="bearer token required on every request but /healthz (env PRORL_SANDBOX_TOKEN)",
+    )
+    serve.add_argument(
+        "--allow-local",
+        action="store_true",
+        help="offer the `local` backend (no isolation at all) to clients; implied by --backend local",
+    )
+    serve.add_argument(
+        "--image-dir",
+        type=Path,
+        action="append",
+        default=[],
+        help="a directory of images; a spec's `image` is a name below one of these (repeatable)",
+    )
+    serve.add_argument(
+        "--sandbox-uids",
+        type=parse_uid_range,
+        default=DEFAULT_SANDBOX_UIDS,
+        help="FIRST-LAST: host uids, one per live sandbox, when the server runs as root; nothing else may use "
+        f"them (default: {DEFAULT_SANDBOX_UIDS.start}-{DEFAULT_SANDBOX_UIDS.stop - 1})",
     )
     serve.add_argument("--max-sandboxes", type=int, default=1024)
     serve.add_argument(
@@ -53,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         state_dir=args.state_dir,
         apptainer_binary=args.apptainer_binary,
         apptainer_fakeroot=args.fakeroot,
+        image_dirs=args.image_dir,
+        allow_local=args.allow_local or args.backend == "local",
+        sandbox_uids=args.sandbox_uids,
     )
     try:
         config.check_exposure()

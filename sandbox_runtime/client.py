@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 
-from .models import ExecResult, SandboxInfo, SandboxSpec, ServerInfo
+from .models import ExecResult, RunRequest, RunResult, SandboxInfo, SandboxSpec, ServerInfo
 
 
 class SandboxAPIError(Exception):
@@ -116,6 +116,34 @@ class SandboxClient:
         http_timeout = (timeout or 3600.0) + self._slack
         response = await self._request("POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body, timeout=http_timeout)
         return ExecResult.model_validate_json(response)
+
+    async def run(
+        self,
+        sandbox_id: str,
+        *,
+        argv: list[str] | None = None,
+        script: str | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float | None = None,
+        max_output_bytes: int | None = None,
+    ) -> RunResult:
+        """A one-shot run: a fresh process whose exit status the server takes from waitpid (what eval uses)."""
+        request = RunRequest(
+            argv=argv, script=script, cwd=cwd, env=env or {}, timeout=timeout, max_output_bytes=max_output_bytes
+        )
+        body = request.model_dump(mode="json", exclude_none=True)
+        http_timeout = (timeout or 3600.0) + self._slack
+        response = await self._request("POST", f"/v1/sandboxes/{sandbox_id}/run", json=body, timeout=http_timeout)
+        return RunResult.model_validate_json(response)
+
+    async def end_processes(self, sandbox_id: str) -> list[str]:
+        """End every process in the sandbox (sessions, what they started, one-shot runs); returns the sessions."""
+        return json.loads(await self._request("POST", f"/v1/sandboxes/{sandbox_id}/kill"))["sessions_ended"]
+
+    async def wipe(self, sandbox_id: str) -> None:
+        """End every process and empty the workspace and /tmp: the sandbox as it was when created."""
+        await self._request("POST", f"/v1/sandboxes/{sandbox_id}/wipe")
 
     async def send_input(
         self,

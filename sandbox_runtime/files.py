@@ -7,7 +7,8 @@ write anywhere on the host by swapping ``out`` for a link to ``/etc`` at the rig
 path string below a mount's host directory is ever handed to the kernel: every component is
 opened with ``openat(dir_fd, name, O_NOFOLLOW)`` starting from an fd on the mount's host
 directory, and a symlink anywhere along the way is an error (or, for a file that ``unpack`` is
-about to replace, it is unlinked -- never followed).
+about to replace, it is unlinked -- never followed).  For the same reason, what we create is
+given to the sandbox's uid with ``fchown`` on the fd we already hold, never by path.
 
 Everything here is synchronous and stateless beyond the mount table; the server calls it through
 ``asyncio.to_thread``.
@@ -131,8 +132,21 @@ def _is_symlink(dir_fd: int, name: str) -> bool:
         return False
 
 
-def _open_dir(dir_fd: int, name: str, display: str, create: bool) -> int:
-    """Open directory ``name`` inside ``dir_fd`` without following a link, creating it if asked."""
+def _fchown(fd: int, owner: tuple[int, int] | None, display: str) -> None:
+    """chown the file or directory open on ``fd`` to ``owner``; no-op when there is no owner."""
+    if owner is None:
+        return
+    try:
+        os.fchown(fd, *owner)
+    except OSError as err:
+        raise _fs_error(err, display) from None
+
+
+def _open_dir(dir_fd: int, name: str, display: str, create: bool, owner: tuple[int, int] | None = None) -> int:
+    """Open directory ``name`` inside ``dir_fd`` without following a link, creating it if asked.
+
+    A directory we create is given to ``owner``; one that already exists is left as it is.
+    """
     try:
         return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError as err:
@@ -140,28 +154,39 @@ def _open_dir(dir_fd: int, name: str, display: str, create: bool) -> int:
             raise _fs_error(err, display) from None
     except OSError as err:
         raise _classify_open_failure(dir_fd, name, display, err) from None
+    created = True
     try:
         os.mkdir(name, 0o755, dir_fd=dir_fd)
     except FileExistsError:
-        pass  # created concurrently (possibly as a link): the open below decides
+        created = False  # created concurrently (possibly as a link): the open below decides
     except OSError as err:
         raise _fs_error(err, display) from None
     try:
-        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     except OSError as err:
         raise _classify_open_failure(dir_fd, name, display, err) from None
+    if created:
+        try:
+            _fchown(fd, owner, display)
+        except BaseException:
+            os.close(fd)
+            raise
+    return fd
 
 
-def _walk(dir_fd: int, base: str, parts: tuple[str, ...] | list[str], create: bool) -> int:
+def _walk(
+    dir_fd: int, base: str, parts: tuple[str, ...] | list[str], create: bool, owner: tuple[int, int] | None = None
+) -> int:
     """Open the directory ``parts`` below ``dir_fd`` one component at a time; return a new fd.
 
     ``base`` is the in-sandbox path of ``dir_fd``, for messages.  The caller owns the returned fd
-    (a dup of ``dir_fd`` when ``parts`` is empty); ``dir_fd`` itself is left open.
+    (a dup of ``dir_fd`` when ``parts`` is empty); ``dir_fd`` itself is left open.  Directories
+    created on the way are given to ``owner``.
     """
     fd = os.dup(dir_fd)
     try:
         for i, name in enumerate(parts):
-            nxt = _open_dir(fd, name, _join(base, parts[: i + 1]), create)
+            nxt = _open_dir(fd, name, _join(base, parts[: i + 1]), create, owner)
             os.close(fd)
             fd = nxt
     except BaseException:
@@ -213,6 +238,27 @@ class _CappedBuffer(io.BytesIO):
         if self.tell() + memoryview(b).nbytes > self._limit:
             raise _ArchiveTooLarge
         return super().write(b)
+
+
+class _ContentTooLarge(Exception):
+    pass
+
+
+class _ContentCap:
+    """Running total of file bytes put into an archive, checked before each file is read.
+
+    The compressed-size cap alone does not bound the work: a sparse 100 GB file compresses to
+    almost nothing, so ``pack`` would read (and the kernel would zero-fill) 100 GB for it.
+    """
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.total = 0
+
+    def take(self, size: int) -> None:
+        self.total += size
+        if self.limit is not None and self.total > self.limit:
+            raise _ContentTooLarge
 
 
 class _FixedSizeReader:
@@ -305,17 +351,21 @@ class _Plan:
 
     member: tarfile.TarInfo
     parts: tuple[str, ...]
-    data_from: tarfile.TarInfo | None = None  # for regular files and hardlinks
+    link_to: tuple[str, ...] = ()  # for hardlinks: the earlier member whose inode they share
 
 
-def _plan_unpack(tar: tarfile.TarFile, display: str) -> list[_Plan]:
+def _plan_unpack(
+    tar: tarfile.TarFile, display: str, max_file_bytes: int | None, max_total_bytes: int | None
+) -> list[_Plan]:
     """Check every member before anything is written, so a bad archive writes nothing at all.
 
     Rules (``tarfile.data_filter`` or stricter): only regular files, directories, symlinks and
     hardlinks; no absolute names or '..'; symlinks must be relative and resolve inside the target
     even through the archive's other symlinks; no member may sit below a symlink member (we
-    would have to follow it); hardlinks must name an earlier regular file in the archive and are
-    extracted as copies of it (so they can never be tied to an inode outside the target).
+    would have to follow it); hardlinks must name an earlier regular file (or hardlink to one)
+    in the archive, and become links to the inode extracted for it, so they can never be tied
+    to an inode outside the target.  Sizes: no regular file over ``max_file_bytes``, and their
+    sum (hardlinks add no data) at most ``max_total_bytes``.
     """
     try:
         members = tar.getmembers()
@@ -331,7 +381,8 @@ def _plan_unpack(tar: tarfile.TarFile, display: str) -> list[_Plan]:
             links[parts] = m.linkname
 
     plans: list[_Plan] = []
-    regular: dict[tuple[str, ...], tarfile.TarInfo] = {}
+    regular: set[tuple[str, ...]] = set()  # paths a hardlink may point at
+    total = 0
     kinds: dict[tuple[str, ...], str] = {}
     for m in members:
         parts = _member_parts(m.name, "member")
@@ -352,8 +403,14 @@ def _plan_unpack(tar: tarfile.TarFile, display: str) -> list[_Plan]:
             raise FileAccessError(400, f"archive member {m.name!r} appears twice, once as a symlink")
 
         if m.isreg():
-            plan = _Plan(m, parts, data_from=m)
-            regular[parts] = m
+            if max_file_bytes is not None and m.size > max_file_bytes:
+                raise FileAccessError(
+                    413,
+                    f"archive member {m.name!r} is {m.size} bytes, more than the {max_file_bytes}-byte per-file limit",
+                )
+            total += m.size
+            plan = _Plan(m, parts)
+            regular.add(parts)
         elif m.isdir():
             plan = _Plan(m, parts)
         elif m.issym():
@@ -366,15 +423,15 @@ def _plan_unpack(tar: tarfile.TarFile, display: str) -> list[_Plan]:
                 )
             plan = _Plan(m, parts)
         elif m.islnk():
-            src = regular.get(_member_parts(m.linkname, "hardlink target"))
-            if src is None:
+            src = _member_parts(m.linkname, "hardlink target")
+            if src not in regular:
                 raise FileAccessError(
                     400,
                     f"archive hardlink {m.name!r} -> {m.linkname!r} does not name an earlier "
                     "regular file in the archive",
                 )
-            plan = _Plan(m, parts, data_from=src)
-            regular[parts] = src
+            plan = _Plan(m, parts, link_to=src)
+            regular.add(parts)
         else:
             raise FileAccessError(
                 400,
@@ -382,7 +439,23 @@ def _plan_unpack(tar: tarfile.TarFile, display: str) -> list[_Plan]:
                 "only files, directories and links can be unpacked",
             )
         plans.append(plan)
+    if max_total_bytes is not None and total > max_total_bytes:
+        raise FileAccessError(
+            413,
+            f"cannot unpack into {display!r}: the archive's files total {total} bytes, "
+            f"more than the sandbox's remaining {max_total_bytes}-byte disk budget",
+        )
     return plans
+
+
+def _make_room(parent: int, name: str, display: str, what: str) -> None:
+    """Remove the file or link at ``name`` so a link member can take its place, as tar does.
+
+    unlinkat never follows a link; a directory is kept and refused.
+    """
+    if stat.S_ISDIR(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
+        raise FileAccessError(409, f"{display!r} is a directory; cannot replace it with {what}")
+    os.unlink(name, dir_fd=parent)
 
 
 def _file_mode(mode: int) -> int:
@@ -405,14 +478,52 @@ def _set_mtime(fd: int, mtime: float) -> None:
         os.utime(fd, (mtime, mtime))
 
 
+def _dir_usage(dir_fd: int, display: str, depth: int, seen: set[tuple[int, int]]) -> int:
+    """Allocated bytes of everything below ``dir_fd``, like ``du``: links never followed.
+
+    A file with several links is counted once (``seen`` holds their inodes); entries that vanish
+    or turn into something else while we look (the agent is live) are skipped.  Too deep a tree
+    is an error rather than a silent undercount, so nesting cannot hide data from the budget.
+    """
+    if depth >= _MAX_PACK_DEPTH:
+        raise FileAccessError(400, f"{display!r} is nested more than {_MAX_PACK_DEPTH} directories deep")
+    total = 0
+    with os.scandir(dir_fd) as entries:
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+                if (st.st_dev, st.st_ino) in seen:
+                    continue
+                seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
+            if not stat.S_ISDIR(st.st_mode):
+                continue
+            sub = _join(display, [entry.name])
+            try:
+                fd = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
+            except OSError as err:
+                if err.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                    continue  # removed, or swapped for a file or link since the stat
+                raise _fs_error(err, sub) from None
+            with _closing_fd(fd):
+                total += _dir_usage(fd, sub, depth + 1, seen)
+    return total
+
+
 class SandboxFiles:
     """File operations on one sandbox's mounted directories, addressed by in-sandbox paths.
 
     ``mounts`` maps an in-sandbox mount point (``"/workspace"``) to the host directory behind it;
     ``workdir`` is the in-sandbox directory that relative request paths are resolved against.
+    ``owner`` is the (uid, gid) the sandbox's processes run as: when the server runs as root,
+    everything the file API creates or writes is given to it, so the agent can edit (and delete)
+    what it was handed.  ``None`` chowns nothing (a server that runs as the sandbox's own user).
     """
 
-    def __init__(self, mounts: dict[str, Path], workdir: str) -> None:
+    def __init__(self, mounts: dict[str, Path], workdir: str, owner: tuple[int, int] | None = None) -> None:
         if not mounts:
             raise ValueError("SandboxFiles needs at least one mount")
         self._mounts: dict[tuple[str, ...], tuple[str, Path]] = {}
@@ -426,6 +537,7 @@ class SandboxFiles:
         self._workdir = "/" + "/".join(_split(workdir))
         if self._find_mount(tuple(_split(workdir))) is None:
             raise ValueError(f"workdir {workdir!r} is not inside any mount: {self._mount_list()}")
+        self._owner = owner
 
     # -- path resolution ------------------------------------------------------------------------
 
@@ -459,12 +571,23 @@ class SandboxFiles:
     def _open_parent(self, t: _Target, create: bool) -> int:
         """fd of the directory holding ``t``'s last component (``t.parts`` must be non-empty)."""
         with _closing_fd(os.open(t.host_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)) as root:
-            return _walk(root, t.mount, t.parts[:-1], create)
+            return _walk(root, t.mount, t.parts[:-1], create, owner=self._owner)
 
     def _open_dir_target(self, t: _Target, create: bool) -> int:
         """fd of the directory ``t`` itself."""
         with _closing_fd(os.open(t.host_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)) as root:
-            return _walk(root, t.mount, t.parts, create)
+            return _walk(root, t.mount, t.parts, create, owner=self._owner)
+
+    def _own_file(self, fd: int, st: os.stat_result, display: str) -> None:
+        """Give the regular file open on ``fd`` to the owner, unless it has other links.
+
+        Files are written in place, so the agent could have hard-linked a host file it can write
+        (but does not own) at the path, and chowning that inode would hand the host file over.
+        A file with one link lives only here.  One with more is left as it is: if ``unpack``
+        made the links, they share an inode that was given away when it had one link.
+        """
+        if st.st_nlink == 1:
+            _fchown(fd, self._owner, display)
 
     def _open_existing(self, t: _Target) -> int:
         """Open whatever ``t`` names (file or directory) read-only, refusing a symlink."""
@@ -478,16 +601,22 @@ class SandboxFiles:
 
     # -- public API -----------------------------------------------------------------------------
 
-    def write(self, path: str, data: bytes) -> int:
+    def write(self, path: str, data: bytes, max_file_bytes: int | None = None) -> int:
         """Write ``data`` to the file at ``path``, creating missing parent directories.
 
-        Existing files are overwritten in place (owner and mode kept); a symlink at ``path`` is
-        refused rather than followed, so a link to a host file can never be truncated.  The file
-        is truncated only after fstat confirms it is a regular file.  Returns bytes written.
+        Existing files are overwritten in place (mode kept); a symlink at ``path`` is refused
+        rather than followed, so a link to a host file can never be truncated.  The file is
+        truncated only after fstat confirms it is a regular file.  The file and any directories
+        created go to the sandbox's owner (see the class).  More than ``max_file_bytes`` of data
+        is refused with 413 before anything is touched.  Returns bytes written.
         """
         t = self._resolve(path)
         if not t.parts:
             raise FileAccessError(409, f"{t.display!r} is a directory")
+        if max_file_bytes is not None and len(data) > max_file_bytes:
+            raise FileAccessError(
+                413, f"{t.display!r}: {len(data)} bytes is more than the {max_file_bytes}-byte per-file limit"
+            )
         with _closing_fd(self._open_parent(t, create=True)) as parent:
             try:
                 fd = os.open(t.parts[-1], _WRITE_FLAGS, 0o644, dir_fd=parent)
@@ -497,6 +626,7 @@ class SandboxFiles:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise FileAccessError(400, f"{t.display!r} is not a regular file")
+            self._own_file(fd, st, t.display)
             try:
                 os.ftruncate(fd, 0)
                 _write_all(fd, data)
@@ -524,61 +654,93 @@ class SandboxFiles:
                 raise FileAccessError(413, f"{t.display!r} is more than the {max_bytes}-byte limit")
             return data
 
-    def pack(self, path: str, max_bytes: int) -> bytes:
+    def pack(self, path: str, max_bytes: int, max_content_bytes: int | None = None) -> bytes:
         """Return a ``tar.gz`` of the directory (or single file) at ``path``.
 
         Member names are relative to ``path`` (a single file is stored under its base name).
         Symlinks are stored as symlinks with their text, never dereferenced; FIFOs, sockets and
-        devices are skipped.  Raises 413 as soon as the compressed output exceeds ``max_bytes``.
+        devices are skipped.  Raises 413 as soon as the compressed output exceeds ``max_bytes``,
+        or once the files' sizes add up to more than ``max_content_bytes`` (checked before each
+        file is read: a sparse file compresses to nothing but still costs its full size to read).
         """
         t = self._resolve(path)
         sink = _CappedBuffer(max_bytes)
+        cap = _ContentCap(max_content_bytes)
         try:
             with _closing_fd(self._open_existing(t)) as fd:
                 st = os.fstat(fd)
                 with tarfile.open(fileobj=sink, mode="w:gz", compresslevel=6) as tar:
                     if stat.S_ISDIR(st.st_mode):
-                        self._pack_dir(tar, fd, "", t.display, 0)
+                        self._pack_dir(tar, fd, "", t.display, 0, cap)
                     elif stat.S_ISREG(st.st_mode):
-                        name = t.parts[-1]
-                        tar.addfile(self._tarinfo(name, st), _FixedSizeReader(fd, st.st_size))
+                        cap.take(st.st_size)
+                        tar.addfile(self._tarinfo(t.parts[-1], st), _FixedSizeReader(fd, st.st_size))
                     else:
                         raise FileAccessError(400, f"{t.display!r} is not a regular file or directory")
         except _ArchiveTooLarge:
             raise FileAccessError(413, f"archive of {t.display!r} is larger than the {max_bytes}-byte limit") from None
+        except _ContentTooLarge:
+            raise FileAccessError(
+                413, f"{t.display!r} holds more than {max_content_bytes} bytes uncompressed; pack a smaller directory"
+            ) from None
         return sink.getvalue()
 
-    def unpack(self, path: str, archive: bytes) -> int:
+    def unpack(
+        self, path: str, archive: bytes, max_file_bytes: int | None = None, max_total_bytes: int | None = None
+    ) -> int:
         """Extract a tar (gzip'd or plain, auto-detected) into directory ``path``; return members extracted.
 
         The whole archive is validated first (see ``_plan_unpack``), so a hostile archive writes
-        nothing.  Extraction then walks every member's parents with O_NOFOLLOW, so a symlink the
-        agent already planted in the tree (``out -> /etc``) makes ``out/passwd`` fail with 400
-        instead of writing through it.  A symlink sitting exactly where a file or link member goes
-        is unlinked and replaced (unlinking never follows), as tar does.  Ownership is not
-        restored; modes lose set-id/sticky and group/other write bits.
+        nothing; that includes the sizes: a regular file over ``max_file_bytes``, or files adding
+        up to more than ``max_total_bytes`` (the caller's remaining disk budget; hardlinks add
+        nothing since they stay links), is refused with 413.  Extraction then walks every
+        member's parents with O_NOFOLLOW, so a symlink the agent already planted in the tree
+        (``out -> /etc``) makes ``out/passwd`` fail with 400 instead of writing through it.  A
+        symlink sitting exactly where a file or link member goes is unlinked and replaced
+        (unlinking never follows), as tar does.  Ownership in the archive is ignored: what is
+        made goes to the sandbox's owner (see the class); modes lose set-id/sticky and
+        group/other write bits.
         """
         t = self._resolve(path)
         with _open_archive(archive, t.display) as tar:
-            plans = _plan_unpack(tar, t.display)
+            plans = _plan_unpack(tar, t.display, max_file_bytes, max_total_bytes)
             with _closing_fd(self._open_dir_target(t, create=True)) as top:
                 dirs: list[_Plan] = []
+                inodes: dict[tuple[str, ...], tuple[int, int]] = {}  # what each file member became
                 for plan in plans:
                     display = _join(t.display, plan.parts)
-                    with _closing_fd(_walk(top, t.display, plan.parts[:-1], create=True)) as parent:
+                    parent = _walk(top, t.display, plan.parts[:-1], create=True, owner=self._owner)
+                    with _closing_fd(parent):
                         if plan.member.isdir():
-                            os.close(_open_dir(parent, plan.parts[-1], display, create=True))
+                            os.close(_open_dir(parent, plan.parts[-1], display, create=True, owner=self._owner))
                             dirs.append(plan)
                         elif plan.member.issym():
                             self._unpack_symlink(parent, plan, display)
+                        elif plan.member.islnk():
+                            inodes[plan.parts] = self._unpack_hardlink(top, t.display, parent, plan, inodes)
                         else:
-                            self._unpack_file(tar, parent, plan, display)
+                            inodes[plan.parts] = self._unpack_file(tar, parent, plan, display)
                 # Directory modes last, so a read-only directory cannot block its own contents.
                 for plan in dirs:
+                    display = _join(t.display, plan.parts)
                     with _closing_fd(_walk(top, t.display, plan.parts, create=False)) as fd:
+                        _fchown(fd, self._owner, display)
                         os.fchmod(fd, _dir_mode(plan.member.mode))
                         _set_mtime(fd, plan.member.mtime)
         return len(plans)
+
+    def usage(self) -> int:
+        """Bytes of disk used under all mounts now: allocated blocks, each inode once, as ``du``.
+
+        The server passes ``budget - usage()`` to ``unpack`` as ``max_total_bytes``, so this has
+        to be quick for a few thousand files: one fstatat per entry, nothing read.
+        """
+        seen: set[tuple[int, int]] = set()
+        total = 0
+        for point, host in self._mounts.values():
+            with _closing_fd(os.open(host, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)) as fd:
+                total += _dir_usage(fd, point, 0, seen)
+        return total
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -597,7 +759,9 @@ class SandboxFiles:
             info.size = st.st_size
         return info
 
-    def _pack_dir(self, tar: tarfile.TarFile, dir_fd: int, prefix: str, display: str, depth: int) -> None:
+    def _pack_dir(
+        self, tar: tarfile.TarFile, dir_fd: int, prefix: str, display: str, depth: int, cap: _ContentCap
+    ) -> None:
         """Add the contents of ``dir_fd`` under ``prefix``, opening every entry with O_NOFOLLOW.
 
         Entries that vanish or change type while we look (the agent is live) are skipped rather
@@ -627,32 +791,60 @@ class SandboxFiles:
                 st = os.fstat(fd)
                 if stat.S_ISDIR(st.st_mode):
                     tar.addfile(self._tarinfo(arcname, st))
-                    self._pack_dir(tar, fd, arcname + "/", _join(display, [name]), depth + 1)
+                    self._pack_dir(tar, fd, arcname + "/", _join(display, [name]), depth + 1, cap)
                 elif stat.S_ISREG(st.st_mode):
+                    cap.take(st.st_size)
                     tar.addfile(self._tarinfo(arcname, st), _FixedSizeReader(fd, st.st_size))
 
-    @staticmethod
-    def _unpack_symlink(parent: int, plan: _Plan, display: str) -> None:
+    def _unpack_symlink(self, parent: int, plan: _Plan, display: str) -> None:
         name = plan.parts[-1]
         try:
-            os.symlink(plan.member.linkname, name, dir_fd=parent)
-            return
-        except FileExistsError:
-            pass
-        except OSError as err:
-            raise _fs_error(err, display) from None
-        # Something is already there: replace a file or link (unlinkat never follows), keep dirs.
-        try:
-            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                raise FileAccessError(409, f"{display!r} is a directory; cannot replace it with a symlink")
-            os.unlink(name, dir_fd=parent)
-            os.symlink(plan.member.linkname, name, dir_fd=parent)
+            try:
+                os.symlink(plan.member.linkname, name, dir_fd=parent)
+            except FileExistsError:
+                _make_room(parent, name, display, "a symlink")
+                os.symlink(plan.member.linkname, name, dir_fd=parent)
+            if self._owner is not None:
+                # A symlink cannot be opened for fchown, so this goes by name (never following).
+                # The agent could swap in another non-directory in the instant since symlinkat;
+                # it can only plant what it may hard-link, i.e. files it can already write.
+                os.chown(name, *self._owner, dir_fd=parent, follow_symlinks=False)
         except OSError as err:
             raise _fs_error(err, display) from None
 
-    @staticmethod
-    def _unpack_file(tar: tarfile.TarFile, parent: int, plan: _Plan, display: str) -> None:
+    def _unpack_hardlink(
+        self, top: int, base: str, parent: int, plan: _Plan, inodes: dict[tuple[str, ...], tuple[int, int]]
+    ) -> tuple[int, int]:
+        """Hard-link ``plan``'s path to the inode extracted for its target; return that inode.
+
+        The link shares the target's inode, owner and mode, so no data is written and nothing is
+        chowned.  The agent may swap the target's name for another file while we link; the
+        new link is checked against the inode we extracted, and removed if it is anything else.
+        """
+        name = plan.parts[-1]
+        display = _join(base, plan.parts)
+        want = inodes[plan.link_to]
+        with _closing_fd(_walk(top, base, plan.link_to[:-1], create=False)) as src_dir:
+            try:
+                try:
+                    os.link(plan.link_to[-1], name, src_dir_fd=src_dir, dst_dir_fd=parent, follow_symlinks=False)
+                except FileExistsError:
+                    st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+                    if (st.st_dev, st.st_ino) == want:
+                        return want  # already that file: a link to itself, or unpacked before
+                    _make_room(parent, name, display, "a hardlink")
+                    os.link(plan.link_to[-1], name, src_dir_fd=src_dir, dst_dir_fd=parent, follow_symlinks=False)
+                st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            except OSError as err:
+                raise _fs_error(err, display) from None
+        if (st.st_dev, st.st_ino) != want:
+            with suppress(OSError):
+                os.unlink(name, dir_fd=parent)
+            raise FileAccessError(409, f"{_join(base, plan.link_to)!r} changed while {display!r} was linked to it")
+        return want
+
+    def _unpack_file(self, tar: tarfile.TarFile, parent: int, plan: _Plan, display: str) -> tuple[int, int]:
+        """Write a regular member's data at ``plan``'s path; return the (st_dev, st_ino) written."""
         name = plan.parts[-1]
         try:
             fd = os.open(name, _WRITE_FLAGS, 0o600, dir_fd=parent)
@@ -667,20 +859,20 @@ class SandboxFiles:
             except OSError as err2:
                 raise _classify_open_failure(parent, name, display, err2) from None
         with _closing_fd(fd):
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise FileAccessError(400, f"{display!r} exists and is not a regular file")
+            self._own_file(fd, st, display)
             try:
                 os.ftruncate(fd, 0)
             except OSError as err:
                 raise _fs_error(err, display) from None
-            src_info = plan.data_from
-            assert src_info is not None
             try:
-                src = tar.extractfile(src_info)
+                src = tar.extractfile(plan.member)
             except _ARCHIVE_ERRORS as err:
                 raise _archive_error(display, err) from None
             assert src is not None
-            left = src_info.size
+            left = plan.member.size
             while left > 0:
                 try:
                     chunk = src.read(min(_CHUNK, left))
@@ -695,3 +887,4 @@ class SandboxFiles:
                 left -= len(chunk)
             os.fchmod(fd, _file_mode(plan.member.mode))
             _set_mtime(fd, plan.member.mtime)
+            return st.st_dev, st.st_ino

@@ -1,9 +1,13 @@
 """The sandbox manager: creates, finds and deletes sandboxes, reaps expired ones, and recovers from a crash.
 
 State on disk, under `state_dir`: a lock file (one server per state dir) and one folder per sandbox with
-its workspace, its /tmp and `record.json` (pids with start times). A server that was SIGKILLed leaves those
-folders behind; the next server on the same state dir kills what the records name, if each pid still has
-its recorded start time, and removes the folders.
+its workspace, its /tmp and `record.json` (pids with start times, the sandbox's uid). A server that was
+SIGKILLed leaves those folders behind; the next server on the same state dir kills what the records name (a
+pid only if it still has its recorded start time; every process of a recorded sandbox uid) and removes them.
+
+The manager is also where the server's policy is enforced, whoever the client is: the `local` backend only
+where the operator allowed it, images only by name from the server's image directories, every limit below its
+maximum, and, under a root server, one unprivileged host uid per live sandbox.
 """
 
 from __future__ import annotations
@@ -13,10 +17,13 @@ import contextlib
 import fcntl
 import logging
 import os
+import resource
 import secrets
 import shutil
+import stat
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from pathlib import Path
 from typing import TextIO
 
 from . import procs
@@ -26,6 +33,7 @@ from .config import ServerConfig
 from .metrics import Metrics
 from .models import Limits, SandboxSpec
 from .sandbox import Sandbox
+from .session import SessionError
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +44,42 @@ class SandboxNotFound(Exception):
 
 class CapacityError(Exception):
     status = 429
+
+
+class PolicyError(Exception):
+    """A spec the server's policy refuses: 400, or 403 for a backend the operator did not allow."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+# Which rlimit bounds each limit from above (an unprivileged sandbox cannot raise a hard limit), in our units.
+_RLIMITS = {
+    "memory_mb": (resource.RLIMIT_AS, 1 << 20),
+    "pids": (resource.RLIMIT_NPROC, 1),
+    "cpu_seconds": (resource.RLIMIT_CPU, 1),
+    "file_size_mb": (resource.RLIMIT_FSIZE, 1 << 20),
+    "open_files": (resource.RLIMIT_NOFILE, 1),
+}
+
+
+def effective_max_limits(asked: Limits) -> Limits:
+    """The configured maxima, lowered to the server's own hard rlimits: bash in the sandbox could not set more."""
+    values = asked.model_dump()
+    for name, (which, unit) in _RLIMITS.items():
+        hard = resource.getrlimit(which)[1]
+        if hard != resource.RLIM_INFINITY and values[name] is not None:
+            values[name] = min(values[name], hard // unit)
+    return Limits(**values)
+
+
+def unreachable_ancestor(path: Path) -> Path | None:
+    """The first directory on the way to `path` that other users cannot traverse (no o+x), or None."""
+    for directory in [*reversed(path.parents), path]:
+        if directory.exists() and not directory.stat().st_mode & stat.S_IXOTH:
+            return directory
+    return None
 
 
 class SandboxManager:
@@ -50,16 +94,28 @@ class SandboxManager:
         self._reaper: asyncio.Task[None] | None = None
         self._lock_file: TextIO | None = None
         self.default_backend = config.backend or self._pick_default()
+        self.max_limits = effective_max_limits(config.max_limits)
+        defaults = config.default_limits.model_dump()
+        self.default_limits = Limits(
+            **{
+                k: v if v is None or m is None else min(v, m)
+                for (k, v), m in zip(defaults.items(), self.max_limits.model_dump().values())
+            }
+        )
+        # Under root, each sandbox runs as a uid of its own; unprivileged, as the server's own uid.
+        self.sandbox_uids = config.sandbox_uids if os.geteuid() == 0 else None
+        self._free_uids: deque[int] = deque(self.sandbox_uids or ())
+        self.image_dirs = [d.resolve() for d in config.image_dirs]
 
     # -- start and stop ---------------------------------------------------------------------------------
     async def start(self) -> None:
         self.boxes_dir.mkdir(parents=True, exist_ok=True)
         self._lock_state_dir()
-        if os.geteuid() == 0:
-            log.warning(
-                "running as root: the kernel does not apply the pids limit (RLIMIT_NPROC) to uid 0, so a fork "
-                "bomb is not contained; run the server as an unprivileged user (memory and file limits still hold)"
-            )
+        for directory in self.image_dirs:
+            if not directory.is_dir():
+                raise RuntimeError(f"image directory {directory} does not exist")
+        if self.sandbox_uids is not None:
+            self._check_reachable_by_sandboxes()
         reaped = await self.reap_leftovers()
         if reaped:
             log.warning("reaped %d sandboxes left by a previous server in %s", reaped, self.state_dir)
@@ -73,6 +129,18 @@ class SandboxManager:
         await asyncio.gather(*(self.delete(i) for i in list(self._sandboxes)), return_exceptions=True)
         if self._lock_file is not None:
             self._lock_file.close()  # closing releases the lock
+
+    def _check_reachable_by_sandboxes(self) -> None:
+        """Sandbox uids must reach their own workspaces (bwrap binds them as that uid) and the images."""
+        for directory in (self.state_dir, self.boxes_dir):
+            directory.chmod(0o711)  # traversable, not listable: a sandbox cannot list the others
+        for path, what in [(self.boxes_dir, "state dir"), *((d, "image directory") for d in self.image_dirs)]:
+            blocked = unreachable_ancestor(path)
+            if blocked is not None:
+                raise RuntimeError(
+                    f"the {what} {path} lies below {blocked}, which the sandboxes' unprivileged uids cannot "
+                    "traverse (no o+x); choose one they can reach, e.g. --state-dir /var/lib/prorl-sandbox"
+                )
 
     def _lock_state_dir(self) -> None:
         lock = open(self.state_dir / "server.lock", "w")  # noqa: SIM115 - held for the server's lifetime
@@ -118,28 +186,63 @@ class SandboxManager:
     async def create(self, spec: SandboxSpec) -> Sandbox:
         if len(self._sandboxes) >= self.config.max_sandboxes:
             raise CapacityError(f"sandbox limit reached ({self.config.max_sandboxes}); delete some first")
-        backend = self.backend(spec.backend)
+        name = spec.backend or self.default_backend
+        if name == "local" and not self.config.allow_local:
+            raise PolicyError(
+                "the local backend isolates nothing and this server does not offer it "
+                "(start it with --allow-local to allow it)",
+                403,
+            )
+        backend = self.backend(name)
+        image_root = self.resolve_image(spec.image)
         spec = spec.model_copy(update={"backend": backend.name, "limits": self._limits(spec.limits)})
+        if self.sandbox_uids is not None and not self._free_uids:
+            raise CapacityError("every sandbox uid is in use; delete some sandboxes first")
+        uid = self._free_uids.popleft() if self.sandbox_uids is not None else None
         sandbox_id = secrets.token_hex(6)
-        dirs = SandboxDirs(sandbox_id, self.boxes_dir / sandbox_id)
+        dirs = SandboxDirs(sandbox_id, self.boxes_dir / sandbox_id, uid=uid, image_root=image_root)
         dirs.workspace.mkdir(parents=True)
         dirs.tmp.mkdir()
-        dirs.tmp.chmod(0o1777)
+        if uid is None:
+            dirs.tmp.chmod(0o1777)
+        else:  # the sandbox's own uid owns what it may write; its folder is traversable, not listable
+            dirs.root.chmod(0o711)
+            for own in (dirs.workspace, dirs.tmp):
+                os.chown(own, uid, uid)
+                own.chmod(0o700)
         box = Sandbox(dirs, spec, backend, self.config.default_output_bytes)
         self._sandboxes[sandbox_id] = box
         try:
             box.write_record()
             await backend.create(dirs, spec)
             await box.session("default")
-        except BaseException:
+        except BaseException as exc:
             await self.delete(sandbox_id)
+            if isinstance(exc, SessionError) and spec.image:  # the client's image, not the server, is at fault
+                raise PolicyError(f"image {spec.image!r} cannot start a shell: {exc}") from exc
             raise
         self.metrics.sandboxes_created.labels(backend.name).inc()
         return box
 
     def _limits(self, asked: Limits) -> Limits:
-        defaults = self.config.default_limits.model_dump()
-        return Limits(**{k: v if v is not None else defaults[k] for k, v in asked.model_dump().items()})
+        """What the spec asked for, each at most the server's maximum, the rest the server's defaults."""
+        values, maxima, defaults = asked.model_dump(), self.max_limits.model_dump(), self.default_limits.model_dump()
+        for name, value in values.items():
+            if value is not None and maxima[name] is not None and value > maxima[name]:
+                raise PolicyError(f"limits.{name} {value} is above this server's maximum {maxima[name]}")
+        return Limits(**{k: v if v is not None else defaults[k] for k, v in values.items()})
+
+    def resolve_image(self, name: str | None) -> Path | None:
+        """The host path of image `name`, found under one of the server's image directories (the name was
+        validated as relative with no '..'; a symlink that leads out of the image directory is refused)."""
+        if name is None:
+            return None
+        for directory in self.image_dirs:
+            candidate = (directory / name).resolve()
+            if candidate.is_relative_to(directory) and candidate != directory and candidate.exists():
+                return candidate
+        where = "it has no image directories (--image-dir)" if not self.image_dirs else "its image directories"
+        raise PolicyError(f"no image named {name!r} on this server: images are looked up in {where}")
 
     async def delete(self, sandbox_id: str) -> bool:
         """Delete a sandbox; returns False if it was already deleted. Every process is gone on return."""
@@ -157,9 +260,16 @@ class SandboxManager:
             del self._sandboxes[sandbox_id]
             self._remember_deleted(sandbox_id)
             await asyncio.to_thread(shutil.rmtree, box.dirs.root, ignore_errors=True)
+            self._release_uid(box.dirs.uid)
             self.metrics.sandboxes_deleted.labels(box.backend.name).inc()
             box.deleted.set()
         return True
+
+    def _release_uid(self, uid: int | None) -> None:
+        """Hand a uid back only once no process runs as it (a straggler would join the next sandbox)."""
+        if uid is not None:
+            procs.kill_user(uid)
+            self._free_uids.append(uid)
 
     def _remember_deleted(self, sandbox_id: str) -> None:
         self._deleted[sandbox_id] = None
@@ -189,10 +299,15 @@ class SandboxManager:
             for pid, started in record.get("sessions", {}).values():
                 if procs.is_same_process(pid, started):
                     procs.kill_session(pid)
-            if record.get("backend") and record["backend"] != "local":
+            uid = record.get("uid")
+            if isinstance(uid, int) and self.sandbox_uids is not None and uid in self.sandbox_uids:
+                procs.kill_user(uid)  # setsid daemons, one-shot runs: everything that ran as the sandbox
+            else:
+                uid = None
+            if record.get("backend"):
                 with contextlib.suppress(BackendError, RuntimeError, ValueError):
                     spec = SandboxSpec.model_validate(record["spec"])
-                    await self.backend(record["backend"]).destroy(SandboxDirs(root.name, root), spec)
+                    await self.backend(record["backend"]).destroy(SandboxDirs(root.name, root, uid=uid), spec)
             await asyncio.to_thread(shutil.rmtree, root, ignore_errors=True)
             reaped += 1
         return reaped

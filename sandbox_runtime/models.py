@@ -7,6 +7,7 @@ handlers and the sandbox code only ever see well-typed values.
 from __future__ import annotations
 
 import posixpath
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -21,21 +22,39 @@ class _Strict(BaseModel):
 
 
 class Limits(_Strict):
-    """Resource limits of a sandbox's processes, enforced with rlimits (cgroups are not delegated here)."""
+    """Resource limits of a sandbox, enforced with rlimits (cgroups are not delegated here) and, for the file
+    API, by the server. A field left out takes the server's default; above the server's maximum is a 400.
+    Both are in GET /v1/info."""
 
     memory_mb: int | None = Field(None, gt=0, description="address space per process (RLIMIT_AS)")
-    pids: int | None = Field(None, gt=0, description="processes of the sandbox's user (RLIMIT_NPROC)")
+    pids: int | None = Field(None, gt=0, description="processes of the sandbox's own host uid (RLIMIT_NPROC)")
     cpu_seconds: int | None = Field(None, gt=0, description="CPU time per process (RLIMIT_CPU)")
-    file_size_mb: int | None = Field(None, gt=0, description="largest file a process may write (RLIMIT_FSIZE)")
+    file_size_mb: int | None = Field(
+        None, gt=0, description="largest file a process or the file API may write (RLIMIT_FSIZE)"
+    )
     open_files: int | None = Field(None, gt=0, description="open file descriptors per process (RLIMIT_NOFILE)")
+    disk_mb: int | None = Field(
+        None, gt=0, description="what the file API may bring into the sandbox in all (archives counted expanded)"
+    )
+
+
+# Variables the runtime's shell owns (its completion marker, its prompt) or bash keeps read-only.
+RESERVED_ENV = frozenset({"PROMPT_COMMAND", "PS0", "PS1", "PS2", "PS4", "SHELLOPTS", "BASHOPTS", "BASH_ENV", "ENV"})
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+_IMAGE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*(/[A-Za-z0-9_][A-Za-z0-9_.+-]*)*$")
 
 
 class SandboxSpec(_Strict):
     """Body of POST /v1/sandboxes."""
 
     backend: str | None = None
-    image: str | None = Field(None, description="bwrap: a root directory; apptainer: a SIF file or URI")
-    env: dict[str, str] = Field(default_factory=dict)
+    image: str | None = Field(
+        None,
+        max_length=255,
+        description="an image by name, relative to one of the server's --image-dir directories "
+        "(bwrap: a root filesystem directory; apptainer: a SIF file); never a host path",
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="environment of the sandboxed shell only")
     workdir: str = "/workspace"
     network: Literal["none", "host"] = "none"
     limits: Limits = Field(default_factory=Limits)
@@ -53,13 +72,30 @@ class SandboxSpec(_Strict):
             raise ValueError(f"workdir {value!r} would hide a system directory; use e.g. /workspace")
         return normal
 
+    @field_validator("image")
+    @classmethod
+    def _image_name(cls, value: str | None) -> str | None:
+        if value is not None and (not _IMAGE_NAME.match(value) or ".." in value.split("/")):
+            raise ValueError(
+                f"image {value!r} is not an image name: names are relative to the server's image directories "
+                "(letters, digits, '._+-', '/' between parts; no '..', no absolute path)"
+            )
+        return value
+
     @field_validator("env")
     @classmethod
     def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
-        for name, text in value.items():
-            if not name or "=" in name or "\0" in name or "\0" in text:
-                raise ValueError(f"invalid environment variable {name!r}")
-        return value
+        return check_env(value)
+
+
+def check_env(value: dict[str, str]) -> dict[str, str]:
+    """Environment variables for a sandboxed process: shell identifiers, no NUL, none the runtime owns."""
+    for name, text in value.items():
+        if not _ENV_NAME.match(name) or "\0" in text:
+            raise ValueError(f"invalid environment variable {name!r}: names are shell identifiers, values have no NUL")
+        if name in RESERVED_ENV or name.startswith("__prorl"):
+            raise ValueError(f"environment variable {name!r} is reserved by the runtime's shell")
+    return value
 
 
 class SessionInfo(BaseModel):
@@ -107,6 +143,45 @@ class InputRequest(_Strict):
         return [value] if isinstance(value, str) else value
 
 
+class RunRequest(_Strict):
+    """Body of POST /v1/sandboxes/{id}/run: one process, started fresh, whose exit status the server takes
+    from the kernel (waitpid), not from terminal output. What evaluation should run."""
+
+    argv: list[str] | None = Field(None, min_length=1, description="the program and its arguments")
+    script: str | None = Field(None, min_length=1, description="a bash script, run as `bash -c script`")
+    cwd: str | None = Field(None, description="working directory inside the sandbox (default: the workdir)")
+    env: dict[str, str] = Field(default_factory=dict, description="added to the sandbox's environment")
+    timeout: float | None = Field(None, gt=0)
+    max_output_bytes: int | None = Field(None, gt=0)
+
+    @field_validator("argv")
+    @classmethod
+    def _no_nul(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any("\0" in arg for arg in value):
+            raise ValueError("argv entries may not contain NUL")
+        return value
+
+    @field_validator("cwd")
+    @classmethod
+    def _absolute_cwd(cls, value: str | None) -> str | None:
+        if value is not None and (not value.startswith("/") or "\0" in value):
+            raise ValueError("cwd must be an absolute path inside the sandbox")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        return check_env(value)
+
+
+class RunResult(BaseModel):
+    output: str = Field(description="stdout and stderr together, head and tail kept when over the cap")
+    exit_code: int | None = Field(description="from waitpid; 128+N when killed by signal N; None on timeout")
+    status: Literal["completed", "timeout"]
+    truncated: bool
+    duration_s: float
+
+
 class ExecResult(BaseModel):
     output: str
     exit_code: int | None
@@ -130,6 +205,10 @@ class ServerInfo(BaseModel):
     max_sandboxes: int
     sandboxes: int
     default_limits: Limits
+    max_limits: Limits
+    local_backend_allowed: bool
+    image_dirs: int = Field(description="how many image directories the server takes images from")
+    sandbox_uids: str | None = Field(description="host uids sandboxes run as (one each), or None: the server's own")
     max_timeout_s: float
     max_output_bytes: int
     max_body_bytes: int

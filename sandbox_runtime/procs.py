@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 _PROC = Path("/proc")
@@ -45,6 +46,51 @@ def session_members(sid: int) -> list[int]:
         if fields and int(fields[3]) == sid and fields[0] != "Z":
             members.append(int(entry.name))
     return members
+
+
+def _real_uid(pid: int) -> int | None:
+    try:
+        for line in (_PROC / str(pid) / "status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError, PermissionError, ValueError):
+        pass
+    return None
+
+
+def _environ_has(pid: int, entry: bytes) -> bool:
+    try:
+        return entry in (_PROC / str(pid) / "environ").read_bytes().split(b"\0")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return False
+
+
+def _kill_until_gone(select: Callable[[int], bool]) -> int:
+    """SIGKILL every process `select` picks, again until none is left (a process may fork while we scan)."""
+    signalled = 0
+    for _ in range(100):
+        victims = [int(e.name) for e in os.scandir(_PROC) if e.name.isdigit() and select(int(e.name))]
+        victims = [pid for pid in victims if pid != os.getpid() and (_stat_fields(pid) or ["Z"])[0] != "Z"]
+        if not victims:
+            break
+        for pid in victims:
+            kill(pid)
+        signalled += len(victims)
+    return signalled
+
+
+def kill_user(uid: int) -> int:
+    """SIGKILL every process whose real uid is `uid`: a sandbox's own uid, which no other process uses."""
+    if uid == 0:
+        raise ValueError("refusing to kill every process of uid 0")
+    return _kill_until_gone(lambda pid: _real_uid(pid) == uid)
+
+
+def kill_marked(name: str, value: str) -> int:
+    """SIGKILL every process of this uid whose environment holds `name=value` (inherited by all that a
+    launcher started, `setsid` daemons included)."""
+    entry, me = f"{name}={value}".encode(), os.getuid()
+    return _kill_until_gone(lambda pid: _real_uid(pid) == me and _environ_has(pid, entry))
 
 
 def kill_session(sid: int) -> int:

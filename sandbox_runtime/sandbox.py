@@ -1,15 +1,19 @@
-"""One sandbox: its directories, its backend, and its named bash sessions."""
+"""One sandbox: its directories, its backend, its named bash sessions and its one-shot runs."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 
-from .backends.base import Backend, SandboxDirs
+from .backends.base import ONESHOT_ARGV, Backend, SandboxDirs
 from .files import SandboxFiles
-from .models import SandboxInfo, SandboxSpec, SessionInfo
+from .models import RunRequest, RunResult, SandboxInfo, SandboxSpec, SessionInfo
+from .oneshot import run_once, run_script
 from .session import SessionError, ShellSession
 
 RECORD = "record.json"
@@ -28,8 +32,10 @@ class Sandbox:
         self._output_limit = output_limit
         self._sessions: dict[str, ShellSession] = {}
         self._starting: dict[str, asyncio.Task[ShellSession]] = {}
+        self._runs: set[asyncio.Task[RunResult]] = set()
         self.workdir = backend.workdir(dirs, spec)
-        self.files = SandboxFiles(backend.visible_paths(dirs, spec), self.workdir)
+        owner = None if dirs.uid is None else (dirs.uid, dirs.uid)
+        self.files = SandboxFiles(backend.visible_paths(dirs, spec), self.workdir, owner=owner)
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
@@ -77,13 +83,52 @@ class Sandbox:
         self.write_record()
         return True
 
-    async def close(self) -> None:
-        """Kill every session (each waits until its processes are gone), then the backend's own state."""
-        self.closing = True
+    async def run(self, request: RunRequest, timeout: float, max_output: int) -> RunResult:
+        """A one-shot run (oneshot.py): a fresh process whose exit status comes from waitpid."""
+        if self.closing:
+            raise SessionError(f"sandbox {self.id} is being deleted", status=404)
+        self.touch()
+        argv = request.argv or ["bash", "--norc", "--noprofile", "-c", request.script or ""]
+        launch = self.backend.launch(self.dirs, self.spec, ONESHOT_ARGV)
+        script = run_script(launch, request.cwd or self.workdir, request.env, argv)
+        task = asyncio.ensure_future(run_once(launch, script, timeout, max_output))
+        self._runs.add(task)  # a delete cancels it, and its process with it
+        try:
+            return await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._runs.discard(task)
+            self.touch()
+
+    async def end_processes(self) -> list[str]:
+        """End every process of the sandbox: each session (a daemon it started too) and each one-shot run.
+        The sandbox stays; a later command starts a fresh session. Returns the names of the sessions ended."""
+        ended = await self._stop_sessions_and_runs()
+        await self.backend.end_processes(self.dirs, self.spec)
+        self.write_record()
+        return ended
+
+    async def _stop_sessions_and_runs(self) -> list[str]:
         for task in list(self._starting.values()):
             await asyncio.gather(task, return_exceptions=True)
-        sessions, self._sessions = list(self._sessions.values()), {}
-        await asyncio.gather(*(s.close() for s in sessions))
+        sessions, self._sessions = self._sessions, {}
+        runs, self._runs = list(self._runs), set()
+        for task in runs:
+            task.cancel()
+        await asyncio.gather(*(s.close() for s in sessions.values()), *runs, return_exceptions=True)
+        return sorted(sessions)
+
+    async def wipe(self) -> list[str]:
+        """End every process, then empty the workspace and /tmp: the sandbox is as it was when created."""
+        ended = await self.end_processes()
+        for directory in (self.dirs.workspace, self.dirs.tmp):
+            await asyncio.to_thread(empty_directory, directory)
+        return ended
+
+    async def close(self) -> None:
+        """Kill every session and run (each waits until its processes are gone), then the backend's own state."""
+        self.closing = True
+        await self._stop_sessions_and_runs()
         await self.backend.destroy(self.dirs, self.spec)
 
     def write_record(self) -> None:
@@ -92,10 +137,12 @@ class Sandbox:
             "id": self.id,
             "backend": self.backend.name,
             "spec": self.spec.model_dump(mode="json"),
+            "uid": self.dirs.uid,
             "sessions": {n: [s.pid, s.started_at] for n, s in self._sessions.items() if not s.dead},
         }
         tmp = self.dirs.root / (RECORD + ".tmp")
         tmp.write_text(json.dumps(record))
+        tmp.chmod(0o600)
         tmp.replace(self.dirs.root / RECORD)
 
     @staticmethod
@@ -132,3 +179,22 @@ class Sandbox:
         if self.spec.idle_timeout_s is not None and not busy and now_mono - self.last_used > self.spec.idle_timeout_s:
             return "idle"
         return None
+
+
+def empty_directory(directory: Path) -> None:
+    """Remove everything inside `directory`, never following a link (shutil.rmtree works on fds here), also
+    entries whose owner made them unwritable (an unprivileged server owns its sandboxes' files: it makes each
+    directory writable again and retries). Call it only once every process that could write there is gone."""
+
+    def writable_again(func, path, _exc_info):
+        with contextlib.suppress(OSError):
+            os.chmod(os.path.dirname(path), 0o700)
+        with contextlib.suppress(FileNotFoundError):
+            func(path)
+
+    for entry in os.scandir(directory):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, onerror=writable_again)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)

@@ -14,11 +14,20 @@ from aiohttp import web
 from . import __version__
 from .backends import describe_backends
 from .config import ServerConfig
+from .files import FileAccessError
 from .manager import SandboxManager
 from .metrics import Metrics
-from .models import ExecRequest, InputRequest, SandboxSpec, ServerInfo
+from .models import ExecRequest, InputRequest, RunRequest, SandboxSpec, ServerInfo
 from .session import SessionError, key_bytes
-from .webapp import bearer_auth, count_requests, errors_as_json, json_response, parse, serve_app
+from .webapp import (
+    bearer_auth,
+    count_requests,
+    errors_as_json,
+    json_response,
+    parse,
+    refuse_browsers,
+    serve_app,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +61,13 @@ async def info(request: web.Request) -> web.Response:
             backends=describe_backends(),
             max_sandboxes=config.max_sandboxes,
             sandboxes=len(manager),
-            default_limits=config.default_limits,
+            default_limits=manager.default_limits,
+            max_limits=manager.max_limits,
+            local_backend_allowed=config.allow_local,
+            image_dirs=len(manager.image_dirs),
+            sandbox_uids=None
+            if manager.sandbox_uids is None
+            else f"{manager.sandbox_uids.start}-{manager.sandbox_uids.stop - 1}",
             max_timeout_s=config.max_timeout_s,
             max_output_bytes=config.max_output_bytes,
             max_body_bytes=config.max_body_bytes,
@@ -61,8 +76,7 @@ async def info(request: web.Request) -> web.Response:
 
 
 async def create_sandbox(request: web.Request) -> web.Response:
-    body = await request.read()
-    spec = SandboxSpec.model_validate_json(body) if body else SandboxSpec()
+    spec: SandboxSpec = await parse(request, SandboxSpec, empty_ok=True)
     box = await request.app[MANAGER].create(spec)
     return json_response(box.info(), status=201)
 
@@ -82,21 +96,47 @@ async def delete_sandbox(request: web.Request) -> web.Response:
     return web.json_response({"id": sandbox_id, "deleted": True, "already_deleted": not deleted})
 
 
+def checked_timeout_and_output(
+    config: ServerConfig, timeout: float | None, max_output: int | None
+) -> tuple[float, int]:
+    timeout = timeout or config.default_timeout_s
+    if timeout > config.max_timeout_s:
+        raise web.HTTPBadRequest(text=f"timeout {timeout} exceeds the server's maximum {config.max_timeout_s}")
+    if max_output and max_output > config.max_output_bytes:
+        raise web.HTTPBadRequest(
+            text=f"max_output_bytes {max_output} exceeds the server's maximum {config.max_output_bytes}"
+        )
+    return timeout, max_output or config.default_output_bytes
+
+
 async def exec_command(request: web.Request) -> web.Response:
     config = request.app[CONFIG]
     box = request.app[MANAGER].get(request.match_info["id"])
     req: ExecRequest = await parse(request, ExecRequest)
-    timeout = req.timeout or config.default_timeout_s
-    if timeout > config.max_timeout_s:
-        raise web.HTTPBadRequest(text=f"timeout {timeout} exceeds the server's maximum {config.max_timeout_s}")
-    if req.max_output_bytes and req.max_output_bytes > config.max_output_bytes:
-        raise web.HTTPBadRequest(
-            text=f"max_output_bytes {req.max_output_bytes} exceeds the server's maximum {config.max_output_bytes}"
-        )
+    timeout, _ = checked_timeout_and_output(config, req.timeout, req.max_output_bytes)
     session = await box.session(req.session)
     result = await session.run(req.command, timeout, req.max_output_bytes, keep=req.on_timeout == "keep")
     request.app[METRICS].exec_seconds.labels(result.status).observe(result.duration_s)
     return json_response(result)
+
+
+async def run_once(request: web.Request) -> web.Response:
+    box = request.app[MANAGER].get(request.match_info["id"])
+    req: RunRequest = await parse(request, RunRequest)
+    if (req.argv is None) == (req.script is None):
+        raise web.HTTPBadRequest(text="give exactly one of `argv` or `script`")
+    timeout, max_output = checked_timeout_and_output(request.app[CONFIG], req.timeout, req.max_output_bytes)
+    return json_response(await box.run(req, timeout, max_output))
+
+
+async def end_processes(request: web.Request) -> web.Response:
+    box = request.app[MANAGER].get(request.match_info["id"])
+    return web.json_response({"id": box.id, "sessions_ended": await box.end_processes()})
+
+
+async def wipe(request: web.Request) -> web.Response:
+    box = request.app[MANAGER].get(request.match_info["id"])
+    return web.json_response({"id": box.id, "sessions_ended": await box.wipe(), "wiped": True})
 
 
 async def session_input(request: web.Request) -> web.Response:
@@ -125,10 +165,19 @@ async def delete_session(request: web.Request) -> web.Response:
     return web.json_response({"id": box.id, "session": name, "deleted": True})
 
 
+def mb(value: int | None) -> int | None:
+    return None if value is None else value << 20
+
+
 async def put_file(request: web.Request) -> web.Response:
     box = request.app[MANAGER].get(request.match_info["id"])
     path = path_param(request)
-    written = await asyncio.to_thread(box.files.write, path, await request.read())
+    data = await request.read()
+    disk = await asyncio.to_thread(box.files.usage)
+    budget = mb(box.spec.limits.disk_mb)
+    if budget is not None and disk + len(data) > budget:
+        raise FileAccessError(413, f"{path!r}: over the sandbox's disk budget of {budget} bytes (limits.disk_mb)")
+    written = await asyncio.to_thread(box.files.write, path, data, mb(box.spec.limits.file_size_mb))
     return web.json_response({"path": path, "bytes": written}, status=201)
 
 
@@ -141,19 +190,30 @@ async def get_file(request: web.Request) -> web.Response:
 async def put_archive(request: web.Request) -> web.Response:
     box = request.app[MANAGER].get(request.match_info["id"])
     path = path_param(request)
-    count = await asyncio.to_thread(box.files.unpack, path, await request.read())
+    archive = await request.read()
+    budget = mb(box.spec.limits.disk_mb)
+    room = None if budget is None else max(budget - await asyncio.to_thread(box.files.usage), 0)
+    count = await asyncio.to_thread(box.files.unpack, path, archive, mb(box.spec.limits.file_size_mb), room)
     return web.json_response({"path": path, "members": count}, status=201)
 
 
 async def get_archive(request: web.Request) -> web.Response:
     box = request.app[MANAGER].get(request.match_info["id"])
-    data = await asyncio.to_thread(box.files.pack, path_param(request), request.app[CONFIG].max_body_bytes)
+    limit = request.app[CONFIG].max_body_bytes
+    # Sparse files compress to nothing: bound what is read, not only what is sent.
+    content_limit = max(limit, mb(box.spec.limits.disk_mb) or 0)
+    data = await asyncio.to_thread(box.files.pack, path_param(request), limit, content_limit)
     return web.Response(body=data, content_type="application/gzip")
 
 
 def create_app(config: ServerConfig) -> web.Application:
     registry = Metrics()
-    middlewares = [errors_as_json(config.max_body_bytes), bearer_auth(config.token), count_requests(registry.requests)]
+    middlewares = [
+        errors_as_json(config.max_body_bytes),
+        refuse_browsers(config.token),
+        bearer_auth(config.token),
+        count_requests(registry.requests),
+    ]
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app[METRICS] = registry
@@ -178,6 +238,9 @@ def create_app(config: ServerConfig) -> web.Application:
             web.get(sandbox, get_sandbox),
             web.delete(sandbox, delete_sandbox),
             web.post(sandbox + "/exec", exec_command),
+            web.post(sandbox + "/run", run_once),
+            web.post(sandbox + "/kill", end_processes),
+            web.post(sandbox + "/wipe", wipe),
             web.post(session + "/input", session_input),
             web.get(session + "/output", session_output),
             web.delete(session, delete_session),

@@ -76,10 +76,11 @@ def encode_command(command: str) -> bytes:
 
 @dataclass
 class Launch:
-    """What a backend hands a session: the command line that starts bash in the sandbox."""
+    """What a backend hands a session or a one-shot run: the command line that starts bash in the sandbox."""
 
     argv: list[str]
-    env: dict[str, str]
+    env: dict[str, str]  # the host-side launcher's whole environment: fixed by the backend, never a client's
+    sandbox_env: dict[str, str] = field(default_factory=dict)  # exported by the sandboxed bash itself
     ulimits: list[str] = field(default_factory=list)  # `ulimit -HS` arguments the shell applies first
     cwd: str | None = None
     # True when the launched process is a pid-namespace holder (bwrap): killing its child, the namespace's
@@ -95,8 +96,33 @@ class SessionError(Exception):
         self.status = status
 
 
+def shell_word(text: str) -> str:
+    """`text` as one bash word, verbatim: $'...' with every control byte, quote and backslash escaped."""
+    return encode_command(text).decode("utf-8", errors="surrogateescape").removeprefix("eval ")
+
+
+def preamble(launch: Launch) -> str:
+    """What the sandboxed bash runs before anything else: its limits, then its environment."""
+    limits = f"ulimit -HS {' '.join(launch.ulimits)} || exit 97; " if launch.ulimits else ""
+    exports = "".join(f"export {name}={shell_word(value)}; " for name, value in launch.sandbox_env.items())
+    return limits + exports
+
+
+def default_signals() -> None:
+    """In a child before exec: every signal at its default disposition and unblocked.
+
+    Python ignores SIGPIPE and SIGXFSZ, and ignored dispositions survive exec: without this, `yes | head -n1`
+    would run forever in a sandbox and a file-size limit would give EFBIG instead of killing the writer.
+    """
+    for signum in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
 def _raw_terminal() -> None:
-    """In the child: raw bytes out (no \\n -> \\r\\n), no line editing in (no 4 KB line cap), signal keys on."""
+    """In the child: raw bytes out (no \\n -> \\r\\n), no line editing in (no 4 KB line cap), signal keys on,
+    and default signal dispositions."""
+    default_signals()
     attrs = termios.tcgetattr(0)
     attrs[1] &= ~termios.ONLCR
     attrs[3] &= ~termios.ICANON
@@ -134,6 +160,7 @@ class ShellSession:
     # -- life cycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
         launch = self._launch
+        # No prompt before the set-up line has run (it would lead the first command's output).
         env = {**launch.env, "TERM": "dumb", "PS1": "", "PS2": ""}
         try:
             self._proc = PtyProcess.spawn(launch.argv, env=env, cwd=launch.cwd, echo=False, preexec_fn=_raw_terminal)
@@ -146,8 +173,8 @@ class ShellSession:
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
         self._exited = self._loop.create_task(procs.wait_exit(self.pid))
         nonce = self._arm(self._default_limit)
-        limits = f"ulimit -HS {' '.join(launch.ulimits)} || exit 97; " if launch.ulimits else ""
-        await self._write((limits + _SETUP_LINE.replace("{nonce}", nonce)).encode())
+        setup = _SETUP_LINE.replace("{nonce}", nonce)
+        await self._write((preamble(launch) + setup).encode("utf-8", errors="surrogateescape"))
         result = await self._wait(START_TIMEOUT_S)
         if result is None or self.dead:
             output, _ = self._out.take()

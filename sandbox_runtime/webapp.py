@@ -1,14 +1,17 @@
 """What both HTTP servers of the project share (the sandbox runtime's and the rollout service's): JSON errors,
-bearer-token auth, request metrics, body parsing, and running an app until SIGTERM."""
+bearer-token auth, the refusal of browser-borne requests, request metrics, body parsing, and running an app
+until SIGTERM."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
 from prometheus_client import Counter
@@ -71,9 +74,42 @@ def bearer_auth(token: str | None, open_paths: frozenset[str] = frozenset({"/hea
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if token and request.path not in open_paths:
-            sent = request.headers.get("Authorization", "").encode()
+            # aiohttp decodes header bytes as UTF-8 with surrogateescape: encode them back the same way.
+            sent = request.headers.get("Authorization", "").encode("utf-8", errors="surrogateescape")
             if not hmac.compare_digest(sent, expected):
                 return error_response(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
+        return await handler(request)
+
+    return middleware
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a Host header (or an Origin's host) names this machine's loopback: localhost, 127/8, ::1."""
+    name = urlsplit(f"//{host}").hostname or ""
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def refuse_browsers(token: str | None) -> Middleware:
+    """Without a token a server listens on loopback only, where the one untrusted client left is a web page in
+    a browser on the same machine. It can reach loopback by DNS rebinding (its own host name, resolved to
+    127.0.0.1: the Host header gives it away) or by a cross-site form post (a foreign Origin, a text/plain
+    body: no CORS preflight). Both are refused. With a token, the token is the gate: browsers cannot send it.
+    """
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if token is None:
+            host = request.headers.get("Host", "")
+            if not is_loopback_host(host):
+                return error_response(403, f"Host {host!r} is not a loopback name; this token-less server refuses it")
+            origin = request.headers.get("Origin")
+            if origin is not None and urlsplit(origin).netloc != host:
+                return error_response(403, f"cross-origin request from {origin!r} refused")
         return await handler(request)
 
     return middleware
@@ -92,10 +128,18 @@ def count_requests(counter: Counter) -> Middleware:
     return middleware
 
 
-async def parse(request: web.Request, model: type[BaseModel]) -> BaseModel:
+async def parse(request: web.Request, model: type[BaseModel], empty_ok: bool = False) -> BaseModel:
+    """The request's JSON body as `model`. A body must come as application/json: a browser cannot send that
+    cross-site without a CORS preflight, which these servers never grant."""
     body = await request.read()
     if not body:
+        if empty_ok:
+            return model()
         raise web.HTTPBadRequest(text=f"a JSON body is required ({model.__name__})")
+    if request.content_type != "application/json":
+        raise web.HTTPUnsupportedMediaType(
+            text=f"the body must be JSON with Content-Type: application/json, not {request.content_type!r}"
+        )
     return model.model_validate_json(body)
 
 

@@ -36,7 +36,8 @@ class Recorder:
 
 @pytest.fixture
 def dirs(tmp_path: Path) -> SandboxDirs:
-    return SandboxDirs("abc-123", tmp_path / "sb")
+    # The manager resolves a spec's image name under the server's image directories into `image_root`.
+    return SandboxDirs("abc-123", tmp_path / "sb", image_root=Path(IMAGE))
 
 
 def backend(runner: Recorder | None = None, **kwargs) -> ApptainerBackend:
@@ -63,34 +64,42 @@ def start_argv(dirs: SandboxDirs, *middle: str, image: str = IMAGE, workdir: str
 
 
 # -- instance start ---------------------------------------------------------------------------------------
+def test_refused_under_a_root_server(dirs: SandboxDirs) -> None:
+    as_sandbox_uid = SandboxDirs(dirs.id, dirs.root, uid=2_000_000_000, image_root=dirs.image_root)
+    with pytest.raises(BackendError) as error:
+        backend().start_argv(as_sandbox_uid, SandboxSpec(image="base.sif"))
+    assert error.value.status == 400 and "unprivileged server" in str(error.value)
+
+
 async def test_create_default_spec_has_no_network(dirs: SandboxDirs) -> None:
     runner = Recorder()
-    await backend(runner).create(dirs, SandboxSpec(image=IMAGE))
+    await backend(runner).create(dirs, SandboxSpec(image="base.sif"))
     assert runner.calls == [start_argv(dirs, "--net", "--network", "none")]
 
 
 def test_network_host_has_no_net_flags(dirs: SandboxDirs) -> None:
-    argv = backend().start_argv(dirs, SandboxSpec(image=IMAGE, network="host"))
+    argv = backend().start_argv(dirs, SandboxSpec(image="base.sif", network="host"))
     assert argv == start_argv(dirs)
 
 
 def test_fakeroot(dirs: SandboxDirs) -> None:
-    argv = backend(fakeroot=True).start_argv(dirs, SandboxSpec(image=IMAGE))
+    argv = backend(fakeroot=True).start_argv(dirs, SandboxSpec(image="base.sif"))
     assert argv == start_argv(dirs, "--net", "--network", "none", "--fakeroot")
 
 
 def test_custom_workdir_and_default_image(dirs: SandboxDirs) -> None:
-    argv = backend(default_image="docker://bash:5").start_argv(dirs, SandboxSpec(workdir="/code"))
+    no_image = SandboxDirs(dirs.id, dirs.root)
+    argv = backend(default_image="docker://bash:5").start_argv(no_image, SandboxSpec(workdir="/code"))
     assert argv == start_argv(dirs, "--net", "--network", "none", image="docker://bash:5", workdir="/code")
     # The spec's own image wins over the default.
-    argv = backend(default_image="docker://bash:5").start_argv(dirs, SandboxSpec(image=IMAGE))
+    argv = backend(default_image="docker://bash:5").start_argv(dirs, SandboxSpec(image="base.sif"))
     assert argv[-2] == IMAGE
 
 
 async def test_missing_image_is_a_400(dirs: SandboxDirs) -> None:
     runner = Recorder()
     with pytest.raises(BackendError) as info:
-        await backend(runner).create(dirs, SandboxSpec())
+        await backend(runner).create(SandboxDirs(dirs.id, dirs.root), SandboxSpec())
     assert info.value.status == 400
     assert "image is required for apptainer" in str(info.value)
     assert runner.calls == []
@@ -99,7 +108,7 @@ async def test_missing_image_is_a_400(dirs: SandboxDirs) -> None:
 async def test_failing_start_is_a_500_with_the_output(dirs: SandboxDirs) -> None:
     runner = Recorder((255, "INFO: Converting SIF file\nFATAL:   could not open image /images/base.sif\n"))
     with pytest.raises(BackendError) as info:
-        await backend(runner).create(dirs, SandboxSpec(image=IMAGE))
+        await backend(runner).create(dirs, SandboxSpec(image="base.sif"))
     assert info.value.status == 500
     assert "FATAL:   could not open image /images/base.sif" in str(info.value)
     assert "exit 255" in str(info.value)
@@ -108,7 +117,7 @@ async def test_failing_start_is_a_500_with_the_output(dirs: SandboxDirs) -> None
 async def test_timed_out_start_stops_what_it_may_have_started(dirs: SandboxDirs) -> None:
     runner = Recorder((TIMEOUT_STATUS, "apptainer instance start timed out after 120 s"), (255, "no instance"))
     with pytest.raises(BackendError, match="timed out"):
-        await backend(runner).create(dirs, SandboxSpec(image=IMAGE))
+        await backend(runner).create(dirs, SandboxSpec(image="base.sif"))
     assert runner.calls[1] == ["apptainer", "instance", "stop", "--force", "prorl-abc-123"]
 
 
@@ -122,7 +131,9 @@ def test_launch_carries_the_environment_in_argv(dirs: SandboxDirs, monkeypatch: 
     monkeypatch.setenv("APPTAINERENV_LEAK", "no")  # would be injected into the container
     monkeypatch.setenv("SECRET_TOKEN", "no")
     value = 'a,b=$HOME "q" `x`'  # kept verbatim: no --env CSV splitting or shell evaluation
-    spec = SandboxSpec(image=IMAGE, workdir="/code", env={"ZED": "1", "ALPHA": value}, limits=Limits(memory_mb=512))
+    spec = SandboxSpec(
+        image="base.sif", workdir="/code", env={"ZED": "1", "ALPHA": value}, limits=Limits(memory_mb=512)
+    )
 
     launch = backend().launch(dirs, spec)
 
@@ -151,11 +162,11 @@ def test_launch_carries_the_environment_in_argv(dirs: SandboxDirs, monkeypatch: 
 
 def test_launch_env_falls_back_to_the_default_path(dirs: SandboxDirs, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PATH", raising=False)
-    assert backend().launch(dirs, SandboxSpec(image=IMAGE)).env["PATH"] == DEFAULT_PATH
+    assert backend().launch(dirs, SandboxSpec(image="base.sif")).env["PATH"] == DEFAULT_PATH
 
 
 def test_spec_env_overrides_the_shell_defaults(dirs: SandboxDirs) -> None:
-    spec = SandboxSpec(image=IMAGE, env={"PATH": "/venv/bin:/usr/bin", "TERM": "xterm"})
+    spec = SandboxSpec(image="base.sif", env={"PATH": "/venv/bin:/usr/bin", "TERM": "xterm"})
     argv = backend().launch(dirs, spec).argv
     assert "PATH=/venv/bin:/usr/bin" in argv and "TERM=xterm" in argv
     assert f"PATH={DEFAULT_PATH}" not in argv and "TERM=dumb" not in argv
@@ -164,7 +175,7 @@ def test_spec_env_overrides_the_shell_defaults(dirs: SandboxDirs) -> None:
 # -- instance stop and list -------------------------------------------------------------------------------
 async def test_destroy_stops_the_instance(dirs: SandboxDirs) -> None:
     runner = Recorder()
-    await backend(runner).destroy(dirs, SandboxSpec(image=IMAGE))
+    await backend(runner).destroy(dirs, SandboxSpec(image="base.sif"))
     assert runner.calls == [["apptainer", "instance", "stop", "--force", "prorl-abc-123"]]
     assert backend().stop_argv("prorl-x") == ["apptainer", "instance", "stop", "--force", "prorl-x"]
 
@@ -174,15 +185,15 @@ async def test_destroy_is_idempotent(dirs: SandboxDirs) -> None:
         (255, "FATAL:   no instance found with name prorl-abc-123\n"),
         (1, "ERROR:  No instance found with name prorl-abc-123\n"),  # Singularity 3.x
     )
-    await backend(runner).destroy(dirs, SandboxSpec(image=IMAGE))
-    await backend(runner).destroy(dirs, SandboxSpec(image=IMAGE))
+    await backend(runner).destroy(dirs, SandboxSpec(image="base.sif"))
+    await backend(runner).destroy(dirs, SandboxSpec(image="base.sif"))
     assert len(runner.calls) == 2
 
 
 async def test_destroy_failure_is_a_500(dirs: SandboxDirs) -> None:
     runner = Recorder((255, "FATAL:   permission denied\n"))
     with pytest.raises(BackendError, match="permission denied") as info:
-        await backend(runner).destroy(dirs, SandboxSpec(image=IMAGE))
+        await backend(runner).destroy(dirs, SandboxSpec(image="base.sif"))
     assert info.value.status == 500
 
 
@@ -238,7 +249,7 @@ async def test_probe_and_create_when_neither_is_installed(
     missing = ApptainerBackend(runner=runner)
     assert missing.binary is None
     with pytest.raises(BackendError, match=NOT_INSTALLED):
-        await missing.create(dirs, SandboxSpec(image=IMAGE))
+        await missing.create(dirs, SandboxSpec(image="base.sif"))
     assert runner.calls == []
 
 
@@ -288,10 +299,10 @@ def tiny_image(root: Path) -> str:
 )
 async def test_real_instance_runs_a_session(tmp_path: Path) -> None:
     apptainer = ApptainerBackend()
-    dirs = SandboxDirs("t" + secrets.token_hex(4), tmp_path / "sandbox")
+    dirs = SandboxDirs("t" + secrets.token_hex(4), tmp_path / "sandbox", image_root=Path(tiny_image(tmp_path)))
     dirs.workspace.mkdir(parents=True)
     dirs.tmp.mkdir()
-    spec = SandboxSpec(image=tiny_image(tmp_path), env={"GREETING": 'a,b=$HOME "q"'})
+    spec = SandboxSpec(image="test", env={"GREETING": 'a,b=$HOME "q"'})
     name = apptainer.instance_name(dirs)
 
     await apptainer.create(dirs, spec)

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_runtime.backends.base import BackendError, SandboxDirs, ulimit_args
+from sandbox_runtime.backends.base import SandboxDirs, ulimit_args
 from sandbox_runtime.backends.bwrap import BwrapBackend
 from sandbox_runtime.models import Limits, SandboxSpec
 
@@ -45,17 +45,31 @@ def test_image_directory_becomes_the_root(dirs, tmp_path):
     (image / "etc").mkdir()
     (image / "bin").symlink_to("usr/bin")
     (image / "home").mkdir()
-    argv = BwrapBackend(tmp_path / "state").argv(dirs, SandboxSpec(image=str(image)))
+    with_image = SandboxDirs(dirs.id, dirs.root, image_root=image)
+    argv = BwrapBackend(tmp_path / "state").argv(with_image, SandboxSpec(image="image"))
     assert (str(image / "usr"), "/usr") in pairs(argv, "--ro-bind")
     assert ("usr/bin", "/bin") in pairs(argv, "--symlink")
     assert (str(image / "home"), "/home") not in pairs(argv, "--ro-bind")
     assert "/sys" not in argv
 
 
-def test_missing_image_is_a_client_error(dirs):
-    with pytest.raises(BackendError) as error:
-        BwrapBackend(Path("/srv")).argv(dirs, SandboxSpec(image="/no/such/root"))
-    assert error.value.status == 400
+@pytest.mark.parametrize("name", ["/etc", "//", "../x", "a/../../b", "", "-rf"])
+def test_an_image_is_a_name_never_a_host_path(name):
+    with pytest.raises(ValueError, match="image"):
+        SandboxSpec(image=name)
+
+
+def test_under_a_root_server_bwrap_runs_as_the_sandbox_uid_without_capabilities(dirs):
+    as_uid = SandboxDirs(dirs.id, dirs.root, uid=2_000_000_007)
+    launch = BwrapBackend(Path("/var/lib/prorl")).launch(as_uid, SandboxSpec(env={"LD_PRELOAD": "/workspace/x.so"}))
+    prefix = launch.argv[: launch.argv.index("--") + 1]
+    assert prefix[0] == "setpriv" and "--reuid=2000000007" in prefix and "--regid=2000000007" in prefix
+    for flag in ("--clear-groups", "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all", "--no-new-privs"):
+        assert flag in prefix
+    assert launch.argv[len(prefix)] == "bwrap" and "--disable-userns" in launch.argv
+    # The spec's env reaches the sandboxed shell only: the launchers' environment is fixed.
+    assert "LD_PRELOAD" not in launch.env and launch.sandbox_env["LD_PRELOAD"] == "/workspace/x.so"
+    assert BwrapBackend(Path("/srv")).argv(dirs, SandboxSpec())[0] == "bwrap"  # unprivileged server: no switch
 
 
 def test_limits_become_ulimit_flags():

@@ -14,6 +14,7 @@ import stat
 import sys
 import tarfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +81,13 @@ def hard(name: str, target: str) -> tuple[tarfile.TarInfo, None]:
     info = tarfile.TarInfo(name)
     info.type = tarfile.LNKTYPE
     info.linkname = target
+    return info, None
+
+
+def folder(name: str, mode: int = 0o755) -> tuple[tarfile.TarInfo, None]:
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.DIRTYPE
+    info.mode = mode
     return info, None
 
 
@@ -359,6 +367,7 @@ def test_unpack_plain_tar_and_hardlink(env: Env) -> None:
     assert env.files.unpack("out", archive) == 2
     assert (env.ws / "out" / "a" / "b.txt").read_bytes() == b"data"
     assert (env.ws / "out" / "a" / "c.txt").read_bytes() == b"data"
+    assert (env.ws / "out" / "a" / "c.txt").samefile(env.ws / "out" / "a" / "b.txt")
     assert stat.S_IMODE((env.ws / "out" / "a" / "b.txt").stat().st_mode) == 0o640
 
 
@@ -453,3 +462,188 @@ def test_concurrent_symlink_swaps_never_escape(env: Env) -> None:
     assert sorted(os.listdir(env.outside)) == ["secret.txt"]
     assert sorted(os.listdir(real)) == ["secret.txt"]
     assert env.secret.read_bytes() == SECRET
+
+
+# -- ownership ------------------------------------------------------------------------------------
+
+OWNER = (4242, 4343)
+
+
+def owned_files(env: Env) -> SandboxFiles:
+    if os.geteuid() != 0:
+        pytest.skip("only root can chown to another uid")
+    return SandboxFiles({"/workspace": env.ws, "/tmp": env.tmp}, workdir="/workspace", owner=OWNER)
+
+
+def owner_of(path: Path) -> tuple[int, int]:
+    st = os.lstat(path)
+    return st.st_uid, st.st_gid
+
+
+def test_owner_gets_what_write_creates_and_overwrites(env: Env) -> None:
+    files = owned_files(env)
+    (env.ws / "old.txt").write_bytes(b"root's")
+    files.write("/workspace/a/b/c.txt", b"hello")
+    files.write("old.txt", b"new")
+    for rel in ("a", "a/b", "a/b/c.txt", "old.txt"):
+        assert owner_of(env.ws / rel) == OWNER, rel
+    assert owner_of(env.ws) == (os.geteuid(), os.getegid())  # the mount itself is not ours to give
+
+
+def test_owner_gets_everything_unpack_makes(env: Env) -> None:
+    files = owned_files(env)
+    archive = tar_bytes(
+        folder("d", mode=0o700),
+        reg("d/f", b"data"),
+        reg("implicit/deep/g", b"g"),
+        sym("d/l", "f"),
+        hard("d/h", "d/f"),
+        hard("other/h2", "implicit/deep/g"),
+    )
+    assert files.unpack("/workspace/out", archive) == 6
+    out = env.ws / "out"
+    for rel in ("", "d", "d/f", "implicit", "implicit/deep", "implicit/deep/g", "d/l", "d/h", "other", "other/h2"):
+        assert owner_of(out / rel) == OWNER, rel
+    assert (out / "d" / "l").is_symlink()
+    assert (out / "d" / "h").samefile(out / "d" / "f")
+    assert stat.S_IMODE((out / "d").stat().st_mode) == 0o700  # chown did not undo the mode
+
+
+def test_no_owner_chowns_nothing(env: Env) -> None:
+    env.files.write("a/b.txt", b"x")
+    env.files.unpack("out", tar_bytes(folder("d"), reg("d/f", b"y"), sym("d/l", "f"), hard("d/h", "d/f")))
+    me = (os.geteuid(), os.getegid())
+    for rel in ("a", "a/b.txt", "out", "out/d", "out/d/f", "out/d/l", "out/d/h"):
+        assert owner_of(env.ws / rel) == me, rel
+
+
+def test_owner_not_given_to_a_hardlink_planted_to_a_host_file(env: Env) -> None:
+    """The agent links a host file into its workspace and asks us to write it: no chown."""
+    files = owned_files(env)
+    os.link(env.secret, env.ws / "planted")
+    files.write("planted", b"x")
+    files.unpack("/workspace", tar_bytes(reg("planted", b"y")))
+    assert owner_of(env.secret) == (os.geteuid(), os.getegid())
+
+
+# -- size limits and disk budget ------------------------------------------------------------------
+
+
+def test_write_over_file_limit_is_413_and_writes_nothing(env: Env) -> None:
+    (env.ws / "keep.txt").write_bytes(b"old")
+    for path in ("/workspace/new/dir/big.bin", "keep.txt"):
+        with pytest.raises(FileAccessError) as exc:
+            env.files.write(path, b"x" * 11, max_file_bytes=10)
+        assert_refused(exc, 413, "11 bytes", "10-byte per-file limit")
+    assert tree(env.ws) == {"keep.txt"}
+    assert (env.ws / "keep.txt").read_bytes() == b"old"
+    assert env.files.write("keep.txt", b"x" * 10, max_file_bytes=10) == 10
+
+
+def test_unpack_member_over_file_limit_is_413_and_writes_nothing(env: Env) -> None:
+    archive = tar_bytes(reg("small", b"x"), reg("dir/big", b"y" * 2000))
+    with pytest.raises(FileAccessError) as exc:
+        env.files.unpack("/workspace/dst", archive, max_file_bytes=1000)
+    assert_refused(exc, 413, "'dir/big'", "2000 bytes", "1000-byte per-file limit")
+    assert tree(env.ws) == set()
+    assert env.files.unpack("/workspace/dst", archive, max_file_bytes=2000) == 2
+
+
+def test_unpack_over_disk_budget_is_413_and_writes_nothing(env: Env) -> None:
+    archive = tar_bytes(*(reg(f"f{i}", b"z" * 400) for i in range(3)))
+    with pytest.raises(FileAccessError) as exc:
+        env.files.unpack("/workspace/dst", archive, max_total_bytes=1000)
+    assert_refused(exc, 413, "'/workspace/dst'", "1200 bytes", "1000-byte disk budget")
+    assert tree(env.ws) == set()
+    assert env.files.unpack("/workspace/dst", archive, max_total_bytes=1200) == 3
+
+
+def test_unpack_hardlinks_stay_links_and_cost_no_budget(env: Env) -> None:
+    """100 hardlinks to a 1 MB file: one inode on disk, not 101 MB of copies."""
+    data = os.urandom(MB)
+    archive = tar_bytes(reg("f", data), *(hard(f"links/h{i:03}", "f") for i in range(100)))
+    before = env.files.usage()
+    assert env.files.unpack("/workspace/dst", archive, max_file_bytes=MB, max_total_bytes=MB) == 101
+    dst = env.ws / "dst"
+    original = os.lstat(dst / "f")
+    assert original.st_nlink == 101
+    assert {os.lstat(p).st_ino for p in (dst / "links").iterdir()} == {original.st_ino}
+    assert (dst / "links" / "h042").read_bytes() == data
+    assert MB <= env.files.usage() - before < 2 * MB
+    # Unpacking again over the result finds the links already in place.
+    assert env.files.unpack("/workspace/dst", archive) == 101
+    assert os.lstat(dst / "f").st_nlink == 101
+
+
+def test_unpack_hardlink_replaces_file_or_link_but_not_directory(env: Env) -> None:
+    dst = env.ws / "dst"
+    dst.mkdir()
+    (dst / "h").write_bytes(b"old")
+    (dst / "planted").symlink_to(env.secret)
+    (dst / "d").mkdir()
+    archive = tar_bytes(reg("a/f", b"new"), hard("h", "a/f"), hard("planted", "a/f"), hard("h", "h"))
+    assert env.files.unpack("/workspace/dst", archive) == 4
+    for name in ("h", "planted"):
+        assert not (dst / name).is_symlink() and (dst / name).samefile(dst / "a" / "f"), name
+    assert env.secret.read_bytes() == SECRET
+    with pytest.raises(FileAccessError) as exc:
+        env.files.unpack("/workspace/dst", tar_bytes(reg("a/f", b"new"), hard("d", "a/f")))
+    assert_refused(exc, 409, "'/workspace/dst/d' is a directory")
+    assert (dst / "d").is_dir()
+
+
+def test_pack_refuses_sparse_file_by_uncompressed_size(env: Env) -> None:
+    """A sparse 1 GiB file gzips to a few KB; the content cap stops pack before reading it."""
+    (env.ws / "d").mkdir()
+    sparse = env.ws / "d" / "sparse"
+    sparse.touch()
+    os.truncate(sparse, 1 << 30)
+    start = time.monotonic()
+    for path in ("/workspace/d", "/workspace/d/sparse"):
+        with pytest.raises(FileAccessError) as exc:
+            env.files.pack(path, 10 * MB, max_content_bytes=10 * MB)
+        assert_refused(exc, 413, repr(path), f"holds more than {10 * MB} bytes uncompressed")
+    assert time.monotonic() - start < 2
+
+
+def test_pack_content_cap_is_a_running_total(env: Env) -> None:
+    for i in range(3):
+        env.files.write(f"d/sub{i}/f", b"q" * 400)
+    with pytest.raises(FileAccessError) as exc:
+        env.files.pack("/workspace/d", MB, max_content_bytes=1000)
+    assert_refused(exc, 413, "more than 1000 bytes uncompressed")
+    assert env.files.pack("/workspace/d", MB, max_content_bytes=1200)
+
+
+def test_usage_grows_by_what_was_written_and_never_follows_links(env: Env) -> None:
+    before = env.files.usage()
+    env.files.write("/workspace/a/blob", os.urandom(300_000))
+    env.files.write("/tmp/b", os.urandom(100_000))
+    grown = env.files.usage() - before
+    assert 400_000 <= grown < 400_000 + 64 * 1024
+    # A link to a big host file or directory costs only the link; a second name costs nothing.
+    (env.outside / "huge").write_bytes(os.urandom(MB))
+    (env.ws / "escape-dir").symlink_to(env.outside)
+    (env.ws / "escape-file").symlink_to(env.outside / "huge")
+    os.link(env.ws / "a" / "blob", env.ws / "blob-again")
+    assert env.files.usage() - before - grown < 64 * 1024
+
+
+def test_usage_is_quick_for_thousands_of_files(env: Env) -> None:
+    for i in range(30):
+        sub = env.ws / f"dir{i}"
+        sub.mkdir()
+        for j in range(100):
+            (sub / f"f{j}").write_bytes(b"x")
+    start = time.monotonic()
+    assert env.files.usage() >= 3000  # at least one byte each; a block each on most filesystems
+    assert time.monotonic() - start < 2
+
+
+def test_usage_refuses_too_deep_a_tree(env: Env) -> None:
+    """Rather than undercount: nesting must not hide data from the disk budget."""
+    deep = env.tmp.joinpath(*["d"] * 257)
+    deep.mkdir(parents=True)
+    with pytest.raises(FileAccessError) as exc:
+        env.files.usage()
+    assert_refused(exc, 400, "nested more than 256 directories deep")

@@ -21,6 +21,7 @@ from typing import Any
 
 from prorl_adapter.chat import tool_call_regex, tool_call_texts
 from prorl_adapter.tasks import Environment, EpisodeState, TaskConfigError, TaskHandler, Tool, bash_tool
+from sandbox_runtime.client import SandboxAPIError
 
 WORDS = ("fix", "log", "bug", "url")
 BOX, NOTE, ANSWER = "box.tar", "note.txt", "answer.txt"
@@ -71,5 +72,8 @@ class RelayTask(TaskHandler):
             raise TaskConfigError(f"could not pack {BOX}: {result.output[-200:]}")
 
     async def evaluate(self, env: Environment, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
-        result = await env.exec(f"cat {ANSWER} 2>/dev/null", timeout=10)
-        return {"outcome": 1.0 if result.output.strip() == instance["word"] else 0.0}
+        try:  # read by the runtime itself: a link planted as answer.txt is refused, not followed
+            answer = (await env.read_file(ANSWER)).decode(errors="replace")
+        except SandboxAPIError:
+            return {"outcome": 0.0}
+        return {"outcome": 1.0 if answer.strip() == instance["word"] else 0.0}

@@ -32,5 +32,5 @@ class ShellTask(TaskHandler):
                 raise TaskConfigError(f"setup failed with exit code {result.exit_code}: {result.output[-500:]}")
 
     async def evaluate(self, env: Environment, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
-        result = await env.exec(instance["check"], timeout=60)
+        result = await env.run(script=instance["check"], timeout=60)
         return {"outcome": 1.0 if result.status == "completed" and result.exit_code == 0 else 0.0}

@@ -1,19 +1,34 @@
-"""`swe`: a git repository with a failing test; the agent edits the code, and at eval its patch is applied to a
-clean checkout with the original tests restored, and the tests run in the same sandbox.
+"""`swe`: a git repository with a failing test; the agent edits the code; eval grades its patch the way
+SWE-bench does, on a fresh checkout with the original tests restored.
 
 Instance: {"problem_statement": "...", "files": {"path": "content", ...}, "test_files": {"path": "content"},
-           "test_command": "python3 -m unittest -q"}
+           "test_command": "python3 -m unittest -v",
+           optional: "FAIL_TO_PASS": [test names], "PASS_TO_PASS": [test names] (lists, or JSON strings of lists
+           as in SWE-bench rows), "test_framework": "unittest" | "pytest" (default: pytest if the command
+           names it, else unittest)}
+
+Eval trusts nothing the agent could have planted (swe_grading.py has the rules):
+1. the pipeline has ended every process the agent started;
+2. the repository is read through the runtime's file API (links stored as links, never followed), and the
+   patch is computed from it in this process: the agent's git (config, hooks, attributes, excludes) never runs;
+3. the sandbox is wiped (workspace and /tmp emptied), and the original files with the patch applied and the
+   original tests restored are written back;
+4. the test command runs as a one-shot process whose exit status comes from the kernel; where the instance
+   names the tests that must pass, each must appear as passed in the log (an early `exit 0` passes nothing).
 """
 
 from __future__ import annotations
 
-import shlex
+import json
 from typing import Any
 
 from prorl_adapter.tasks import Environment, EpisodeState, TaskConfigError, TaskHandler
+from sandbox_runtime.client import SandboxAPIError
+
+from .swe_grading import agent_changes, graded_tree, parse_test_log, tests_verdict
 
 REPO = "repo"
-PATCH = "/tmp/agent.patch"
+TEST_LOG_BYTES = 8 << 20  # a verbose log in full: a named test cut out of the middle would count as missing
 
 
 class SweTask(TaskHandler):
@@ -33,6 +48,7 @@ class SweTask(TaskHandler):
         for field in ("problem_statement", "files", "test_files", "test_command"):
             if not instance.get(field):
                 raise TaskConfigError(f"an swe instance needs {field!r}")
+        named_tests(instance, "FAIL_TO_PASS"), named_tests(instance, "PASS_TO_PASS")  # malformed: fail in init
         for path, content in {**instance["files"], **instance["test_files"]}.items():
             await env.write_file(f"{REPO}/{path}", content)
         result = await env.exec(
@@ -44,17 +60,35 @@ class SweTask(TaskHandler):
             raise TaskConfigError(f"could not create the repository: {result.output[-500:]}")
 
     async def evaluate(self, env: Environment, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
-        tests = list(instance["test_files"])
-        excludes = " ".join(f"--exclude={shlex.quote(t)}" for t in tests)
-        repo = f"{env.workdir}/{REPO}"  # absolute: the session's cwd is whatever the last command left
-        await env.exec(
-            f"cd {repo} && git add -A && git diff --cached --binary > {PATCH} && git reset -q --hard && git clean -qfd"
+        repo = f"{env.workdir}/{REPO}"  # absolute: nothing depends on a session's cwd
+        original = {**instance["files"], **instance["test_files"]}
+        try:
+            changes = agent_changes(await env.download_archive(repo), original)
+        except (SandboxAPIError, ValueError):  # no readable repository (replaced by a link, too large): no patch
+            return {"outcome": 0.0}
+        await env.wipe()
+        await env.upload_archive(repo, graded_tree(original, instance["test_files"], changes))
+        result = await env.run(
+            script=instance["test_command"], cwd=repo, timeout=self.tool_timeout_s, max_output_bytes=TEST_LOG_BYTES
         )
-        for path, content in instance["test_files"].items():
-            await env.write_file(f"{REPO}/{path}", content)
-        applied = await env.exec(f"cd {repo} && (test ! -s {PATCH} || git apply {excludes} {PATCH}) && echo applied")
-        if not applied.output.endswith("applied\n"):
-            return {"outcome": 0.0}  # the patch does not apply to a clean checkout
-        result = await env.exec(f"cd {repo} && {instance['test_command']}", timeout=self.tool_timeout_s)
-        passed = result.status == "completed" and result.exit_code == 0
+        if result.status != "completed":
+            return {"outcome": 0.0}
+        must_pass = named_tests(instance, "FAIL_TO_PASS") + named_tests(instance, "PASS_TO_PASS")
+        if not must_pass:
+            return {"outcome": 1.0 if result.exit_code == 0 else 0.0}
+        framework = instance.get("test_framework") or ("pytest" if "pytest" in instance["test_command"] else "unittest")
+        passed, _ = tests_verdict(parse_test_log(result.output, framework), must_pass, framework)
         return {"outcome": 1.0 if passed else 0.0}
+
+
+def named_tests(instance: dict[str, Any], field: str) -> list[str]:
+    """A SWE-bench test list: a list of names, or a JSON string of one (as SWE-bench rows store them)."""
+    value = instance.get(field) or []
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise TaskConfigError(f"{field} must be a list of test names or a JSON string of one") from None
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        raise TaskConfigError(f"{field} must be a list of test names")
+    return value

@@ -65,6 +65,16 @@ async def run_command(argv: list[str], timeout: float = COMMAND_TIMEOUT_S) -> tu
     return proc.returncode, output.decode("utf-8", errors="replace")
 
 
+def _refuse_root(dirs: SandboxDirs) -> None:
+    """Apptainer started by root runs its containers as root; clusters run it as the user, and so must we."""
+    if dirs.uid is not None:
+        raise BackendError(
+            "the apptainer backend runs only under an unprivileged server (as on a cluster): started by root, "
+            "Apptainer would run the sandbox as root; run prorl-sandbox as a normal user",
+            400,
+        )
+
+
 def _tail(output: str) -> str:
     text = output.strip()
     return text[-OUTPUT_TAIL:] if text else "no output"
@@ -103,14 +113,16 @@ class ApptainerBackend(Backend):
             raise BackendError(NOT_INSTALLED, 500)
         return self.binary
 
-    def image(self, spec: SandboxSpec) -> str:
-        image = spec.image or self.default_image
+    def image(self, dirs: SandboxDirs) -> str:
+        """The image's host path, as the manager resolved its name under the server's image directories."""
+        image = str(dirs.image_root) if dirs.image_root else self.default_image
         if not image:
-            raise BackendError("an image is required for apptainer (a SIF file, a directory or a URI)", 400)
+            raise BackendError("an image is required for apptainer (a SIF file in one of the image directories)", 400)
         return image
 
     def start_argv(self, dirs: SandboxDirs, spec: SandboxSpec) -> list[str]:
-        image = self.image(spec)
+        _refuse_root(dirs)
+        image = self.image(dirs)
         argv = [
             self._bin(),
             "instance",
@@ -128,9 +140,10 @@ class ApptainerBackend(Backend):
         argv += [image, self.instance_name(dirs)]
         return argv
 
-    def exec_argv(self, dirs: SandboxDirs, spec: SandboxSpec) -> list[str]:
+    def exec_argv(self, dirs: SandboxDirs, spec: SandboxSpec, command: list[str] = SHELL_ARGV) -> list[str]:
+        _refuse_root(dirs)
         workdir = self.workdir(dirs, spec)
-        env = self.session_env(dirs, spec)
+        env = self.sandbox_env(dirs, spec)
         assignments = [f"{key}={env[key]}" for key in sorted(env)]
         return [
             self._bin(),
@@ -141,7 +154,7 @@ class ApptainerBackend(Backend):
             "env",
             "--",
             *assignments,
-            *SHELL_ARGV,
+            *command,
         ]
 
     def stop_argv(self, name: str) -> list[str]:
@@ -159,18 +172,24 @@ class ApptainerBackend(Backend):
         if code != 0:
             raise BackendError(f"apptainer instance start failed (exit {code}): {_tail(output)}", 500)
 
-    def launch(self, dirs: SandboxDirs, spec: SandboxSpec) -> Launch:
+    def launch(self, dirs: SandboxDirs, spec: SandboxSpec, command: list[str] = SHELL_ARGV) -> Launch:
         # --containall implies --cleanenv, so nothing of this environment reaches the sandbox: it is what the
         # apptainer command itself needs. The session's own variables are in the argv (see the module doc).
         env = {"PATH": os.environ.get("PATH") or DEFAULT_PATH}
         env.update({key: value for key, value in os.environ.items() if key.startswith(_CLI_ENV_PREFIXES)})
         return Launch(
-            argv=self.exec_argv(dirs, spec),
+            argv=self.exec_argv(dirs, spec, command),
             env=env,
             ulimits=ulimit_args(spec.limits),
             # The exec process is not a pid-namespace holder: the session is killed as a Unix session.
             pid_namespace=False,
         )
+
+    async def end_processes(self, dirs: SandboxDirs, spec: SandboxSpec) -> int:
+        """A daemon a session started lives on in the instance's pid namespace: restarting it ends them all."""
+        await self.destroy(dirs, spec)
+        await self.create(dirs, spec)
+        return 0
 
     async def destroy(self, dirs: SandboxDirs, spec: SandboxSpec) -> None:
         await self._stop(self.instance_name(dirs))

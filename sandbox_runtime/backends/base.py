@@ -1,8 +1,17 @@
 """The interface every sandbox backend implements, and what they share.
 
 A backend turns a sandbox spec into processes: `create` prepares whatever outlives a single shell (an
-Apptainer instance), `launch` returns the command line of one bash session inside the sandbox, `destroy`
-removes what `create` made. The sandbox manager owns the directories and the sessions; backends own argv.
+Apptainer instance), `launch` returns the command line of one process inside the sandbox (a bash session, or
+the bash of a one-shot run), `end_processes` ends whatever the sandbox's processes left running outside their
+sessions, `destroy` removes what `create` made. The sandbox manager owns the directories, the uids and the
+sessions; backends own argv.
+
+Two rules every backend keeps:
+- Under a root server, every process of a sandbox runs as the sandbox's own unprivileged host uid, with no
+  capabilities (`setpriv` drops them before the backend's launcher starts): nothing the sandbox runs is
+  host root, and rlimits such as the pids limit count per sandbox.
+- The launcher's own environment is fixed and minimal. The spec's `env` is exported by the sandboxed shell
+  itself, so no variable a client chooses (LD_PRELOAD, say) ever reaches a host-side process.
 """
 
 from __future__ import annotations
@@ -15,7 +24,11 @@ from ..models import Limits, SandboxSpec
 from ..session import Launch
 
 SHELL_ARGV = ["bash", "--norc", "--noprofile", "--noediting", "-i"]
+# A one-shot run: bash reads its (trusted) script from stdin; the script redirects the program's stdin.
+ONESHOT_ARGV = ["bash", "--norc", "--noprofile", "-s"]
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# The whole environment of a host-side launcher (setpriv, bwrap): nothing of the server's, nothing of a spec's.
+LAUNCHER_ENV = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"}
 # What every session's bash starts with: no prompt text (the runtime's marker is the only prompt) and a
 # terminal type that makes well-behaved programs print no colour or cursor codes.
 SHELL_ENV = {"TERM": "dumb", "PS1": "", "PS2": "", "PATH": DEFAULT_PATH}
@@ -46,12 +59,34 @@ def ulimit_args(limits: Limits) -> list[str]:
     return args
 
 
+def drop_privileges(uid: int | None) -> list[str]:
+    """argv prefix that runs the rest as `uid` (its own group, no supplementary groups), with no capabilities
+    in any set, the bounding set emptied and no_new_privs: a root server's sandbox can never regain root.
+    Empty when `uid` is None (an unprivileged server: its sandboxes run as its own uid)."""
+    if uid is None:
+        return []
+    return [
+        "setpriv",
+        f"--reuid={uid}",
+        f"--regid={uid}",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--ambient-caps=-all",
+        "--bounding-set=-all",
+        "--no-new-privs",
+        "--",
+    ]
+
+
 @dataclass(frozen=True)
 class SandboxDirs:
-    """Host directories of one sandbox, under the server's state dir."""
+    """What the server decided for one sandbox on the host: its directories under the state dir, the host uid
+    its processes run as (None: the server's own), and the root directory of its image (None: the host's)."""
 
     id: str
     root: Path
+    uid: int | None = None
+    image_root: Path | None = None
 
     @property
     def workspace(self) -> Path:
@@ -76,8 +111,13 @@ class Backend(ABC):
         return None
 
     @abstractmethod
-    def launch(self, dirs: SandboxDirs, spec: SandboxSpec) -> Launch:
-        """The command line of one bash session in the sandbox."""
+    def launch(self, dirs: SandboxDirs, spec: SandboxSpec, command: list[str] = SHELL_ARGV) -> Launch:
+        """How to start `command` (a bash session by default) inside the sandbox."""
+
+    async def end_processes(self, dirs: SandboxDirs, spec: SandboxSpec) -> int:
+        """End what the sandbox's processes left running beyond their sessions (daemons, `setsid`); called
+        after every session is closed. Returns how many processes were signalled."""
+        return 0
 
     async def destroy(self, dirs: SandboxDirs, spec: SandboxSpec) -> None:
         """Remove what `create` made; called after every session of the sandbox is gone. Idempotent."""
@@ -91,7 +131,8 @@ class Backend(ABC):
         """The sandbox's working directory as its processes see it."""
         return spec.workdir
 
-    def session_env(self, dirs: SandboxDirs, spec: SandboxSpec) -> dict[str, str]:
+    def sandbox_env(self, dirs: SandboxDirs, spec: SandboxSpec) -> dict[str, str]:
+        """The environment of the sandboxed shell, exported by that shell (never a launcher's environment)."""
         return {**SHELL_ENV, "HOME": self.workdir(dirs, spec), **spec.env}
 
 

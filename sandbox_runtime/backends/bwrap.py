@@ -1,10 +1,14 @@
 """bubblewrap: rootless sandboxes from user namespaces, the embedded default where Apptainer is absent.
 
-Each session is one `bwrap` process holding fresh user, pid, ipc, uts, cgroup and (unless asked) network
-namespaces. The root is bwrap's own tmpfs, remounted read-only, with the host's (or an image
-directory's) top-level directories bound read-only into it; only the workspace and /tmp are writable, and
+Each session (and each one-shot run) is one `bwrap` process holding fresh user, pid, ipc, uts, cgroup and
+(unless asked) network namespaces. The root is bwrap's own tmpfs, remounted read-only, with the host's (or an
+image directory's) top-level directories bound read-only into it; only the workspace and /tmp are writable, and
 they are the sandbox's own host directories, shared by its sessions. Home directories, /root, /run and the
-server's state dir are not visible. `--die-with-parent` takes the sandbox down if the server dies.
+server's state dir are not visible. `--die-with-parent` takes the sandbox down if the server dies; killing the
+namespace's init takes down every process in it, `setsid` daemons included, so a session's processes end with
+the session. `--disable-userns` keeps the sandbox from making nested user namespaces (in which it would hold
+capabilities over its own mounts). bwrap runs unprivileged: under a root server, `setpriv` has already made
+it the sandbox's own uid (base.drop_privileges), so its sandbox holds no capability and maps no host root.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from pathlib import Path
 
 from ..models import SandboxSpec
 from ..session import Launch
-from .base import SHELL_ARGV, Backend, BackendError, SandboxDirs, ulimit_args
+from .base import LAUNCHER_ENV, SHELL_ARGV, Backend, SandboxDirs, drop_privileges, ulimit_args
 
 # Top-level host entries never bound into a sandbox: per-user data, runtime sockets, mounts, and the
 # kernel filesystems that bwrap provides fresh.
@@ -37,20 +41,20 @@ class BwrapBackend(Backend):
             return False, "bubblewrap is not installed (apt-get install bubblewrap)"
         return True, path
 
-    def launch(self, dirs: SandboxDirs, spec: SandboxSpec) -> Launch:
+    def launch(self, dirs: SandboxDirs, spec: SandboxSpec, command: list[str] = SHELL_ARGV) -> Launch:
         return Launch(
-            argv=self.argv(dirs, spec),
-            env=self.session_env(dirs, spec),
+            argv=self.argv(dirs, spec, command),
+            env=dict(LAUNCHER_ENV),
+            sandbox_env=self.sandbox_env(dirs, spec),
             ulimits=ulimit_args(spec.limits),
             pid_namespace=True,
         )
 
-    def argv(self, dirs: SandboxDirs, spec: SandboxSpec) -> list[str]:
-        root = Path(spec.image) if spec.image else Path("/")
-        if not root.is_dir():
-            raise BackendError(f"image {spec.image!r} is not a directory (bwrap takes a root filesystem tree)", 400)
-        argv = [self.binary, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
-        argv += ["--unshare-cgroup-try", "--die-with-parent", "--hostname", "sandbox"]
+    def argv(self, dirs: SandboxDirs, spec: SandboxSpec, command: list[str] = SHELL_ARGV) -> list[str]:
+        root = dirs.image_root or Path("/")  # the manager resolved the image's name to a directory
+        argv = [*drop_privileges(dirs.uid), self.binary, "--unshare-user", "--disable-userns"]
+        argv += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+        argv += ["--die-with-parent", "--hostname", "sandbox"]
         if spec.network == "none":
             argv.append("--unshare-net")
         argv += self._root_binds(root)
@@ -59,7 +63,7 @@ class BwrapBackend(Backend):
             argv += ["--ro-bind", "/sys", "/sys"]
             argv += self._hide_state_dir()
         argv += ["--bind", str(dirs.tmp), "/tmp", "--bind", str(dirs.workspace), spec.workdir]
-        argv += ["--remount-ro", "/", "--chdir", spec.workdir, "--", *SHELL_ARGV]
+        argv += ["--remount-ro", "/", "--chdir", spec.workdir, "--", *command]
         return argv
 
     @staticmethod

@@ -1,0 +1,64 @@
+"""A scripted LLM stand-in (NOT a model): an OpenAI-compatible /v1/completions server whose every answer is
+chosen in advance, for tests that need a policy to do exactly one thing, such as a reward hack.
+
+The user prompt of an episode carries `[script:NAME]`; turn N of that episode (counted from the assistant
+turns already in the prompt) answers with the script's Nth text, tokenised with the served model's own
+tokenizer and closed by its end-of-turn token, as a real server's sampled ids would be. Past the script's end
+it answers with a call of `finish`.
+
+    python -m integration_tests.scripted_llm --port P --tokenizer DIR --scripts scripts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+from aiohttp import web
+from transformers import AutoTokenizer
+
+SCRIPT = re.compile(r"\[script:([A-Za-z0-9_-]+)\]")
+FINISH = '<tool_call>{"name": "finish", "arguments": {"answer": "done"}}</tool_call>'
+
+
+def bash_call(command: str) -> str:
+    return "<tool_call>" + json.dumps({"name": "bash", "arguments": {"command": command}}) + "</tool_call>"
+
+
+def create_app(tokenizer_path: str, scripts: dict[str, list[str]]) -> web.Application:
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "scripted"}]})
+
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.json()
+        prompt = tokenizer.decode(body["prompt"])
+        found = SCRIPT.search(prompt)
+        script = scripts.get(found.group(1), []) if found else []
+        turn = prompt.count("<|im_start|>assistant") - 1
+        text = script[turn] if 0 <= turn < len(script) else FINISH
+        ids = [*tokenizer.encode(text, add_special_tokens=False), end_of_turn]
+        choice = {"text": text, "token_ids": ids, "logprobs": {"token_logprobs": [0.0] * len(ids)}}
+        return web.json_response({"choices": [{**choice, "finish_reason": "stop"}]})
+
+    app = web.Application()
+    app.router.add_routes([web.get("/v1/models", models), web.post("/v1/completions", completions)])
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--scripts", required=True, help="JSON file: {name: [turn text, ...]}")
+    args = parser.parse_args()
+    with open(args.scripts) as f:
+        scripts = json.load(f)
+    web.run_app(create_app(args.tokenizer, scripts), host="127.0.0.1", port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    main()
