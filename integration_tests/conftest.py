@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -56,19 +57,23 @@ class RuntimeServer:
         return os.environ.get("PRORL_APPTAINER_TEST_IMAGE") if self.backend == "apptainer" else None
 
 
-def reachable(path: Path) -> Path:
-    """`path`, made traversable by the sandboxes' own uids where pytest made it private.
+_REACHABLE: dict[Path, Path] = {}
 
-    A root server runs each sandbox as an unprivileged uid, which bwrap binds the workspace as: it must be
-    able to traverse the state dir's ancestors (the server refuses to start otherwise), and pytest creates
-    its temporary directories 0700. Only pytest's own directories under the temp dir are opened up (o+x).
+
+def reachable(path: Path) -> Path:
+    """A directory standing in for `path` (the same one each time for the same path) that the sandboxes' own
+    uids can traverse to.
+
+    A root server runs each sandbox as an unprivileged uid, which bwrap binds the workspace as: that uid must
+    traverse every ancestor of the state dir (the server refuses to start otherwise). pytest keeps its
+    temporary directories private (0700, and it resets that at each session's start), so state and image
+    dirs live in a directory of their own under the system temp dir instead, removed at exit.
     """
-    path.mkdir(parents=True, exist_ok=True)
-    temp = Path(tempfile.gettempdir()).resolve()
-    for directory in [path.resolve(), *path.resolve().parents]:
-        if directory.is_relative_to(temp) and directory != temp and directory.stat().st_uid == os.geteuid():
-            directory.chmod(directory.stat().st_mode | 0o011)
-    return path
+    if path not in _REACHABLE:
+        _REACHABLE[path] = Path(tempfile.mkdtemp(prefix=f"prorl-test-{path.name}-"))
+        _REACHABLE[path].chmod(0o711)
+        atexit.register(shutil.rmtree, _REACHABLE[path], True)
+    return _REACHABLE[path]
 
 
 def start_server(state_dir: Path, backend: str, token: str | None = None, *extra: str) -> RuntimeServer:

@@ -38,11 +38,11 @@ async def test_restart_after_sigkill_reaps_what_the_old_server_left(tmp_path, ba
     assert survivors, "the sandbox's processes should be running"
     first.process.send_signal(signal.SIGKILL)
     first.process.wait()
-    assert (state / "sandboxes" / box.id).is_dir()  # left behind by the crash
+    assert (first.state_dir / "sandboxes" / box.id).is_dir()  # left behind by the crash
 
     second = start_server(state, backend)
     try:
-        assert not (state / "sandboxes" / box.id).exists()
+        assert not (second.state_dir / "sandboxes" / box.id).exists()
         assert wait_until(lambda: procs.session_members(session_pid) == [])
         assert result.status == "completed"
         async with second.client() as client:

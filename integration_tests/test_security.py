@@ -257,7 +257,7 @@ async def test_wipe_empties_the_workspace_and_tmp(box):
 
 
 async def test_the_local_backend_ends_setsid_processes_on_delete_and_after_a_crash(tmp_path):
-    state = reachable(tmp_path / "local-state")
+    state = tmp_path / "local-state"  # the same path twice: one state dir for both incarnations
     first = start_server(state, "local")
     try:
         async with first.client() as client:
