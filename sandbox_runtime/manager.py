@@ -38,6 +38,10 @@ from .session import SessionError
 log = logging.getLogger(__name__)
 
 
+# Host-wide: which sandbox uids are held, by any server on this machine (root servers only use uids).
+UID_LOCK_DIR = Path("/run/prorl-sandbox/uids")
+
+
 class SandboxNotFound(Exception):
     status = 404
 
@@ -105,6 +109,7 @@ class SandboxManager:
         # Under root, each sandbox runs as a uid of its own; unprivileged, as the server's own uid.
         self.sandbox_uids = config.sandbox_uids if os.geteuid() == 0 else None
         self._free_uids: deque[int] = deque(self.sandbox_uids or ())
+        self._uid_locks: dict[int, TextIO] = {}
         self.image_dirs = [d.resolve() for d in config.image_dirs]
 
     # -- start and stop ---------------------------------------------------------------------------------
@@ -198,7 +203,7 @@ class SandboxManager:
         spec = spec.model_copy(update={"backend": backend.name, "limits": self._limits(spec.limits)})
         if self.sandbox_uids is not None and not self._free_uids:
             raise CapacityError("every sandbox uid is in use; delete some sandboxes first")
-        uid = self._free_uids.popleft() if self.sandbox_uids is not None else None
+        uid = self._allocate_uid() if self.sandbox_uids is not None else None
         sandbox_id = secrets.token_hex(6)
         dirs = SandboxDirs(sandbox_id, self.boxes_dir / sandbox_id, uid=uid, image_root=image_root)
         dirs.workspace.mkdir(parents=True)
@@ -265,10 +270,45 @@ class SandboxManager:
             box.deleted.set()
         return True
 
+    def _allocate_uid(self) -> int:
+        """A free uid of the range that no other server on this host holds either.
+
+        Each uid in use is held by an flock on a file in UID_LOCK_DIR, so servers with overlapping ranges never
+        share one (sharing would let one server's delete kill the other's sandboxes). A lock that is free
+        means no live server owns the uid: whatever still runs as it was left by a crash and is killed first.
+        """
+        for _ in range(len(self._free_uids)):
+            uid = self._free_uids.popleft()
+            UID_LOCK_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+            lock = open(UID_LOCK_DIR / f"{uid}.lock", "w")  # noqa: SIM115 - held while the sandbox lives
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.close()
+                self._free_uids.append(uid)
+                continue
+            procs.kill_user(uid)
+            self._uid_locks[uid] = lock
+            return uid
+        raise CapacityError("every sandbox uid is in use on this host; delete some sandboxes first")
+
+    @staticmethod
+    def _unheld(uid: int) -> bool:
+        UID_LOCK_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with open(UID_LOCK_DIR / f"{uid}.lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            return True
+
     def _release_uid(self, uid: int | None) -> None:
         """Hand a uid back only once no process runs as it (a straggler would join the next sandbox)."""
         if uid is not None:
             procs.kill_user(uid)
+            lock = self._uid_locks.pop(uid, None)
+            if lock is not None:
+                lock.close()
             self._free_uids.append(uid)
 
     def _remember_deleted(self, sandbox_id: str) -> None:
@@ -301,7 +341,8 @@ class SandboxManager:
                     procs.kill_session(pid)
             uid = record.get("uid")
             if isinstance(uid, int) and self.sandbox_uids is not None and uid in self.sandbox_uids:
-                procs.kill_user(uid)  # setsid daemons, one-shot runs: everything that ran as the sandbox
+                if self._unheld(uid):  # another server may own it since the crash: then it is not ours to kill
+                    procs.kill_user(uid)  # setsid daemons, one-shot runs: everything that ran as the sandbox
             else:
                 uid = None
             if record.get("backend"):
