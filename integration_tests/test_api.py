@@ -129,3 +129,9 @@ def test_cli_refuses_a_public_bind_without_a_token(capsys, monkeypatch):
     monkeypatch.delenv("PRORL_SANDBOX_TOKEN", raising=False)
     assert cli_main(["serve", "--host", "0.0.0.0"]) == 2
     assert "without a token" in capsys.readouterr().out
+
+
+async def test_a_non_utf8_authorization_header_is_a_401(server):
+    async with httpx.AsyncClient(base_url=server.url) as raw:
+        answer = await raw.get("/v1/info", headers={"Authorization": b"Bearer \xff\xfe s3cret"})
+    assert answer.status_code == 401 and "bearer token" in answer.json()["error"]

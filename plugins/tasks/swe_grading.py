@@ -206,7 +206,7 @@ def _ignore_patterns(text: bytes) -> tuple[_IgnorePattern, ...]:
             continue
         try:
             compiled = pathspec.GitIgnoreSpec.from_lines([body]).patterns
-        except ValueError:  # a glob pathspec cannot parse; git skips patterns it cannot match too
+        except (ValueError, re.error):  # a glob pathspec cannot compile: the agent's own file, so skip the line
             continue
         if compiled and compiled[0].include is not None:
             patterns.append(_IgnorePattern(compiled[0], ignores, directories_only))
