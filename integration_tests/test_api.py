@@ -50,7 +50,11 @@ async def test_token_is_required_everywhere_but_healthz(server):
 
 
 async def test_malformed_and_invalid_bodies(http, box_id):
-    assert "Invalid JSON" in error_of(await http.post(f"/v1/sandboxes/{box_id}/exec", content=b"{bad"), 400)
+    as_json = {"Content-Type": "application/json"}
+    malformed = await http.post(f"/v1/sandboxes/{box_id}/exec", content=b"{bad", headers=as_json)
+    assert "Invalid JSON" in error_of(malformed, 400)
+    untyped = await http.post(f"/v1/sandboxes/{box_id}/exec", content=b'{"command": "true"}')
+    assert "application/json" in error_of(untyped, 415)
     assert "command" in error_of(await http.post(f"/v1/sandboxes/{box_id}/exec", json={}), 400)
     typo = await http.post(f"/v1/sandboxes/{box_id}/exec", json={"command": "true", "timout": 3})
     assert "timout" in error_of(typo, 400)

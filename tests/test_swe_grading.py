@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from prorl_plugins.tasks import swe_grading
 from prorl_plugins.tasks.swe_grading import (
     AgentChanges,
     agent_changes,
@@ -37,6 +38,7 @@ ORIGINAL = {
     "README.md": "calc\n",
 }
 TESTS = {"tests/test_calc.py": "from pkg.calc import add\n\ndef test_add():\n    assert add(1, 2) == 3\n"}
+ORIGINAL_WITH_TESTS = {**ORIGINAL, **TESTS}  # everything the repository's first commit tracks
 GIT_DIR = {".git/HEAD": "ref: refs/heads/main\n", ".git/config": "[core]\n", ".git/info/exclude": "# nothing\n"}
 
 
@@ -92,9 +94,6 @@ def repo(changes: dict[str, str | bytes | None] | None = None) -> dict[str, str 
         else:
             files[path] = content
     return files
-
-
-ORIGINAL_WITH_TESTS = {**ORIGINAL, **TESTS}
 
 
 def read_tree(data: bytes) -> dict[str, tuple[str, int, bytes | str]]:
@@ -239,6 +238,12 @@ def test_a_symlinked_gitignore_is_not_read() -> None:
     assert changes.symlinks == {".gitignore": "rules.txt"}
 
 
+def test_a_malformed_gitignore_line_is_skipped_not_fatal() -> None:
+    tree = repo({".gitignore": "/[-\r^[{-#]?x\n[\n*.log\n", "a.log": "1", "a.py": "2"})
+    changes = agent_changes(archive(tree), ORIGINAL_WITH_TESTS)
+    assert set(changes.written) == {".gitignore", "a.py"}
+
+
 def test_symlink_replacing_an_original_file_is_a_change_not_a_deletion() -> None:
     tree = repo({"pkg/calc.py": None})
     changes = agent_changes(archive(tree, symlinks={"pkg/calc.py": "/etc/passwd"}), ORIGINAL_WITH_TESTS)
@@ -266,6 +271,13 @@ def test_oversized_archive_is_refused() -> None:
     # .git content counts too: it is part of what had to be decompressed.
     with pytest.raises(ValueError, match="bytes of file content"):
         agent_changes(archive({".git/objects/pack/p": b"\0" * 2048}), {}, max_bytes=1024)
+
+
+def test_archive_with_too_many_entries_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(swe_grading, "MAX_MEMBERS", 5)
+    assert agent_changes(archive({"a": "1", "b": "2", "c": "3"}), {}).written.keys() == {"a", "b", "c"}
+    with pytest.raises(ValueError, match="more than 5 entries"):
+        agent_changes(archive({"d/a": "1", "d/b": "2", "d/c": "3", "e/f": "4"}), {})
 
 
 @pytest.mark.parametrize("name", ["/etc/passwd", "../outside", "a/../../b", "./../x"])
@@ -430,12 +442,18 @@ def test_symlink_over_a_test_file_is_dropped() -> None:
     assert graded["tests/fake.py"][0] == "file"  # the agent's own new file stays; nothing imports it
 
 
-def test_symlink_or_file_over_a_test_directory_is_dropped() -> None:
-    for replacement in (AgentChanges(symlinks={"tests": "/tmp/mine"}), AgentChanges(written={"tests": (b"x", 0o644)})):
-        changes = AgentChanges(written=replacement.written, symlinks=replacement.symlinks, deleted=frozenset(TESTS))
-        graded = read_tree(graded_tree(ORIGINAL, TESTS, changes))
-        assert graded["tests"] == ("dir", 0o755, b"")
-        assert graded["tests/test_calc.py"][0] == "file"
+@pytest.mark.parametrize(
+    "changes",
+    [
+        AgentChanges(symlinks={"tests": "/tmp/mine"}, deleted=frozenset(TESTS)),
+        AgentChanges(written={"tests": (b"x", 0o644)}, deleted=frozenset(TESTS)),
+    ],
+    ids=["symlink", "file"],
+)
+def test_symlink_or_file_over_a_test_directory_is_dropped(changes: AgentChanges) -> None:
+    graded = read_tree(graded_tree(ORIGINAL, TESTS, changes))
+    assert graded["tests"] == ("dir", 0o755, b"")
+    assert graded["tests/test_calc.py"] == ("file", 0o644, TESTS["tests/test_calc.py"].encode())
 
 
 def test_agent_change_below_a_test_file_path_is_dropped() -> None:
@@ -700,6 +718,7 @@ def test_pytest_log_of_a_real_run(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-rA", "-v", "-p", "no:cacheprovider", "test_real.py"],
         cwd=tmp_path,
+        env={name: value for name, value in os.environ.items() if name != "PYTEST_ADDOPTS"},
         capture_output=True,
         text=True,
         timeout=120,
@@ -727,7 +746,8 @@ def test_unknown_framework_is_refused() -> None:
 
 def test_verdict_passes_only_when_every_named_test_passed() -> None:
     statuses = parse_test_log(UNITTEST_311, "unittest")
-    assert verdict(statuses, ["test_a (test_m.C)", "test_m.C.test_doc", "test_xf (test_m.C.test_xf)"], "unittest")
+    named = ["test_a (test_m.C)", "test_m.C.test_doc", "test_xf (test_m.C.test_xf)", "First docstring line."]
+    assert verdict(statuses, named, "unittest") == (True, [])
     assert verdict(statuses, ["test_m.C.test_a"], "unittest") == (True, [])
 
 

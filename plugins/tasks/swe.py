@@ -67,7 +67,12 @@ class SweTask(TaskHandler):
         except (SandboxAPIError, ValueError):  # no readable repository (replaced by a link, too large): no patch
             return {"outcome": 0.0}
         await env.wipe()
-        await env.upload_archive(repo, graded_tree(original, instance["test_files"], changes))
+        try:  # the runtime refuses a patch whose links lead out of the repository: such a patch scores nothing
+            await env.upload_archive(repo, graded_tree(original, instance["test_files"], changes))
+        except SandboxAPIError as exc:
+            if exc.status >= 500:
+                raise
+            return {"outcome": 0.0}
         result = await env.run(
             script=instance["test_command"], cwd=repo, timeout=self.tool_timeout_s, max_output_bytes=TEST_LOG_BYTES
         )
