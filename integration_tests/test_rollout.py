@@ -170,7 +170,7 @@ async def test_process_endpoint_takes_prorl_agents_shape(rollout):
 
 async def test_malformed_requests(rollout, client):
     async with httpx.AsyncClient(base_url=rollout.url) as http:
-        bad_json = await http.post("/v1/jobs", content=b"{nope")
+        bad_json = await http.post("/v1/jobs", content=b"{nope", headers={"Content-Type": "application/json"})
         assert bad_json.status_code == 400 and "Invalid JSON" in bad_json.json()["error"]
         unknown_task = await http.post("/v1/jobs", json={"task": "chess"})
         assert unknown_task.status_code == 400 and "unknown task 'chess'" in unknown_task.json()["error"]
