@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
@@ -16,6 +15,8 @@ from urllib.parse import urlsplit
 from aiohttp import web
 from prometheus_client import Counter
 from pydantic import BaseModel, ValidationError
+
+from .config import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +86,7 @@ def bearer_auth(token: str | None, open_paths: frozenset[str] = frozenset({"/hea
 
 def is_loopback_host(host: str) -> bool:
     """Whether a Host header (or an Origin's host) names this machine's loopback: localhost, 127/8, ::1."""
-    name = urlsplit(f"//{host}").hostname or ""
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(urlsplit(f"//{host}").hostname or "")
 
 
 def refuse_browsers(token: str | None) -> Middleware:
