@@ -42,6 +42,17 @@ log = logging.getLogger(__name__)
 UID_LOCK_DIR = Path("/run/prorl-sandbox/uids")
 
 
+def hold_uid(uid: int) -> TextIO | None:
+    """An flock held on `uid` (for as long as the file stays open), or None when another server holds it."""
+    lock = open(UID_LOCK_DIR / f"{uid}.lock", "w")  # noqa: SIM115 - the caller keeps it open
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    return lock
+
+
 class SandboxNotFound(Exception):
     status = 404
 
@@ -78,6 +89,12 @@ def effective_max_limits(asked: Limits) -> Limits:
     return Limits(**values)
 
 
+def capped(limits: Limits, maxima: Limits) -> Limits:
+    """`limits` with each value lowered to its maximum, where both are set."""
+    ceiling = maxima.model_dump()
+    return Limits(**{k: v if v is None or ceiling[k] is None else min(v, ceiling[k]) for k, v in limits})
+
+
 def unreachable_ancestor(path: Path) -> Path | None:
     """The first directory on the way to `path` that other users cannot traverse (no o+x), or None."""
     for directory in [*reversed(path.parents), path]:
@@ -99,13 +116,7 @@ class SandboxManager:
         self._lock_file: TextIO | None = None
         self.default_backend = config.backend or self._pick_default()
         self.max_limits = effective_max_limits(config.max_limits)
-        defaults = config.default_limits.model_dump()
-        self.default_limits = Limits(
-            **{
-                k: v if v is None or m is None else min(v, m)
-                for (k, v), m in zip(defaults.items(), self.max_limits.model_dump().values())
-            }
-        )
+        self.default_limits = capped(config.default_limits, self.max_limits)
         # Under root, each sandbox runs as a uid of its own; unprivileged, as the server's own uid.
         self.sandbox_uids = config.sandbox_uids if os.geteuid() == 0 else None
         self._free_uids: deque[int] = deque(self.sandbox_uids or ())
@@ -121,6 +132,7 @@ class SandboxManager:
                 raise RuntimeError(f"image directory {directory} does not exist")
         if self.sandbox_uids is not None:
             self._check_reachable_by_sandboxes()
+            UID_LOCK_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
         reaped = await self.reap_leftovers()
         if reaped:
             log.warning("reaped %d sandboxes left by a previous server in %s", reaped, self.state_dir)
@@ -201,8 +213,6 @@ class SandboxManager:
         backend = self.backend(name)
         image_root = self.resolve_image(spec.image)
         spec = spec.model_copy(update={"backend": backend.name, "limits": self._limits(spec.limits)})
-        if self.sandbox_uids is not None and not self._free_uids:
-            raise CapacityError("every sandbox uid is in use; delete some sandboxes first")
         uid = self._allocate_uid() if self.sandbox_uids is not None else None
         sandbox_id = secrets.token_hex(6)
         dirs = SandboxDirs(sandbox_id, self.boxes_dir / sandbox_id, uid=uid, image_root=image_root)
@@ -279,28 +289,14 @@ class SandboxManager:
         """
         for _ in range(len(self._free_uids)):
             uid = self._free_uids.popleft()
-            UID_LOCK_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
-            lock = open(UID_LOCK_DIR / f"{uid}.lock", "w")  # noqa: SIM115 - held while the sandbox lives
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                lock.close()
+            lock = hold_uid(uid)
+            if lock is None:  # another server's sandbox runs as it
                 self._free_uids.append(uid)
                 continue
             procs.kill_user(uid)
             self._uid_locks[uid] = lock
             return uid
         raise CapacityError("every sandbox uid is in use on this host; delete some sandboxes first")
-
-    @staticmethod
-    def _unheld(uid: int) -> bool:
-        UID_LOCK_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with open(UID_LOCK_DIR / f"{uid}.lock", "w") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False
-            return True
 
     def _release_uid(self, uid: int | None) -> None:
         """Hand a uid back only once no process runs as it (a straggler would join the next sandbox)."""
@@ -341,8 +337,10 @@ class SandboxManager:
                     procs.kill_session(pid)
             uid = record.get("uid")
             if isinstance(uid, int) and self.sandbox_uids is not None and uid in self.sandbox_uids:
-                if self._unheld(uid):  # another server may own it since the crash: then it is not ours to kill
+                lock = hold_uid(uid)  # another server may own it since the crash: then it is not ours to kill
+                if lock is not None:
                     procs.kill_user(uid)  # setsid daemons, one-shot runs: everything that ran as the sandbox
+                    lock.close()
             else:
                 uid = None
             if record.get("backend"):

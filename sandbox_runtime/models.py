@@ -10,7 +10,7 @@ import posixpath
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ExecStatus = Literal["completed", "timeout", "interrupted", "dead", "running"]
 SessionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
@@ -153,6 +153,12 @@ class RunRequest(_Strict):
     env: dict[str, str] = Field(default_factory=dict, description="added to the sandbox's environment")
     timeout: float | None = Field(None, gt=0)
     max_output_bytes: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_program(self) -> RunRequest:
+        if (self.argv is None) == (self.script is None):
+            raise ValueError("give exactly one of `argv` or `script`")
+        return self
 
     @field_validator("argv")
     @classmethod

@@ -123,8 +123,6 @@ async def exec_command(request: web.Request) -> web.Response:
 async def run_once(request: web.Request) -> web.Response:
     box = request.app[MANAGER].get(request.match_info["id"])
     req: RunRequest = await parse(request, RunRequest)
-    if (req.argv is None) == (req.script is None):
-        raise web.HTTPBadRequest(text="give exactly one of `argv` or `script`")
     timeout, max_output = checked_timeout_and_output(request.app[CONFIG], req.timeout, req.max_output_bytes)
     return json_response(await box.run(req, timeout, max_output))
 
