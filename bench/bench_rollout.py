@@ -885,6 +885,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     latencies = tool_latencies(args.episodes, args.seed)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
+    log_dir.chmod(0o711)  # a root runtime's sandbox uids must traverse to its state dir inside
     coupled: list[ModeResult] = []
     pipeline: list[ModeResult] = []
     discarded: list[ModeResult] = []  # runs with failed episodes, repeated

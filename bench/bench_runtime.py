@@ -1353,6 +1353,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
     with tempfile.TemporaryDirectory(prefix="bench-runtime-", ignore_cleanup_errors=True) as tmp:
         work = Path(tmp)
+        work.chmod(0o711)  # a root runtime's sandbox uids must traverse to its state dir inside
         baselines, rt = Baselines(), RuntimeResults()
         asyncio.run(bench_runtime(settings, work, baselines, rt))
         sx = asyncio.run(bench_swerex(settings, work))

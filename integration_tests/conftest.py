@@ -5,6 +5,8 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +39,7 @@ class RuntimeServer:
     state_dir: Path
     backend: str
     token: str | None
+    unprivileged: bool = False  # run by an unprivileged user (its sandboxes share its uid)
 
     @property
     def url(self) -> str:
@@ -81,6 +84,27 @@ def start_server(state_dir: Path, backend: str, token: str | None = None, *extra
     args = ["--token", token] if token else []
     service = localstack.start_sandbox_runtime(state_dir, backend, *args, *extra)
     return RuntimeServer(service, state_dir, backend, token)
+
+
+NOBODY = 65534
+
+
+def start_unprivileged_server(state: Path, backend: str, *extra: str) -> RuntimeServer:
+    """The runtime as an unprivileged user runs it: nobody, when the tests run as root (as CI does). `state`
+    is created and given to that user; the same path again is the same state dir (a restart)."""
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        prefix = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+        probe = subprocess.run([*prefix, sys.executable, "-c", "import sandbox_runtime"], capture_output=True)
+        if probe.returncode != 0:
+            pytest.skip("this checkout is not readable by the unprivileged user nobody")
+    state = reachable(state)
+    if os.geteuid() == 0:
+        os.chown(state, NOBODY, NOBODY)
+    argv = [*prefix, sys.executable, "-m", "sandbox_runtime", "serve", "--port", "{port}", "--state-dir", str(state)]
+    argv += ["--backend", backend, "--log-level", "WARNING", *extra]
+    service = localstack.start_service("unprivileged sandbox runtime", argv, "/healthz", 30)
+    return RuntimeServer(service, state, backend, None, unprivileged=True)
 
 
 def stop_server(server: RuntimeServer) -> None:

@@ -22,8 +22,10 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
+from prorl_adapter import localstack
 from prorl_adapter.localstack import REPO, free_port
 from prorl_adapter.models import StageTimings, Trajectory
 
@@ -365,3 +367,16 @@ async def test_create_buffer_opens_a_redis_buffer_from_its_url(redis_server, pre
         entry_id = await buf.put(make_trajectory("x", 2))
         [entry] = await buf.take(1, timeout=5)
         assert entry.id == entry_id and await buf.ack([entry_id]) == 1
+
+
+async def test_the_service_answers_a_malformed_ack_id_with_a_400(redis_server):
+    """Through the rollout service's API with the Redis buffer (it was a 500 with a traceback)."""
+    localstack.build_tiny_model()
+    dead = f"http://127.0.0.1:{free_port()}"  # no LLM or sandbox is needed to acknowledge
+    rollout = localstack.start_rollout_service([dead], [dead], "--buffer", redis_server.url)
+    try:
+        async with httpx.AsyncClient(base_url=rollout.url) as http:
+            answer = await http.post("/v1/batches/ack", json={"ids": ["not-an-id"]})
+        assert answer.status_code == 400 and "not an entry id" in answer.json()["error"]
+    finally:
+        rollout.stop()

@@ -6,19 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from prorl_adapter import localstack
 from sandbox_runtime import procs
 from sandbox_runtime.client import SandboxAPIError, SandboxClient
 
-from .conftest import BACKEND_SKIPS, ISOLATED
+from .conftest import BACKEND_SKIPS, ISOLATED, start_unprivileged_server, stop_server
 
 
 @pytest.fixture
@@ -44,29 +39,15 @@ def processes_in_namespace(namespace: str) -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and pid_namespace(int(p)) == namespace]
 
 
-NOBODY = 65534
-
-
 @pytest.fixture
-def unprivileged_bwrap_server(tmp_path_factory):
-    """The runtime as the deployment it is built for: an unprivileged user. The kernel never applies
-    RLIMIT_NPROC to uid 0, so under a root server a fork bomb is not held by the pids limit."""
+def unprivileged_bwrap_server(tmp_path):
+    """The runtime as an unprivileged user runs it (the pids limit held under a root server is tested in
+    test_security.py)."""
     if BACKEND_SKIPS["bwrap"]:
         pytest.skip(BACKEND_SKIPS["bwrap"])
-    prefix: list[str] = []
-    if os.geteuid() == 0:
-        prefix = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-        probe = subprocess.run([*prefix, sys.executable, "-c", "import sandbox_runtime"], capture_output=True)
-        if probe.returncode != 0:
-            pytest.skip("this checkout is not readable by the unprivileged user nobody")
-    state = Path(tempfile.mkdtemp(prefix="prorl-unprivileged-"))
-    if os.geteuid() == 0:
-        os.chown(state, NOBODY, NOBODY)
-    argv = [*prefix, sys.executable, "-m", "sandbox_runtime", "serve", "--port", "{port}", "--state-dir", str(state)]
-    service = localstack.start_service("unprivileged sandbox runtime", [*argv, "--backend", "bwrap"], "/healthz", 30)
-    yield service
-    service.stop()
-    shutil.rmtree(state, ignore_errors=True)
+    server = start_unprivileged_server(tmp_path / "state", "bwrap")
+    yield server
+    stop_server(server)
 
 
 async def test_fork_bomb_is_contained_by_the_pids_limit(unprivileged_bwrap_server):

@@ -1,6 +1,7 @@
 """The two promises, tried from outside as an attacker (or an RL policy searching for reward) would: through the
-documented HTTP APIs of a runtime and a rollout service started as they are deployed (as root under CI and
-`make test`; the unprivileged case is in test_isolation.py). Each test is one hole that was open before."""
+documented HTTP APIs of a runtime and a rollout service started as they are deployed, once by root (as CI,
+`make test` and `make demo` run it) and once by an unprivileged user. Each test is one hole that was open
+before."""
 
 from __future__ import annotations
 
@@ -18,21 +19,39 @@ import pytest
 from prorl_adapter import localstack
 from prorl_adapter.client import RolloutClient
 from prorl_adapter.models import JobRequest
-from sandbox_runtime import procs
 from sandbox_runtime.client import SandboxAPIError
 
-from .conftest import BACKEND_SKIPS, reachable, start_rollout, start_server, stop_server
+from .conftest import (
+    BACKEND_SKIPS,
+    RuntimeServer,
+    reachable,
+    start_rollout,
+    start_server,
+    start_unprivileged_server,
+    stop_server,
+)
 from .scripted_llm import bash_call
 
 pytestmark = pytest.mark.skipif(bool(BACKEND_SKIPS["bwrap"]), reason=str(BACKEND_SKIPS["bwrap"]))
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+DEPLOYMENTS = ["root", "unprivileged"]
+
+
+def start_deployment(deployment: str, state: Path, backend: str, *extra: str) -> RuntimeServer:
+    if deployment == "unprivileged":
+        return start_unprivileged_server(state, backend, *extra)
+    if os.geteuid() != 0:
+        pytest.skip("the tests do not run as root: there is no root server to start")
+    return start_server(state, backend, None, *extra)
+
+
+@pytest.fixture(scope="module", params=DEPLOYMENTS)
+def server(request, tmp_path_factory):
     images = reachable(tmp_path_factory.mktemp("images"))
     (images / "empty").mkdir()
     (images / "escape").symlink_to("/")  # a link out of the image directory is no image
-    runtime = start_server(tmp_path_factory.mktemp("security-state"), "bwrap", None, "--image-dir", str(images))
+    runtime = start_deployment(request.param, tmp_path_factory.mktemp("state"), "bwrap", "--image-dir", str(images))
     yield runtime
     stop_server(runtime)
 
@@ -54,7 +73,7 @@ async def refused(call, status: int, *fragments: str) -> None:
 
 
 # -- no host root, no capabilities ---------------------------------------------------------------------------
-async def test_a_sandbox_under_a_root_server_is_an_unprivileged_uid_without_capabilities(box):
+async def test_a_sandbox_is_an_unprivileged_uid_without_capabilities(box):
     client, sandbox = box
     status = (
         await client.run(sandbox, script="id -u; grep -E '^(CapEff|CapPrm|CapBnd|NoNewPrivs)' /proc/self/status")
@@ -87,7 +106,7 @@ async def test_writes_outside_the_workspace_and_tmp_fail(box, attempt):
     assert not Path("/usr/planted").exists() and not Path("/etc/planted").exists()
 
 
-async def test_the_pids_limit_holds_under_a_root_server(box):
+async def test_the_pids_limit_holds_under_a_root_server_too(box):
     client, sandbox = box
     forks = (
         "import os, time\nok = 0\nfor _ in range(100):\n    try:\n        pid = os.fork()\n"
@@ -153,7 +172,7 @@ async def test_limits_and_policy_are_published(server):
         info = await client.info()
     assert info.max_limits.pids and info.default_limits.pids <= info.max_limits.pids
     assert info.local_backend_allowed is False and info.image_dirs == 1
-    assert info.sandbox_uids is not None if os.geteuid() == 0 else info.sandbox_uids is None
+    assert (info.sandbox_uids is None) == server.unprivileged
 
 
 async def test_bad_ids_and_headers_are_4xx(server):
@@ -228,17 +247,10 @@ async def test_kill_ends_every_process_the_sessions_started(box):
     client, sandbox = box
     await client.exec(sandbox, "setsid sleep 1001 & nohup sleep 1002 >/dev/null 2>&1 & (sleep 1003 &)")
     await client.exec(sandbox, "sleep 1004 &", session="other")
-    uid = int((await client.run(sandbox, script="id -u")).output)
-    assert len(running_as(uid)) >= 4
+    assert all(sleeping(seconds) for seconds in ("1001", "1002", "1003", "1004"))
     assert sorted(await client.end_processes(sandbox)) == ["default", "other"]
-    assert running_as(uid) == []
+    assert not any(sleeping(seconds) for seconds in ("1001", "1002", "1003", "1004"))
     assert (await client.exec(sandbox, "echo alive")).output == "alive\n"  # the sandbox stays
-
-
-def running_as(uid: int) -> list[int]:
-    """Live processes (not zombies awaiting their reaper) whose real uid is `uid`."""
-    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    return [p for p in pids if procs._real_uid(p) == uid and (procs._stat_fields(p) or ["Z"])[0] != "Z"]
 
 
 async def test_a_one_shot_exit_status_is_the_kernels(box):
@@ -256,9 +268,10 @@ async def test_wipe_empties_the_workspace_and_tmp(box):
     assert (await client.run(sandbox, script="find . /tmp -mindepth 1 | wc -l")).output.strip() == "0"
 
 
-async def test_the_local_backend_ends_setsid_processes_on_delete_and_after_a_crash(tmp_path):
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+async def test_the_local_backend_ends_setsid_processes_on_delete_and_after_a_crash(tmp_path, deployment):
     state = tmp_path / "local-state"  # the same path twice: one state dir for both incarnations
-    first = start_server(state, "local")
+    first = start_deployment(deployment, state, "local")
     try:
         async with first.client() as client:
             deleted = await client.create_sandbox()
@@ -272,7 +285,7 @@ async def test_the_local_backend_ends_setsid_processes_on_delete_and_after_a_cra
         assert sleeping("992")
     finally:
         stop_server(first)
-    second = start_server(state, "local")
+    second = start_deployment(deployment, state, "local")
     stop_server(second)
     assert not sleeping("992")
 
@@ -343,18 +356,20 @@ SCRIPTS = {
         )
     ],
     "forged-marker": [bash_call(f"cd repo && echo {b64(FORGER)} | base64 -d > calc.py")],
+    # An honest fix whose patch also holds a link out of the repository: the runtime will not unpack it.
+    "link-out": [bash_call("cd repo && sed -i 's/a - b/a + b/' calc.py && ln -s /etc/passwd host-file")],
 }
 
 
 @pytest.fixture(scope="module")
-def scripted_rollout(sandbox_server, tmp_path_factory):
+def scripted_rollout(server, tmp_path_factory):
     localstack.build_tiny_model()
     scripts = tmp_path_factory.mktemp("scripts") / "scripts.json"
     scripts.write_text(json.dumps(SCRIPTS))
     argv = [sys.executable, "-m", "integration_tests.scripted_llm", "--port", "{port}"]
     argv += ["--tokenizer", str(localstack.TINY_MODEL), "--scripts", str(scripts)]
     llm = localstack.start_service("scripted LLM stand-in", argv, "/v1/models", 60)
-    rollout = start_rollout([sandbox_server.url], [llm.url])
+    rollout = start_rollout([server.url], [llm.url])
     yield rollout
     rollout.stop()
     llm.stop()
@@ -380,15 +395,16 @@ def swe_job(script: str, **instance) -> JobRequest:
         ("excluded-unittest", 0.0),
         ("fsmonitor", 0.0),
         ("forged-marker", 0.0),
+        ("link-out", 0.0),
     ],
 )
-async def test_a_planted_hack_scores_nothing(scripted_rollout, sandbox_server, script, reward):
+async def test_a_planted_hack_scores_nothing(scripted_rollout, server, script, reward):
     async with RolloutClient(scripted_rollout.url) as rollouts:
         trajectory = await rollouts.run(swe_job(script))
     assert trajectory.error is None, trajectory.error
     assert trajectory.num_turns >= 1
     assert trajectory.reward_components["outcome"] == reward
-    async with sandbox_server.client() as client:
+    async with server.client() as client:
         assert await client.list_sandboxes() == []
 
 
