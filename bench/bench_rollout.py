@@ -345,7 +345,7 @@ async def run_coupled(
     phases: list[tuple[str, float]] = []
     eps: list[CoupledEpisode] = []
     for request in requests:
-        episode, tools = start_episode(request, handler, chat)
+        episode, tools = await start_episode(request, handler, chat)
         eps.append(CoupledEpisode(request, tools, episode, Pin()))
 
     def fail(ep: CoupledEpisode, stage: str, exc: BaseException) -> None:

@@ -60,7 +60,13 @@ class PolicyTurn:
     last_token: int | None
 
 
-def start_episode(request: JobRequest, handler: TaskHandler, chat: ChatTokenizer) -> tuple[Episode, dict[str, Tool]]:
+class PromptTooLong(Exception):
+    """The task's prompt alone does not fit the episode's context: there is nothing to sample."""
+
+
+async def start_episode(
+    request: JobRequest, handler: TaskHandler, chat: ChatTokenizer
+) -> tuple[Episode, dict[str, Tool]]:
     """The episode's prompt (system prompt with the task's tool schemas, then the task) and its tools."""
     instance = request.instance
     tools = {tool.name: tool for tool in handler.tools(instance)}
@@ -68,7 +74,12 @@ def start_episode(request: JobRequest, handler: TaskHandler, chat: ChatTokenizer
         {"role": "system", "content": handler.system_prompt(instance)},
         {"role": "user", "content": handler.user_prompt(instance)},
     ]
-    return Episode(prompt_ids=chat.prompt_ids(messages, [t.schema() for t in tools.values()])), tools
+    prompt_ids = await chat.off_loop(chat.prompt_ids, messages, [t.schema() for t in tools.values()])
+    if len(prompt_ids) >= request.max_context_tokens:
+        raise PromptTooLong(
+            f"the prompt is {len(prompt_ids)} tokens, max_context_tokens is {request.max_context_tokens}"
+        )
+    return Episode(prompt_ids=prompt_ids), tools
 
 
 async def policy_turn(
@@ -120,7 +131,7 @@ async def tool_turn(
         return False
     turn.observation = "\n".join(results)
     closed = pending.last_token == chat.eos_id  # else the template's eos is added, as a token nobody sampled
-    observation_ids = chat.tool_turn_ids([{"role": "tool", "content": r} for r in results], closed)
+    observation_ids = await chat.off_loop(chat.tool_turn_ids, [{"role": "tool", "content": r} for r in results], closed)
     if episode.context_length + len(observation_ids) >= limit:
         episode.finish_reason = "max_context"
         return False
@@ -137,7 +148,7 @@ async def run_episode(
     llm: LLMPool,
     policy_version: Callable[[], int],
 ) -> Episode:
-    episode, tools = start_episode(request, handler, chat)
+    episode, tools = await start_episode(request, handler, chat)
     pin = Pin()
     for index in range(request.max_turns):
         pending = await policy_turn(episode, request, llm, pin, policy_version(), index)

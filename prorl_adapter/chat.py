@@ -9,13 +9,18 @@ turn costs one tokenization of the observation, not a re-render of the whole his
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .models import ToolCall
+
+T = TypeVar("T")
 
 _DUMMY = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
 
@@ -37,6 +42,13 @@ class ChatTokenizer:
         # What the template writes after the eos that closes an assistant turn (ChatML: a newline).
         self._after_eos = rendered[end + len(self.eos_text) :]
         self._dummy_rendered = rendered
+        # One thread for the service's tokenisation: a megabyte prompt takes seconds, which must not stall the
+        # event loop, and one thread keeps a tokenizer that is not safe to share off concurrent calls.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+
+    async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
+        """`work(*args)` (one of this tokenizer's methods) on the tokenizer's own thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, work, *args)
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(

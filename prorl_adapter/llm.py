@@ -20,6 +20,9 @@ import time
 from dataclasses import dataclass
 
 import aiohttp
+from pydantic import BaseModel, Field, StrictInt, ValidationError
+
+from sandbox_runtime.webapp import describe_validation
 
 from .models import LLMServerInfo, SamplingParams
 
@@ -221,22 +224,48 @@ class LLMPool:
                     raise _ServerError(f"{response.status}: {(await response.text())[:300]}")
                 if response.status >= 400:
                     raise LLMRequestError(f"{server.url} refused the request: {(await response.text())[:500]}")
-                choice = (await response.json())["choices"][0]
+                body = await response.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _ServerError(f"{type(exc).__name__}: {exc}") from exc
         finally:
             server.in_flight -= 1
+        choice = _checked_choice(body)  # a malformed 200 is the server's failure, like a 5xx
         server.requests += 1  # answered ones: `failures` counts the others
         server.consecutive_failures = 0
-        token_ids = list(choice["token_ids"])
-        logprobs = [float(lp) for lp in choice["logprobs"]["token_logprobs"]]
-        if len(logprobs) != len(token_ids):
-            raise LLMRequestError(f"{server.url} returned {len(token_ids)} ids but {len(logprobs)} logprobs")
         return Generation(
-            token_ids=token_ids,
-            logprobs=logprobs,
-            text=choice["text"],
-            finish_reason=choice.get("finish_reason"),
+            token_ids=choice.token_ids,
+            logprobs=choice.logprobs.token_logprobs,
+            text=choice.text,
+            finish_reason=choice.finish_reason,
             server=server.url,
             seconds=time.perf_counter() - started,
         )
+
+
+class _Logprobs(BaseModel):
+    token_logprobs: list[float]
+
+
+class _Choice(BaseModel):
+    """What this client needs of a /v1/completions choice; a server that answers less is failing."""
+
+    text: str
+    token_ids: list[StrictInt]
+    logprobs: _Logprobs
+    finish_reason: str | None = None
+
+
+class _Completion(BaseModel):
+    choices: list[_Choice] = Field(min_length=1)
+
+
+def _checked_choice(body: bytes) -> _Choice:
+    try:
+        choice = _Completion.model_validate_json(body).choices[0]
+    except ValidationError as exc:
+        raise _ServerError(f"malformed completion: {describe_validation(exc)[:300]}") from None
+    if len(choice.logprobs.token_logprobs) != len(choice.token_ids):
+        raise _ServerError(
+            f"malformed completion: {len(choice.token_ids)} ids but {len(choice.logprobs.token_logprobs)} logprobs"
+        )
+    return choice

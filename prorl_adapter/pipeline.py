@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from sandbox_runtime.client import SandboxAPIError
 
-from .agent import Episode, run_episode
+from .agent import Episode, PromptTooLong, run_episode
 from .chat import ChatTokenizer
 from .llm import LLMPool, LLMRequestError, LLMUnavailable
 from .models import ErrorClass, JobError, JobRequest, JobState, JobStatus, StageTimings, Trajectory
@@ -235,6 +235,8 @@ class RolloutPipeline:
             )
         except (LLMUnavailable, LLMRequestError) as exc:
             raise StageFailed("run", f"LLM: {exc}") from exc
+        except PromptTooLong as exc:
+            raise StageFailed("run", str(exc)) from exc
         except SandboxAPIError as exc:
             raise StageFailed("run", f"sandbox: {exc}") from exc
         job.timings.generate_s = job.episode.generate_s
@@ -250,14 +252,15 @@ class RolloutPipeline:
         if "outcome" not in components:
             raise StageFailed("eval", f"task {job.request.task!r} returned no 'outcome': {components}")
         job.reward_components = {name: float(value) for name, value in components.items()}
-        self._shape_reward(job)
+        await self._shape_reward(job)
         await self._finish(job, JobState.done)
 
-    def _shape_reward(self, job: Job) -> None:
-        """Reward plugins add components beside the task's own; the shaped total is what the trainer gets."""
+    async def _shape_reward(self, job: Job) -> None:
+        """Reward plugins add components beside the task's own; the shaped total is what the trainer gets.
+        Plugins are user code: they run on a thread, so a slow one never stalls the event loop."""
         try:
-            job.reward_components, job.reward = shape_reward(
-                self.hooks, self._trajectory(job), job.request.instance, job.reward_components
+            job.reward_components, job.reward = await asyncio.to_thread(
+                shape_reward, self.hooks, self._trajectory(job), job.request.instance, job.reward_components
             )
         except RewardComponentConflict as exc:
             raise StageFailed("eval", str(exc)) from exc
@@ -273,16 +276,19 @@ class RolloutPipeline:
                 continue
             if state is JobState.init:
                 job.timings.queued_s = time.monotonic() - job.submitted_mono
-            await self._run_stage(job, state, work)
+            try:
+                await self._run_stage(job, state, work)
+            except Exception as exc:  # a bug of ours or a plugin's: it fails this job, never the worker
+                log.exception("job %s: %s stage failed unexpectedly", job.id, name)
+                error = JobError(error_class=_STAGE_NAMES[state], message=f"{type(exc).__name__}: {exc}")
+                await self._finish(job, JobState.failed, error)
             if not job.state.finished and following:
                 self._queues[following].put_nowait(job)
 
     async def _run_stage(self, job: Job, state: JobState, work: Callable[[Job], Awaitable[None]]) -> None:
         job.state = state
         stage = _STAGE_NAMES[state]
-        self.hooks.prorl_stage_event(
-            job_id=job.id, task=job.request.task, stage=stage, event="start", seconds=0.0, error=None
-        )
+        self._stage_event(job, stage, "start", 0.0)
         budget = job.budget_left(self.config.default_timeout_s)
         started = time.monotonic()
         job.stage_task = task = asyncio.ensure_future(work(job))
@@ -337,8 +343,18 @@ class RolloutPipeline:
             await self._release(job)
         except Exception:  # the job's result must still be delivered: never leave a waiter hanging
             log.exception("job %s: releasing its sandbox failed", job.id)
-        job.result = self._trajectory(job)
-        self.counts[state] += 1
+        try:
+            job.result = self._trajectory(job)
+        except Exception as exc:  # what the episode recorded is unusable: deliver the failure without it
+            log.exception("job %s: its trajectory could not be built", job.id)
+            job.state = JobState.failed
+            job.error = JobError(
+                error_class=job.error.error_class if job.error else "eval",
+                message=f"the trajectory could not be built: {type(exc).__name__}: {exc}",
+            )
+            job.episode, job.reward, job.reward_components = None, 0.0, {}
+            job.result = self._trajectory(job)
+        self.counts[job.state] += 1
         self._finish_times.append(time.monotonic())
         job.finished.set()
         for callback in self.on_finished:
