@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import gc
 import math
 import os
 import platform
@@ -79,7 +80,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from prorl_adapter.buffer import MemoryBuffer  # noqa: E402
-from prorl_adapter.decoupled import Producer  # noqa: E402
+from prorl_adapter.decoupled import Producer, ProducerConfig  # noqa: E402
 from prorl_adapter.hookspecs import hookimpl  # noqa: E402
 from prorl_adapter.models import JobRequest, StageTimings, Trajectory  # noqa: E402
 from prorl_adapter.plugins import make_plugin_manager  # noqa: E402
@@ -93,6 +94,7 @@ BATCH = 64  # trajectories per trainer step (B); coupled runs one batch on all s
 TAIL_QUANTILE = 0.9
 FEED_EVERY_S = 5.0  # how often (virtual seconds) the trainer's loader tops up the upcoming prompts
 ANCHORS = (("the seed article", 0.45, 0.82), ("the paper's ablation", 0.42, 0.78))
+ADMISSION_QUEUES = (1_000, 10_000, 40_000)  # prompts handed over at once, for the admission-cost table
 
 
 # -- virtual time ---------------------------------------------------------------------------------------
@@ -263,14 +265,13 @@ async def feed(producer: Producer, total: int, ahead: int) -> None:
 
     `ahead` (`prompts_ahead`) is large enough to act as an endless supply: pace never finds the upcoming queue
     empty when it would admit, and with drop or linear (which submit every prompt at once) the pipeline's queue
-    never runs dry between two top-ups. Not more: the Producer's admission sorts every in-flight version per
-    episode admitted, so an endless queue handed over at once costs O(n^2) (see the report)."""
+    never runs dry between two top-ups."""
     sent = 0
     while True:
-        stats = producer.snapshot()
+        stats = await producer.snapshot()
         want = min(total, sent + max(0, ahead - stats.upcoming - stats.in_flight))
         if want > sent:
-            producer.enqueue(requests(sent, want))
+            await producer.enqueue(requests(sent, want))
             sent = want
         await asyncio.sleep(FEED_EVERY_S)
 
@@ -383,7 +384,7 @@ async def run_decoupled(clock: VirtualClock, stream: Stream, setting: Setting, m
     result.wall_s, result.runs = clock(), pipeline.runs
     kept = {i for i, _, _ in result.trained}
     result.dropped = [(i, s) for i, s in observer.seen if i not in kept]
-    stats = producer.snapshot()
+    stats = await producer.snapshot()
     result.produced = stats.produced
     result.left_in_buffer = (await producer.buffer.stats()).ready
     result.left_oldest_s = setting.steps - min(await producer.buffer.buffered_versions(), default=setting.steps)
@@ -586,12 +587,60 @@ def machine() -> str:
     )
 
 
+class HeldJobs:
+    """A pipeline stand-in whose jobs never finish: what admission alone costs, with nothing else running."""
+
+    def __init__(self, hooks: Any) -> None:
+        self.hooks, self.policy_version, self.on_finished, self.jobs = hooks, 0, [], {}
+
+    def submit(self, request: JobRequest) -> tuple[SimJob, bool]:
+        job = self.jobs[request.job_id] = SimJob(request.job_id, request, len(self.jobs))
+        return job, True
+
+
+async def admission_cost(queued: int) -> float:
+    """Real seconds per admission when `queued` prompts are handed over at once and every one is admitted
+    (staleness off): what the Producer pays per admission while the queue and the in-flight set are that long."""
+    pm = make_plugin_manager(objects=[StalenessControl()], load_entry_points=False)
+    pm.hook.prorl_configure(config={"staleness": {"mode": "off"}})
+    pipeline = HeldJobs(pm.hook)
+    producer = Producer(pipeline, MemoryBuffer(), config=ProducerConfig(max_buffered=10 * queued))
+    await producer.enqueue(requests(0, queued))
+    started = time.perf_counter()
+    producer.start()
+    while len(pipeline.jobs) < queued:
+        await asyncio.sleep(0.001)
+    seconds = time.perf_counter() - started
+    await producer.stop()
+    return seconds / queued
+
+
+def admission_table() -> str:
+    """Per-admission cost by queue length, with Python's cyclic garbage collector on (as the service runs) and
+    off (the Producer's own work alone: the collector walks every live request, so it grows with the queue)."""
+    costs = {n: asyncio.run(admission_cost(n)) for n in ADMISSION_QUEUES}
+    gc.disable()
+    try:
+        bare = {n: asyncio.run(admission_cost(n)) for n in ADMISSION_QUEUES}
+    finally:
+        gc.enable()
+    first = ADMISSION_QUEUES[0]
+    rows = [
+        f"| {n:,} | {costs[n] * 1e6:.1f} µs ({costs[n] / costs[first]:.2f}x) "
+        f"| {bare[n] * 1e6:.1f} µs ({bare[n] / bare[first]:.2f}x) |"
+        for n in ADMISSION_QUEUES
+    ]
+    head = "| Prompts queued (all admitted) | Per admission | The same, garbage collector off |\n|---|---|---|"
+    return head + "\n" + "\n".join(rows)
+
+
 def render_block(stream: Stream, main: list[RunResult], sweeps: list[list[RunResult]], args: Any) -> str:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     command = " ".join(["python bench/bench_decoupled.py", *args.argv])
     s = main[0].setting
     verdicts = "\n".join(f"- {line}" for line in verdict(sweeps))
     takeaway_lines = "\n".join(f"- {line}" for line in takeaways(stream, main, sweeps[1]))
+    admission = admission_table()
     return f"""{BLOCK_START}
 ## Decoupled training: coupled vs decoupled, simulated — {now}
 
@@ -618,6 +667,13 @@ def render_block(stream: Stream, main: list[RunResult], sweeps: list[list[RunRes
 ### What it shows
 
 {takeaway_lines}
+
+### Admission cost against the queue's length
+
+Admission control sees counts by policy version, so an admission costs the same whatever the queue's length
+(measured in real time, the same run; it used to sort every queued version per admission: 6 s for 40,000).
+
+{admission}
 
 ### Against the anchors (trainer utilisation)
 
@@ -683,6 +739,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(verdict(sweeps)))
     print()
     print("\n".join(takeaways(stream, main_results, sweeps[1])))
+    print()
+    print(admission_table())
     if args.out is not None:
         write_markdown(args.out, render_block(stream, main_results, sweeps, args))
         print(f"written to {args.out}", file=sys.stderr)

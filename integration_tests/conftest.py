@@ -72,6 +72,8 @@ def reachable(path: Path) -> Path:
     temporary directories private (0700, and it resets that at each session's start), so state and image
     dirs live in a directory of their own under the system temp dir instead, removed at exit.
     """
+    if path in _REACHABLE.values():  # already one of these (a server restarted on its state dir)
+        return path
     if path not in _REACHABLE:
         _REACHABLE[path] = Path(tempfile.mkdtemp(prefix=f"prorl-test-{path.name}-"))
         _REACHABLE[path].chmod(0o711)
@@ -79,10 +81,12 @@ def reachable(path: Path) -> Path:
     return _REACHABLE[path]
 
 
-def start_server(state_dir: Path, backend: str, token: str | None = None, *extra: str) -> RuntimeServer:
+def start_server(
+    state_dir: Path, backend: str, token: str | None = None, *extra: str, port: int | None = None
+) -> RuntimeServer:
     state_dir = reachable(state_dir)
     args = ["--token", token] if token else []
-    service = localstack.start_sandbox_runtime(state_dir, backend, *args, *extra)
+    service = localstack.start_sandbox_runtime(state_dir, backend, *args, *extra, port=port)
     return RuntimeServer(service, state_dir, backend, token)
 
 

@@ -14,9 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
+from pathlib import Path
 
 from aiohttp import web
 from transformers import AutoTokenizer
+
+from prorl_adapter import localstack
 
 SCRIPT = re.compile(r"\[script:([A-Za-z0-9_-]+)\]")
 FINISH = '<tool_call>{"name": "finish", "arguments": {"answer": "done"}}</tool_call>'
@@ -47,6 +51,16 @@ def create_app(tokenizer_path: str, scripts: dict[str, list[str]]) -> web.Applic
     app = web.Application()
     app.router.add_routes([web.get("/v1/models", models), web.post("/v1/completions", completions)])
     return app
+
+
+def start(scripts: dict[str, list[str]], workdir: Path) -> localstack.Service:
+    """Start the stand-in as a process of its own, serving `scripts` with the tiny model's tokenizer."""
+    localstack.build_tiny_model()
+    path = workdir / "scripts.json"
+    path.write_text(json.dumps(scripts))
+    argv = [sys.executable, "-m", "integration_tests.scripted_llm", "--port", "{port}"]
+    argv += ["--tokenizer", str(localstack.TINY_MODEL), "--scripts", str(path)]
+    return localstack.start_service("scripted LLM stand-in", argv, "/v1/models", 60)
 
 
 def main() -> None:

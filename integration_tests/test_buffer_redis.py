@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,6 @@ import textwrap
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -29,59 +27,17 @@ from prorl_adapter import localstack
 from prorl_adapter.localstack import REPO, free_port
 from prorl_adapter.models import StageTimings, Trajectory
 
-REDIS_SERVER = shutil.which("redis-server")
-if REDIS_SERVER is None:
-    pytest.skip("redis-server is not installed (apt-get install redis-server; make test does)", allow_module_level=True)
+from .redis_server import REDIS_SKIP, RedisServer
+
+if REDIS_SKIP:
+    pytest.skip(REDIS_SKIP, allow_module_level=True)
 redis = pytest.importorskip(
     "redis", reason="the redis Python package is missing (pip install 'prorl-adapter[redis]'; make test does)"
 )
 
-from prorl_adapter.buffer import BufferStats, BufferUnavailable, create_buffer  # noqa: E402
+from prorl_adapter.buffer import BufferStats, BufferUnavailable, MalformedEntryId  # noqa: E402
 from prorl_adapter.buffer_redis import RedisBuffer, redact  # noqa: E402
-
-
-class RedisServer:
-    """A redis-server process of our own, on a fixed free port so that it can be restarted in place."""
-
-    def __init__(self, workdir: Path, appendonly: bool = False) -> None:
-        self.workdir = workdir
-        self.appendonly = appendonly
-        self.port = free_port()
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, timeout: float = 20) -> RedisServer:
-        persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly else ["--appendonly", "no"]
-        argv = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir)]
-        argv += ["--save", "", *persistence, "--logfile", str(self.workdir / "redis.log")]
-        self.process = subprocess.Popen(argv, cwd=self.workdir, stdin=subprocess.DEVNULL, start_new_session=True)
-        client = redis.Redis(port=self.port, socket_timeout=1, socket_connect_timeout=1)
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                if self.process.poll() is not None:
-                    log = (self.workdir / "redis.log").read_text(errors="replace")[-2000:]
-                    raise RuntimeError(f"redis-server exited with status {self.process.returncode}: {log}")
-                try:
-                    if client.ping():
-                        return self
-                except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):  # LOADING: reading the AOF
-                    pass
-                if time.monotonic() > deadline:
-                    self.kill()
-                    raise RuntimeError(f"redis-server on port {self.port} did not answer PING within {timeout:g} s")
-                time.sleep(0.05)  # polling a starting process, not synchronising the code under test
-        finally:
-            client.close()
-
-    def kill(self) -> None:
-        """SIGKILL by its own pid: a crash, nothing flushed at exit."""
-        if self.process is not None and self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+from prorl_adapter.storage import create_buffer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -282,6 +238,101 @@ async def test_buffered_versions_count_ready_and_pending_until_acked(redis_serve
         assert await buf.buffered_versions() == [1, 2, 2, 4]
         await buf.ack([newest.id])
         assert await buf.buffered_versions() == [1, 2, 2]
+
+
+async def test_release_hands_back_exactly_these_entries_in_their_place(redis_server, prefix):
+    async with (
+        RedisBuffer(redis_server.url, prefix=prefix, consumer="service") as buf,
+        RedisBuffer(redis_server.url, prefix=prefix, consumer="other") as other,
+    ):
+        for job, version in [("old", 1), ("a", 2), ("b", 2), ("c", 2)]:
+            await buf.put(make_trajectory(job, version))
+        untaken = await buf.put(make_trajectory("untaken", 0))
+        a, b, c = await buf.take(3, timeout=0)
+        [elsewhere] = await other.take(1, timeout=0)  # "old", pending for another consumer
+        unknown = "2:1-1"
+        assert await buf.release([c.id, a.id, untaken, unknown, elsewhere.id]) == 2  # only its own pending ones
+        assert await buf.release([a.id]) == 0  # already released
+        assert await buf.stats() == BufferStats(ready=3, pending=2, acked=0)
+        assert await other.ack([elsewhere.id]) == 1
+        again = await buf.take(3, timeout=0)
+        assert jobs(again) == ["a", "c", "untaken"]  # FIFO in version 2, before version 0
+        assert [e.deliveries for e in again] == [2, 2, 1]
+        assert await buf.ack([b.id]) == 1
+        assert await buf.release([b.id]) == 0  # acknowledged
+        assert await buf.stats() == BufferStats(ready=0, pending=3, acked=2)
+        with pytest.raises(MalformedEntryId):
+            await buf.release(["not-an-id"])
+
+
+async def test_release_wakes_a_waiting_take(redis_server, prefix):
+    async with RedisBuffer(redis_server.url, prefix=prefix) as buf:
+        await buf.put(make_trajectory("a"))
+        [entry] = await buf.take(1, timeout=0)
+        waiter = asyncio.create_task(buf.take(1, timeout=30))
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(waiter), 0.2)
+        assert await buf.release(entry.id) == 1  # one id alone works too, as with ack
+        [again] = await asyncio.wait_for(waiter, 10)
+        assert again.id == entry.id and again.deliveries == 2
+        assert await buf.ack([again.id]) == 1
+
+
+async def test_expire_removes_ready_entries_of_older_versions_only(redis_server, prefix):
+    async with RedisBuffer(redis_server.url, prefix=prefix, consumer="service") as buf:
+        await buf.put(make_trajectory("pending1", 1))
+        [pending] = await buf.take(1, timeout=0)
+        await buf.put(make_trajectory("released1", 1))
+        [released] = await buf.take(1, timeout=0)
+        assert await buf.release([released.id]) == 1  # ready again, though Redis holds it as pending
+        for i in range(250):  # more than the script deletes per slice
+            await buf.put(make_trajectory(f"b{i}", 1))
+        for job, version in [("c2", 2), ("d3", 3), ("e4", 4)]:
+            await buf.put(make_trajectory(job, version))
+        assert await buf.expire(1) == 0
+        assert await buf.expire(3) == 252  # released1, b0..b249 (a pending one stays in the stream), c2
+        assert await buf.expire(3) == 0
+        assert await buf.stats() == BufferStats(ready=2, pending=1, acked=0, expired=252)
+        assert await buf.version_counts() == {1: 1, 3: 1, 4: 1}
+        streams = [f"{prefix}:v{v}" for v in (1, 3, 4)]  # version 2: emptied, deleted and unregistered
+        assert await leftover_keys(redis_server, prefix) == [*streams, f"{prefix}:versions"]
+        assert jobs(await buf.take(5, timeout=0)) == ["e4", "d3"]
+        assert await buf.ack([released.id]) == 0  # gone for good: a late ack does not count it
+        assert await buf.release([pending.id]) == 1  # handed back, ready, stale: the next expire removes it
+        assert await buf.expire(3) == 1
+        assert await buf.stats() == BufferStats(ready=0, pending=2, acked=0, expired=253)
+        assert await buf.take(1, timeout=0) == []
+        assert await leftover_keys(redis_server, prefix) == [*streams[1:], f"{prefix}:versions"]  # v1 emptied
+
+
+async def test_expire_leaves_entries_pending_for_other_consumers(redis_server, prefix):
+    async with (
+        RedisBuffer(redis_server.url, prefix=prefix, consumer="service") as buf,
+        RedisBuffer(redis_server.url, prefix=prefix, consumer="other") as other,
+    ):
+        await buf.put(make_trajectory("x", 1))
+        [taken] = await other.take(1, timeout=0)
+        await buf.put(make_trajectory("y", 1))
+        assert await buf.expire(2) == 1  # y
+        assert await other.ack([taken.id]) == 1
+        assert await buf.stats() == BufferStats(ready=0, pending=0, acked=1, expired=1)
+        assert await leftover_keys(redis_server, prefix) == []
+
+
+async def test_version_counts_follow_put_ack_and_expire_but_not_take(redis_server, prefix):
+    async with RedisBuffer(redis_server.url, prefix=prefix) as buf:
+        assert await buf.version_counts() == {}
+        for version in (4, 2, 1, 2):
+            await buf.put(make_trajectory(f"v{version}", version))
+        assert await buf.version_counts() == {1: 1, 2: 2, 4: 1}
+        assert list(await buf.version_counts()) == [1, 2, 4]  # ascending
+        [newest] = await buf.take(1, timeout=0)
+        assert await buf.version_counts() == {1: 1, 2: 2, 4: 1}  # pending is still unconsumed
+        await buf.ack([newest.id])
+        assert await buf.version_counts() == {1: 1, 2: 2}
+        assert await buf.expire(2) == 1
+        assert await buf.version_counts() == {2: 2}
+        assert await buf.buffered_versions() == [2, 2]
 
 
 def assert_clear(exc: BufferUnavailable, server: RedisServer, what: str) -> None:

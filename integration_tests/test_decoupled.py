@@ -3,7 +3,9 @@ and publishes policy versions, with the staleness plugin pacing or dropping (rea
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import pytest
 
@@ -55,12 +57,16 @@ async def test_drop_mode_drops_what_is_too_stale(vllm, sandbox_server, tmp_path)
             first = await client.take_batch(1, timeout=300)
             await client.set_policy_version(5)  # the trainer moved on: the other three are now 5 versions old
             await client.ack([item.id for item in first.items])
-            rest = await client.take_batch(3, timeout=300)
+            deadline = time.monotonic() + 300
+            while (await client.buffer())["produced"] < 4 and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)  # until all four are in the buffer
+            # Too stale to weigh above 0: removed before the take.
+            rest = await client.take_batch(3, timeout=0)
             status = await client.buffer()
     finally:
         rollout.stop()
     assert len(first.items) == 1 and rest.items == []
-    assert status["dropped"] == 3 and status["ready"] == 0
+    assert status["expired"] == 3 and status["dropped"] == 0 and status["ready"] == 0
 
 
 async def test_bad_plugin_config_fails_at_start_up(vllm, sandbox_server, tmp_path):

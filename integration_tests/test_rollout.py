@@ -266,9 +266,18 @@ async def test_llm_servers_can_be_added_and_removed(client, vllm):
     with pytest.raises(RolloutAPIError) as bad:
         await client.add_llm_server("not a url")
     assert bad.value.status == 400
-    with pytest.raises(RolloutAPIError) as unknown:
-        await client.remove_llm_server("http://127.0.0.1:9")
-    assert unknown.value.status == 404
+    assert await client.remove_llm_server("http://127.0.0.1:9") is False  # absent: nothing to do, no error
+
+
+async def test_the_llm_server_set_is_replaced_in_one_idempotent_call(rollout, client, vllm):
+    dead = "http://127.0.0.1:9"
+    servers = await client.set_llm_servers([vllm.url, dead])
+    assert sorted(s["url"] for s in servers) == sorted([vllm.url, dead])
+    await asyncio.gather(*(client.set_llm_servers([vllm.url]) for _ in range(8)))  # workers racing: one outcome
+    assert [s["url"] for s in await client.llm_servers()] == [vllm.url]
+    async with httpx.AsyncClient(base_url=rollout.url) as http:  # raw: the client's model refuses it first
+        assert (await http.put("/v1/llm-servers", json={"urls": []})).status_code == 400
+        assert (await http.put("/v1/llm-servers", json={"urls": ["not a url"]})).status_code == 400
 
 
 def test_sync_client(rollout):

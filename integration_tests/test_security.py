@@ -9,18 +9,17 @@ import base64
 import io
 import json
 import os
-import sys
 import tarfile
 from pathlib import Path
 
 import httpx
 import pytest
 
-from prorl_adapter import localstack
 from prorl_adapter.client import RolloutClient
 from prorl_adapter.models import JobRequest
 from sandbox_runtime.client import SandboxAPIError
 
+from . import scripted_llm
 from .conftest import (
     BACKEND_SKIPS,
     RuntimeServer,
@@ -363,12 +362,7 @@ SCRIPTS = {
 
 @pytest.fixture(scope="module")
 def scripted_rollout(server, tmp_path_factory):
-    localstack.build_tiny_model()
-    scripts = tmp_path_factory.mktemp("scripts") / "scripts.json"
-    scripts.write_text(json.dumps(SCRIPTS))
-    argv = [sys.executable, "-m", "integration_tests.scripted_llm", "--port", "{port}"]
-    argv += ["--tokenizer", str(localstack.TINY_MODEL), "--scripts", str(scripts)]
-    llm = localstack.start_service("scripted LLM stand-in", argv, "/v1/models", 60)
+    llm = scripted_llm.start(SCRIPTS, tmp_path_factory.mktemp("scripts"))
     rollout = start_rollout([server.url], [llm.url])
     yield rollout
     rollout.stop()

@@ -124,12 +124,9 @@ def should_pace(state: AdmissionState, k: int, batch_size: int, max_in_flight: i
     """
     if k < 0 or batch_size < 1:
         raise ValueError(f"max_staleness {k} must be >= 0 and batch_size {batch_size} >= 1")
-    if max_in_flight is not None and len(state.in_flight_versions) >= max_in_flight:
+    if max_in_flight is not None and state.running >= max_in_flight:
         return True
-    c = state.current_version
-    oldest = min([c, *state.in_flight_versions, *state.buffered_versions])
-    pending = len(state.in_flight_versions) + len(state.buffered_versions)
-    return pending + 1 > (oldest + k - c + 1) * batch_size
+    return state.pending + 1 > (state.oldest_version + k - state.current_version + 1) * batch_size
 
 
 # -- configuration -----------------------------------------------------------------------------------------
@@ -208,6 +205,16 @@ class StalenessControl:
         if c.mode != "pace":
             return None
         return not should_pace(state, c.max_staleness, c.batch_size, c.pace_max_in_flight)
+
+    @hookimpl
+    def prorl_expired_before(self, current_version: int) -> int | None:
+        """drop and importance weigh staleness > K as 0, linear staleness >= K: such entries can go."""
+        c = self.config
+        if c.mode in ("drop", "importance"):
+            return current_version - c.max_staleness
+        if c.mode == "linear":  # weight 1 - s/K is 0 from s = K (with K = 0: from s = 1)
+            return current_version - c.max_staleness + (1 if c.max_staleness > 0 else 0)
+        return None
 
     @hookimpl
     def prorl_trajectory_weight(

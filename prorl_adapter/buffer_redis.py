@@ -7,9 +7,9 @@ Layout (every key starts with `prefix`, default `prorl:buffer`; one consumer gro
   A stream holds exactly the unconsumed entries of its version: ready ones (not yet delivered to the group)
   and pending ones (delivered, in the group's pending entries list, not yet acknowledged).
 - `{prefix}:versions`: a sorted set of the versions that have a stream (score = version).
-- `{prefix}:events`: a short stream (capped at ~1000) that every `put` and `reclaim` appends to, only to wake
-  consumers blocked in `take` (one `XREAD BLOCK` covers every version, including versions not seen yet).
-- `{prefix}:acked`: the number of entries acknowledged, for `stats`.
+- `{prefix}:events`: a short stream (capped at ~1000) that every `put`, `reclaim` and `release` appends to, only
+  to wake consumers blocked in `take` (one `XREAD BLOCK` covers every version, including versions not seen yet).
+- `{prefix}:acked`, `{prefix}:expired`: the numbers of entries acknowledged and expired, for `stats`.
 
 Operations (each multi-key step is one Lua script, so it is atomic):
 
@@ -31,7 +31,15 @@ Operations (each multi-key step is one Lua script, so it is atomic):
   `reclaim` by anyone finds them. When served, an entry is claimed once more (`XCLAIM`, which resets its
   idle time and counts a delivery) only if it is still pending for this consumer, so an entry that its slow
   first consumer acknowledged meanwhile is not delivered again.
-- `buffered_versions()`: each registered version, repeated by its stream's length (`XLEN`).
+- `release(ids)`: `reclaim` for exactly these ids. This object is the buffer's one consumer (the service), so
+  an entry whose lease expired is still pending for it: a script checks with `XPENDING` which of the ids are
+  (one call per version), and those are remembered and served by the next `take` as reclaimed ones are.
+- `expire(before_version)`: one script per registered version below `before_version` deletes the stream's
+  ready entries: those not in the group's pending list (never delivered; the whole stream at once when
+  nothing is pending) and those this object holds as reclaimed or released (`XACK` first). It counts them
+  in `{prefix}:expired` and, when the stream is left empty, deletes it and unregisters the version (as `ack`).
+- `version_counts()`: each registered version with its stream's length (`XLEN`, one pipeline);
+  `buffered_versions()` expands it.
 - `stats()`: ready = `XLEN` - pending; pending from `XPENDING`; this object's reclaimed-but-not-served
   entries count as ready (as with `MemoryBuffer`), although Redis holds them as pending.
 
@@ -44,7 +52,8 @@ Failures: a Redis that cannot be reached raises `BufferUnavailable`, whose messa
 The client reconnects on the next call, so the same object works again once Redis is back. Durability is
 Redis's own: run it with `appendonly yes` (and `appendfsync always` or `everysec`) for trajectories to
 survive a Redis restart. Unlike `MemoryBuffer`, there is no `max_size`: bound the buffer by pacing (the
-versions in `buffered_versions` feed admission control) and give Redis a `maxmemory` with `noeviction`.
+versions in `version_counts` feed admission control) and `expire`, and give Redis a `maxmemory` with
+`noeviction`.
 """
 
 from __future__ import annotations
@@ -81,6 +90,7 @@ from .buffer import (
     MalformedEntryId,
     _check_n,
     _check_trajectory,
+    _id_list,
 )
 from .models import Trajectory
 
@@ -142,6 +152,58 @@ end
 return out
 """
 
+_PENDING_HERE = """
+-- KEYS: the version's stream; ARGV: group, consumer, stream ids... Returns those pending for this consumer.
+local out = {}
+if redis.call('EXISTS', KEYS[1]) == 0 then return out end
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p == 1 and p[1][2] == ARGV[2] then out[#out + 1] = ARGV[i] end
+end
+return out
+"""
+
+_EXPIRE = """
+-- KEYS: the version's stream, the version registry, the expired counter; ARGV: version, group, consumer,
+-- the stream ids this consumer holds as reclaimed or released... Deletes the ready entries: those not in the
+-- group's pending list, and those of the given ids still pending for this consumer. Returns how many.
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local owner = {}  -- stream id -> consumer, of the pending entries: they stay
+local summary = redis.pcall('XPENDING', KEYS[1], ARGV[2])  -- no group: nothing is pending
+if summary.err == nil and summary[1] > 0 then
+  for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[2], '-', '+', summary[1])) do owner[p[1]] = p[2] end
+end
+for i = 4, #ARGV do
+  if owner[ARGV[i]] == ARGV[3] then
+    redis.call('XACK', KEYS[1], ARGV[2], ARGV[i])
+    owner[ARGV[i]] = nil
+  end
+end
+local n = 0
+if next(owner) == nil then
+  n = redis.call('XLEN', KEYS[1])
+  redis.call('DEL', KEYS[1])
+else
+  -- In slices: an entry holds a whole trajectory, and XRANGE has no way to return ids alone.
+  local from = '-'
+  repeat
+    local slice = redis.call('XRANGE', KEYS[1], from, '+', 'COUNT', 100)
+    local ready = {}
+    for _, e in ipairs(slice) do
+      if owner[e[1]] == nil then ready[#ready + 1] = e[1] end
+    end
+    if #ready > 0 then n = n + redis.call('XDEL', KEYS[1], unpack(ready)) end
+    if #slice > 0 then from = '(' .. slice[#slice][1] end
+  until #slice < 100
+end
+if redis.call('XLEN', KEYS[1]) == 0 then
+  redis.call('DEL', KEYS[1])
+  redis.call('ZREM', KEYS[2], ARGV[1])
+end
+if n > 0 then redis.call('INCRBY', KEYS[3], n) end
+return n
+"""
+
 _STREAM_ID = re.compile(r"^\d+-\d+$")
 
 
@@ -162,6 +224,51 @@ def redact(url: str) -> str:
 
 def default_consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class RedisConnection:
+    """One Redis client as this project's Redis-backed parts use it (the buffer, the prompt queue): a command is
+    retried after a connection error with a short backoff, a silent Redis counts as unavailable after
+    `socket_timeout`, and redis-py's errors become the buffer's, with the URL (password hidden) and the
+    operation that failed in the message."""
+
+    def __init__(self, url: str, *, socket_timeout: float = 5.0, retries: int = 2, **redis_kwargs: Any) -> None:
+        self.where = redact(url)
+        self.redis = aioredis.Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=socket_timeout,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
+            **redis_kwargs,
+        )
+        self.closed = False
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise BufferClosed(f"the connection to Redis at {self.where} is closed")
+
+    @contextlib.contextmanager
+    def errors(self, what: str) -> Iterator[None]:
+        """Turn redis-py's errors into the buffer's: a clear message, no traceback from inside redis-py."""
+        self.check_open()
+        try:
+            yield
+        except (TimeoutError, redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+            self.check_open()  # closed while waiting: that, not the broken connection, is the news
+            raise BufferUnavailable(
+                f"Redis at {self.where} is unavailable: {what} failed ({type(exc).__name__}: {exc})"
+            ) from None
+        except redis_errors.ResponseError as exc:
+            raise ExperienceBufferError(f"Redis at {self.where} refused {what}: {exc}") from None
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(Exception):
+            closer = getattr(self.redis, "aclose", None) or self.redis.close
+            await closer()
 
 
 class RedisBuffer(ExperienceBuffer):
@@ -191,22 +298,18 @@ class RedisBuffer(ExperienceBuffer):
         self.prefix = prefix
         self.group = group
         self.consumer = consumer or default_consumer_name()
-        self._where = redact(url)
         self._block_s = max(0.05, socket_timeout / 2)
-        self._redis = aioredis.Redis.from_url(
-            url,
-            decode_responses=True,
-            socket_timeout=socket_timeout,
-            socket_connect_timeout=socket_timeout,
-            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
-            **redis_kwargs,
-        )
+        self._connection = RedisConnection(url, socket_timeout=socket_timeout, retries=retries, **redis_kwargs)
+        self._where = self._connection.where
+        self._redis = self._connection.redis
         self._put = self._redis.register_script(_PUT)
         self._ack = self._redis.register_script(_ACK)
         self._reclaim = self._redis.register_script(_RECLAIM)
         self._serve = self._redis.register_script(_SERVE_RECLAIMED)
-        self._reclaimed: dict[int, set[str]] = {}  # version -> stream ids claimed by reclaim, not yet served
-        self._closed = False
+        self._pending_here = self._redis.register_script(_PENDING_HERE)
+        self._expire = self._redis.register_script(_EXPIRE)
+        # version -> stream ids claimed by reclaim or handed back by release, not yet served
+        self._reclaimed: dict[int, set[str]] = {}
 
     def __repr__(self) -> str:
         return f"RedisBuffer({self._where!r}, prefix={self.prefix!r}, group={self.group!r}, consumer={self.consumer!r})"
@@ -227,6 +330,10 @@ class RedisBuffer(ExperienceBuffer):
     def _acked_key(self) -> str:
         return f"{self.prefix}:acked"
 
+    @property
+    def _expired_key(self) -> str:
+        return f"{self.prefix}:expired"
+
     @staticmethod
     def _entry_id(version: int, sid: str) -> str:
         return f"{version}:{sid}"
@@ -241,24 +348,19 @@ class RedisBuffer(ExperienceBuffer):
         except ValueError:
             raise MalformedEntryId(f"not an entry id of this buffer: {entry_id!r} (expected VERSION:MS-SEQ)") from None
 
+    def _by_version(self, ids: Iterable[str]) -> dict[int, list[str]]:
+        by_version: dict[int, list[str]] = {}
+        for entry_id in _id_list(ids):
+            version, sid = self._split_id(entry_id)
+            by_version.setdefault(version, []).append(sid)
+        return by_version
+
     # -- errors ------------------------------------------------------------------------------------------
     def _check_open(self) -> None:
-        if self._closed:
-            raise BufferClosed(f"the experience buffer on Redis at {self._where} is closed")
+        self._connection.check_open()
 
-    @contextlib.contextmanager
-    def _errors(self, what: str) -> Iterator[None]:
-        """Turn redis-py's errors into the buffer's: a clear message, no traceback from inside redis-py."""
-        self._check_open()
-        try:
-            yield
-        except (TimeoutError, redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
-            self._check_open()  # closed while waiting: that, not the broken connection, is the news
-            raise BufferUnavailable(
-                f"Redis at {self._where} is unavailable: {what} failed ({type(exc).__name__}: {exc})"
-            ) from None
-        except redis_errors.ResponseError as exc:
-            raise ExperienceBufferError(f"Redis at {self._where} refused {what}: {exc}") from None
+    def _errors(self, what: str) -> contextlib.AbstractContextManager[None]:
+        return self._connection.errors(what)
 
     async def ping(self) -> None:
         """Check that Redis answers; raises `BufferUnavailable` if not."""
@@ -365,13 +467,8 @@ class RedisBuffer(ExperienceBuffer):
         return BufferedTrajectory(entry_id, trajectory, deliveries)
 
     async def ack(self, ids: Iterable[str]) -> int:
-        ids = [ids] if isinstance(ids, str) else list(ids)
-        by_version: dict[int, list[str]] = {}
-        for entry_id in ids:
-            version, sid = self._split_id(entry_id)
-            by_version.setdefault(version, []).append(sid)
         done = 0
-        for version, sids in by_version.items():
+        for version, sids in self._by_version(ids).items():
             stream = self._stream(version)
             with self._errors(f"acknowledging {len(sids)} entries of {stream}"):
                 done += int(
@@ -379,10 +476,29 @@ class RedisBuffer(ExperienceBuffer):
                         keys=[stream, self._versions_key, self._acked_key], args=[version, self.group, *sids]
                     )
                 )
-            held = self._reclaimed.get(version)
-            if held:
-                held.difference_update(sids)
+            self._forget(version, sids)
         return done
+
+    def _hold(self, version: int, sids: Iterable[str]) -> int:
+        """Remember entries pending for this consumer as handed back, for the next `take`; returns how many
+        were not already."""
+        held = self._reclaimed.setdefault(version, set())
+        new = set(sids) - held
+        held.update(new)
+        if not held:
+            del self._reclaimed[version]
+        return len(new)
+
+    def _forget(self, version: int, sids: Iterable[str]) -> None:
+        held = self._reclaimed.get(version)
+        if held is not None:
+            held.difference_update(sids)
+            if not held:
+                del self._reclaimed[version]
+
+    async def _wake(self, why: str, count: int) -> None:
+        with self._errors(f"adding to {self._events_key}"):  # wake this consumer's waiting takes
+            await self._redis.xadd(self._events_key, {why: count}, maxlen=1000, approximate=True)
 
     async def reclaim(self, idle_s: float) -> int:
         idle_ms = max(0, int(idle_s * 1000))
@@ -393,35 +509,65 @@ class RedisBuffer(ExperienceBuffer):
             stream = self._stream(version)
             with self._errors(f"XAUTOCLAIM on {stream}"):
                 sids = await self._reclaim(keys=[stream], args=[self.group, self.consumer, idle_ms])
-            held = self._reclaimed.setdefault(version, set())
-            new = set(sids) - held
-            held.update(new)
-            count += len(new)
-            if not held:
-                del self._reclaimed[version]
+            count += self._hold(version, sids)
         if count:
-            with self._errors(f"adding to {self._events_key}"):  # wake this consumer's waiting takes
-                await self._redis.xadd(self._events_key, {"reclaim": count}, maxlen=1000, approximate=True)
+            await self._wake("reclaim", count)
         return count
+
+    async def release(self, ids: Iterable[str]) -> int:
+        count = 0
+        for version, sids in self._by_version(ids).items():
+            stream = self._stream(version)
+            with self._errors(f"releasing {len(sids)} entries of {stream}"):
+                pending = await self._pending_here(keys=[stream], args=[self.group, self.consumer, *sids])
+            count += self._hold(version, pending)
+        if count:
+            await self._wake("release", count)
+        return count
+
+    async def expire(self, before_version: int) -> int:
+        with self._errors(f"reading {self._versions_key}"):
+            registered = await self._redis.zrangebyscore(self._versions_key, "-inf", f"({before_version}")
+        # Held ids of a version whose stream is gone are not pending any more: the script returns 0, and they
+        # are dropped all the same.
+        versions = {int(v) for v in registered} | {v for v in self._reclaimed if v < before_version}
+        removed = 0
+        for version in sorted(versions):
+            stream = self._stream(version)
+            # Taken out first, so that a concurrent take cannot serve them while the script expires them.
+            held = self._reclaimed.pop(version, set())
+            try:
+                with self._errors(f"expiring the ready entries of {stream}"):
+                    removed += int(
+                        await self._expire(
+                            keys=[stream, self._versions_key, self._expired_key],
+                            args=[version, self.group, self.consumer, *held],
+                        )
+                    )
+            except BaseException:
+                self._hold(version, held)  # maybe still pending for us; take serves only those that are
+                raise
+        return removed
 
     async def _registered(self) -> list[int]:
         with self._errors(f"reading {self._versions_key}"):
             return [int(v) for v in await self._redis.zrange(self._versions_key, 0, -1)]
 
-    async def buffered_versions(self) -> list[int]:
+    async def version_counts(self) -> dict[int, int]:
         versions = await self._registered()
         with self._errors("XLEN of the version streams"):
             async with self._redis.pipeline(transaction=True) as pipe:
                 for version in versions:
                     pipe.xlen(self._stream(version))
                 lengths = await pipe.execute()
-        return [v for v, length in zip(versions, lengths) for _ in range(int(length))]
+        return {v: int(length) for v, length in zip(versions, lengths) if int(length)}
 
     async def stats(self) -> BufferStats:
         versions = await self._registered()
         with self._errors("reading the buffer's counts"):
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.get(self._acked_key)
+                pipe.get(self._expired_key)
                 for version in versions:
                     pipe.xlen(self._stream(version))
                     pipe.xpending(self._stream(version), self.group)
@@ -429,9 +575,9 @@ class RedisBuffer(ExperienceBuffer):
         for reply in replies:
             if isinstance(reply, (redis_errors.ConnectionError, redis_errors.TimeoutError)):
                 raise BufferUnavailable(f"Redis at {self._where} is unavailable: reading the buffer's counts failed")
-        acked = int(replies[0] or 0)
+        acked, expired = (int(reply or 0) for reply in replies[:2])
         total = pending = 0
-        for length, summary in zip(replies[1::2], replies[2::2]):
+        for length, summary in zip(replies[2::2], replies[3::2]):
             if isinstance(length, Exception):
                 continue
             total += int(length)
@@ -439,13 +585,8 @@ class RedisBuffer(ExperienceBuffer):
                 pending += int(summary.get("pending") or 0)
         held = min(pending, sum(len(ids) for ids in self._reclaimed.values()))
         pending -= held
-        return BufferStats(ready=total - pending, pending=pending, acked=acked)
+        return BufferStats(ready=total - pending, pending=pending, acked=acked, expired=expired)
 
     async def close(self) -> None:
         """Close the connections. Unacknowledged entries stay in Redis (pending ones: for `reclaim`)."""
-        if self._closed:
-            return
-        self._closed = True
-        with contextlib.suppress(Exception):
-            closer = getattr(self._redis, "aclose", None) or self._redis.close
-            await closer()
+        await self._connection.close()

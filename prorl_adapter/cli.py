@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from .config import RolloutConfig
+from .decoupled import ProducerConfig
 from .pipeline import PipelineConfig
 
 
@@ -29,8 +30,38 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-eval-workers", type=int, default=32)
     serve.add_argument("--plugin", action="append", default=[], help="import path of a plugin (repeatable)")
     serve.add_argument("--block-plugin", action="append", default=[], help="name of a plugin not to load")
-    serve.add_argument("--buffer", default="memory://", help="experience buffer: memory:// or redis://host:port/db")
+    serve.add_argument(
+        "--buffer",
+        default="memory://",
+        help="experience buffer and upcoming prompts: memory:// or redis://host:port/db (survives a restart)",
+    )
+    defaults = ProducerConfig()
+    serve.add_argument(
+        "--lease-s",
+        type=float,
+        default=defaults.lease_s,
+        help="how long a taken batch may stay unacknowledged before its entries are delivered again "
+        "(default %(default)s; POST /v1/batches may ask otherwise)",
+    )
+    serve.add_argument(
+        "--max-deliveries",
+        type=int,
+        default=defaults.max_deliveries,
+        help="deliveries after which an unacknowledged entry is a dead letter (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-buffered",
+        type=int,
+        default=defaults.max_buffered,
+        help="admission pauses while the buffer holds this many entries (default %(default)s)",
+    )
     serve.add_argument("--plugin-config", type=Path, default=None, help="JSON file: plugin settings by section")
+    serve.add_argument(
+        "--service-id",
+        default=None,
+        help="labels this service's sandboxes; a restart with the same id deletes what the last run left "
+        "(default: prorl-rollout@HOST:PORT)",
+    )
     serve.add_argument("--log-level", default="INFO")
     plugins = sub.add_parser("plugins", help="list the plugins and task handlers that would be loaded")
     plugins.add_argument("--plugin", action="append", default=[])
@@ -61,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         plugins=args.plugin,
         blocked_plugins=args.block_plugin,
         buffer_url=args.buffer,
+        decoupled=ProducerConfig(
+            lease_s=args.lease_s, max_deliveries=args.max_deliveries, max_buffered=args.max_buffered
+        ),
+        service_id=args.service_id,
     )
     try:
         config.plugin_config = read_plugin_config(args.plugin_config)

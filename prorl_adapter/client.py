@@ -14,7 +14,17 @@ from typing import Any
 
 import httpx
 
-from .models import AckRequest, Batch, BatchRequest, JobRequest, JobStatus, PolicyVersion, PromptsRequest, Trajectory
+from .models import (
+    AckRequest,
+    Batch,
+    BatchRequest,
+    JobRequest,
+    JobStatus,
+    LLMServersRequest,
+    PolicyVersion,
+    PromptsRequest,
+    Trajectory,
+)
 
 
 class RolloutAPIError(Exception):
@@ -93,12 +103,19 @@ class RolloutClient:
         return (await self._call("POST", "/v1/prompts", json=body)).json()["upcoming"]
 
     async def take_batch(
-        self, size: int, timeout: float | None = None, current_logprobs: dict[str, list[float]] | None = None
+        self,
+        size: int,
+        timeout: float | None = None,
+        current_logprobs: dict[str, list[float]] | None = None,
+        lease_s: float | None = None,
     ) -> Batch:
-        """Up to `size` buffered trajectories with their staleness weights; acknowledge them after training."""
-        body = BatchRequest(size=size, timeout_s=timeout, current_logprobs=current_logprobs or {})
+        """Up to `size` buffered trajectories with their staleness weights; acknowledge them after training,
+        within `lease_s` (the service's default if None), or they are delivered again."""
+        body = BatchRequest(size=size, timeout_s=timeout, current_logprobs=current_logprobs or {}, lease_s=lease_s)
         wait = (timeout if timeout is not None else 3600.0) + self._timeout
-        response = await self._call("POST", "/v1/batches", json=body.model_dump(mode="json"), timeout=wait)
+        response = await self._call(
+            "POST", "/v1/batches", json=body.model_dump(mode="json", exclude_none=True), timeout=wait
+        )
         return Batch.model_validate_json(response.content)
 
     async def ack(self, ids: list[str]) -> int:
@@ -126,8 +143,14 @@ class RolloutClient:
     async def add_llm_server(self, url: str) -> dict:
         return (await self._call("POST", "/v1/llm-servers", json={"url": url})).json()
 
-    async def remove_llm_server(self, url: str) -> None:
-        await self._call("DELETE", "/v1/llm-servers", params={"url": url})
+    async def remove_llm_server(self, url: str) -> bool:
+        """Remove one server; False if it was not there (not an error)."""
+        return (await self._call("DELETE", "/v1/llm-servers", params={"url": url})).json()["removed"]
+
+    async def set_llm_servers(self, urls: list[str]) -> list[dict]:
+        """Make `urls` the service's whole set of LLM servers, in one idempotent call."""
+        body = LLMServersRequest(urls=urls).model_dump()
+        return (await self._call("PUT", "/v1/llm-servers", json=body)).json()["servers"]
 
 
 class SyncRolloutClient:

@@ -7,6 +7,7 @@ from typing import Any
 
 from sandbox_runtime.config import check_exposure
 
+from .decoupled import ProducerConfig
 from .pipeline import PipelineConfig
 
 
@@ -25,8 +26,16 @@ class RolloutConfig:
     # Settings of the plugins, by section: {"staleness": {...}, "reward": {...}}; see docs/plugins.md.
     plugin_config: dict[str, Any] = field(default_factory=dict)
     buffer_url: str = "memory://"  # or redis://host:port/db: the experience buffer of decoupled mode
+    decoupled: ProducerConfig = field(default_factory=ProducerConfig)
     llm_health_interval_s: float = 5.0
+    # Labels every sandbox this service creates, so that the next incarnation of it (same id) deletes what a
+    # crash left; None: `prorl-rollout@HOST:PORT`.
+    service_id: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
+
+    @property
+    def sandbox_owner(self) -> str:
+        return self.service_id or f"prorl-rollout@{self.host}:{self.port}"
 
     def check_exposure(self) -> None:
         check_exposure(self.host, self.token, "PRORL_ROLLOUT_TOKEN")

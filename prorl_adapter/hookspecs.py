@@ -10,10 +10,14 @@ Implementations may accept any subset of a hook's arguments (pluggy passes only 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pluggy
+
+# A hook's return type, defined beside the wire models (a batch item carries it); importable from here too.
+from .models import TrajectoryWeight
 
 if TYPE_CHECKING:
     from .models import JobError, JobRequest, Trajectory
@@ -30,41 +34,26 @@ class PluginConfigError(ValueError):
 
 @dataclass(frozen=True)
 class AdmissionState:
-    """What admission control sees before a new episode starts (decoupled mode)."""
+    """What admission control sees before a new episode starts (decoupled mode), as counts by policy version:
+    it is asked once per admission, so it costs O(versions), never O(episodes or trajectories)."""
 
     current_version: int
-    in_flight_versions: list[int]  # the policy version each running episode started at
-    buffered_versions: list[int]  # the oldest-turn version of each trajectory waiting in the buffer
+    in_flight: Mapping[int, int]  # policy version -> episodes running that started at it
+    buffered: Mapping[int, int]  # oldest-turn version -> trajectories in the buffer (ready or leased)
 
+    @property
+    def running(self) -> int:
+        return sum(self.in_flight.values())
 
-@dataclass
-class TrajectoryWeight:
-    """A plugin's verdict on one trajectory when the trainer consumes it.
+    @property
+    def pending(self) -> int:
+        """Episodes that may still be consumed: running ones and buffered ones."""
+        return self.running + sum(self.buffered.values())
 
-    `sample` multiplies the sample's loss (0 drops it); `tokens`, if given, multiplies each response token's
-    loss (e.g. truncated importance weights), aligned with `response_ids`.
-    """
-
-    sample: float = 1.0
-    tokens: list[float] | None = None
-    reasons: list[str] = field(default_factory=list)
-
-    @classmethod
-    def combine(cls, weights: list[TrajectoryWeight | None], length: int) -> TrajectoryWeight:
-        """Several plugins' verdicts on one trajectory of `length` response tokens: sample weights multiply,
-        token weights multiply element-wise, reasons are kept in order."""
-        combined = cls()
-        for weight in weights:
-            if weight is None:
-                continue
-            combined.sample *= weight.sample
-            combined.reasons += weight.reasons
-            if weight.tokens is not None:
-                if len(weight.tokens) != length:
-                    raise ValueError(f"a plugin returned {len(weight.tokens)} token weights for {length} tokens")
-                base = combined.tokens or [1.0] * length
-                combined.tokens = [a * b for a, b in zip(base, weight.tokens)]
-        return combined
+    @property
+    def oldest_version(self) -> int:
+        """The oldest version among pending episodes and the one that would start now."""
+        return min([self.current_version, *self.in_flight, *self.buffered])
 
 
 # -- start-up --------------------------------------------------------------------------------------------
@@ -139,6 +128,14 @@ def prorl_reward_components(trajectory: Trajectory, instance: dict[str, Any]) ->
 def prorl_combine_reward(trajectory: Trajectory, components: dict[str, float]) -> float | None:
     """Combine the components into the shaped reward the trainer optimises. The first non-None result wins;
     with none, the reward is the sum of the components."""
+
+
+@hookspec
+def prorl_expired_before(current_version: int) -> int | None:
+    """Called before the trainer takes a batch. Return a version V such that a buffered trajectory whose oldest
+    turn is older than V is worth nothing now (its weight would be 0): the buffer removes such trajectories
+    at once, instead of keeping ones that newest-first takes never reach. All results are combined: the
+    largest V wins; None has no opinion."""
 
 
 @hookspec

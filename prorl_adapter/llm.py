@@ -117,6 +117,14 @@ class LLMPool:
         server.removed = True  # episodes pinned to it fail over on their next turn
         return True
 
+    def replace(self, urls: list[str]) -> None:
+        """Make `urls` the whole set, in one step of the event loop: concurrent callers cannot interleave."""
+        wanted = {url.rstrip("/") for url in urls}
+        for url in [u for u in self._servers if u not in wanted]:
+            self.remove(url)
+        for url in wanted:
+            self.add(url)
+
     def servers(self) -> list[LLMServerInfo]:
         return [s.info() for s in self._servers.values()]
 

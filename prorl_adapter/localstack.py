@@ -72,10 +72,13 @@ class Service:
             self.process.wait()
 
 
-def start_service(name: str, argv: list[str], health_path: str, timeout: float, log: Path | None = None) -> Service:
-    """Start `argv` (where "{port}" stands for a free port) as its own session and process group, so that
-    stopping it reaches every process it started (vLLM's engine), and wait until `health_path` answers 200."""
-    port = free_port()
+def start_service(
+    name: str, argv: list[str], health_path: str, timeout: float, log: Path | None = None, port: int | None = None
+) -> Service:
+    """Start `argv` (where "{port}" stands for `port`, default a free one) as its own session and process group,
+    so that stopping it reaches every process it started (vLLM's engine), and wait until `health_path` answers
+    200. Giving the port of a service that died restarts it where its clients look for it."""
+    port = port or free_port()
     argv = [a.replace("{port}", str(port)) for a in argv]
     out = open(log, "wb") if log else None  # noqa: SIM115 - handed to the child, closed below
     try:
@@ -97,16 +100,20 @@ def build_tiny_model() -> Path:
     return TINY_MODEL
 
 
-def start_vllm(model: Path = TINY_MODEL, log: Path | None = None, timeout: float = 600) -> Service:
+def start_vllm(
+    model: Path = TINY_MODEL, log: Path | None = None, timeout: float = 600, port: int | None = None
+) -> Service:
     # --enforce-eager: no graph compilation, so it starts in half the time and serves this model as fast.
     argv = [str(REPO / "scripts" / "serve-vllm.sh"), str(model), "{port}", "--enforce-eager"]
-    return start_service("vLLM", argv, "/health", timeout, log)
+    return start_service("vLLM", argv, "/health", timeout, log, port)
 
 
-def start_sandbox_runtime(state_dir: Path, backend: str | None = None, *extra: str, log: Path | None = None) -> Service:
+def start_sandbox_runtime(
+    state_dir: Path, backend: str | None = None, *extra: str, log: Path | None = None, port: int | None = None
+) -> Service:
     argv = [sys.executable, "-m", "sandbox_runtime", "serve", "--port", "{port}", "--state-dir", str(state_dir)]
     argv += ["--backend", backend] if backend else []
-    return start_service("sandbox runtime", [*argv, "--log-level", "WARNING", *extra], "/healthz", 30, log)
+    return start_service("sandbox runtime", [*argv, "--log-level", "WARNING", *extra], "/healthz", 30, log, port)
 
 
 def start_rollout_service(

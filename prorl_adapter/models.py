@@ -6,12 +6,41 @@ contract a trainer relies on is written down exactly once.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .hookspecs import TrajectoryWeight
+
+@dataclass
+class TrajectoryWeight:
+    """A plugin's verdict on one trajectory when the trainer consumes it.
+
+    `sample` multiplies the sample's loss (0 drops it); `tokens`, if given, multiplies each response token's
+    loss (e.g. truncated importance weights), aligned with `response_ids`.
+    """
+
+    sample: float = 1.0
+    tokens: list[float] | None = None
+    reasons: list[str] = field(default_factory=list)
+
+    @classmethod
+    def combine(cls, weights: list[TrajectoryWeight | None], length: int) -> TrajectoryWeight:
+        """Several plugins' verdicts on one trajectory of `length` response tokens: sample weights multiply,
+        token weights multiply element-wise, reasons are kept in order."""
+        combined = cls()
+        for weight in weights:
+            if weight is None:
+                continue
+            combined.sample *= weight.sample
+            combined.reasons += weight.reasons
+            if weight.tokens is not None:
+                if len(weight.tokens) != length:
+                    raise ValueError(f"a plugin returned {len(weight.tokens)} token weights for {length} tokens")
+                base = combined.tokens or [1.0] * length
+                combined.tokens = [a * b for a, b in zip(base, weight.tokens)]
+        return combined
 
 
 class _Strict(BaseModel):
@@ -143,8 +172,17 @@ class LLMServerInfo(BaseModel):
     failures: int
 
 
+LLMServerURL = Annotated[str, Field(pattern=r"^https?://[^\s/]+(/\S*)?$", max_length=2048)]
+
+
 class LLMServerRequest(_Strict):
-    url: str = Field(pattern=r"^https?://")
+    url: LLMServerURL
+
+
+class LLMServersRequest(_Strict):
+    """Body of PUT /v1/llm-servers: the whole set of LLM servers, replacing the current one at once."""
+
+    urls: list[LLMServerURL] = Field(min_length=1)
 
 
 class PolicyVersion(_Strict):
@@ -173,6 +211,9 @@ class BatchRequest(_Strict):
 
     size: int = Field(gt=0, le=65536)
     timeout_s: float | None = Field(None, ge=0)
+    lease_s: float | None = Field(
+        None, gt=0, le=7 * 86400, description="acknowledge within this long, or the entries are delivered again"
+    )
     # The trainer's logprobs of each entry's response tokens, by entry id (importance weighting).
     current_logprobs: dict[str, list[float]] = Field(default_factory=dict)
 

@@ -50,6 +50,9 @@ class PipelineConfig:
     keep_finished: int = 100_000  # finished jobs kept for their results; the oldest are forgotten first
 
 
+SANDBOX_TTL_MARGIN_S = 600.0
+
+
 class StageFailed(Exception):
     def __init__(self, error_class: ErrorClass, message: str):
         super().__init__(message)
@@ -211,6 +214,10 @@ class RolloutPipeline:
     async def _init(self, job: Job) -> None:
         spec = job.handler.sandbox_spec(job.request.instance)
         spec.setdefault("labels", {}).update({"job_id": job.id, "task": job.request.task})
+        # The runtime reaps it even if this service dies with the job. The margin is wide (the budget again,
+        # and ten minutes): the budget counts stage time, while the sandbox also lives through queue waits.
+        budget = job.budget_left(self.config.default_timeout_s)
+        spec.setdefault("ttl_s", 2 * budget + SANDBOX_TTL_MARGIN_S)
         failed_on: set[str] = set()
         last_error = ""
         for _ in range(self.config.max_init_attempts):

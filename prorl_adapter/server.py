@@ -23,7 +23,7 @@ from sandbox_runtime.webapp import (
 )
 
 from . import __version__
-from .buffer import create_buffer
+from .buffer import ExperienceBufferError
 from .chat import ChatTokenizer
 from .config import RolloutConfig
 from .decoupled import Producer
@@ -37,6 +37,7 @@ from .models import (
     JobRequest,
     JobState,
     LLMServerRequest,
+    LLMServersRequest,
     PolicyVersion,
     ProcessRequest,
     PromptsRequest,
@@ -45,6 +46,7 @@ from .models import (
 from .pipeline import Job, RolloutPipeline
 from .plugins import collect_tasks, configure_plugins, make_plugin_manager
 from .sandboxes import SandboxPool
+from .storage import create_buffer, create_prompt_queue
 
 PIPELINE = web.AppKey("pipeline", RolloutPipeline)
 PRODUCER = web.AppKey("producer", Producer)
@@ -76,7 +78,10 @@ def wait_param(request: web.Request) -> float:
 
 # -- handlers -------------------------------------------------------------------------------------------
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"ok": True, "version": __version__})
+    """200 while the service serves jobs; `degraded` says what does not work now (the buffer, say) and why."""
+    producer = request.app.get(PRODUCER)
+    degraded = producer.stats.degraded if producer is not None else None
+    return web.json_response({"ok": True, "version": __version__, "degraded": degraded})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -130,9 +135,17 @@ async def remove_llm_server(request: web.Request) -> web.Response:
     url = request.query.get("url")
     if not url:
         raise web.HTTPBadRequest(text="query parameter `url` is required")
-    if not request.app[PIPELINE].llm.remove(url):
-        raise NotFound(f"no LLM server {url!r}")
-    return web.json_response({"url": url, "removed": True})
+    removed = request.app[PIPELINE].llm.remove(url)  # removing one that is not there is done already
+    return web.json_response({"url": url, "removed": removed})
+
+
+async def set_llm_servers(request: web.Request) -> web.Response:
+    """Replace the whole set at once: idempotent, so trainer workers that each set it cannot race."""
+    body: LLMServersRequest = await parse(request, LLMServersRequest)
+    llm = request.app[PIPELINE].llm
+    llm.replace(body.urls)
+    await llm.check_health()
+    return web.json_response({"servers": [s.model_dump() for s in llm.servers()]})
 
 
 async def set_policy_version(request: web.Request) -> web.Response:
@@ -164,13 +177,13 @@ async def enqueue_prompts(request: web.Request) -> web.Response:
     unknown = sorted({r.task for r in body.requests} - set(request.app[PIPELINE].tasks))
     if unknown:
         raise web.HTTPBadRequest(text=f"unknown task(s) {', '.join(unknown)}")
-    return web.json_response({"upcoming": request.app[PRODUCER].enqueue(body.requests)}, status=202)
+    return web.json_response({"upcoming": await request.app[PRODUCER].enqueue(body.requests)}, status=202)
 
 
 async def take_batch(request: web.Request) -> web.Response:
     body: BatchRequest = await parse(request, BatchRequest)
     timeout = MAX_WAIT_S if body.timeout_s is None else min(body.timeout_s, MAX_WAIT_S)
-    taken = await request.app[PRODUCER].take_batch(body.size, timeout, body.current_logprobs)
+    taken = await request.app[PRODUCER].take_batch(body.size, timeout, body.current_logprobs, body.lease_s)
     items = [
         BatchItem(id=t.entry.id, deliveries=t.entry.deliveries, weight=t.weight, trajectory=t.entry.trajectory)
         for t in taken
@@ -184,16 +197,15 @@ async def ack_batch(request: web.Request) -> web.Response:
 
 
 async def buffer_status(request: web.Request) -> web.Response:
+    """The buffer's counts and the producer's; during a buffer outage the counts are null and `degraded`
+    says why (the producer's own figures stay)."""
     producer = request.app[PRODUCER]
-    stats = await producer.buffer.stats()
-    return web.json_response(
-        {
-            "ready": stats.ready,
-            "pending": stats.pending,
-            "acked": stats.acked,
-            **dataclasses.asdict(producer.snapshot()),
-        }
-    )
+    try:
+        counts = dataclasses.asdict(await producer.buffer.stats())
+    except ExperienceBufferError as exc:
+        counts = {"ready": None, "pending": None, "acked": None, "expired": None}
+        producer.stats.degraded = f"reading the buffer: {exc}"
+    return web.json_response({**counts, **dataclasses.asdict(await producer.snapshot())})
 
 
 def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.Application:
@@ -211,12 +223,15 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
         pm = make_plugin_manager(config.plugins, blocked=config.blocked_plugins)
         configure_plugins(pm, config.plugin_config)  # a bad plugin config fails here, at start-up
         llm = LLMPool(config.llm_urls, health_interval=config.llm_health_interval_s)
-        sandboxes = SandboxPool(config.sandbox_urls, token=config.sandbox_token)
+        sandboxes = SandboxPool(config.sandbox_urls, token=config.sandbox_token, owner=config.sandbox_owner)
+        await sandboxes.delete_leftovers()
         pipeline = RolloutPipeline(
             pm, collect_tasks(pm), sandboxes, llm, chat or ChatTokenizer(config.tokenizer), config.pipeline
         )
         pipeline.on_finished.append(lambda job: _record(app_metrics, job))
-        producer = Producer(pipeline, create_buffer(config.buffer_url))
+        producer = Producer(
+            pipeline, create_buffer(config.buffer_url), create_prompt_queue(config.buffer_url), config.decoupled
+        )
         pm.register(producer, name="decoupled-producer")  # a new policy version wakes held-back episodes
         app[PIPELINE], app[PRODUCER] = pipeline, producer
         await llm.start()
@@ -227,6 +242,7 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
         with contextlib.suppress(Exception):
             await pipeline.stop()
         await producer.buffer.close()
+        await producer.prompts.close()
         await llm.close()
         await sandboxes.close()
 
@@ -243,6 +259,7 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
             web.get("/v1/llm-servers", list_llm_servers),
             web.post("/v1/llm-servers", add_llm_server),
             web.delete("/v1/llm-servers", remove_llm_server),
+            web.put("/v1/llm-servers", set_llm_servers),
             web.put("/v1/policy-version", set_policy_version),
             web.post("/process", process),
             web.post("/v1/prompts", enqueue_prompts),

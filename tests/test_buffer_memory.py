@@ -17,9 +17,9 @@ from prorl_adapter.buffer import (
     BufferStats,
     ExperienceBuffer,
     MemoryBuffer,
-    create_buffer,
 )
 from prorl_adapter.models import Trajectory
+from prorl_adapter.storage import create_buffer
 
 
 def make_trajectory(job_id: str, version: int = 0) -> Trajectory:
@@ -227,3 +227,85 @@ def test_create_buffer_from_url():
     assert isinstance(create_buffer("memory://", max_size=3), ExperienceBuffer)
     with pytest.raises(ValueError, match="unknown experience buffer URL"):
         create_buffer("kafka://x")
+
+
+async def test_release_hands_back_exactly_these_entries_in_their_place():
+    buf = MemoryBuffer()
+    for job, version in [("old", 1), ("a", 2), ("b", 2), ("c", 2)]:
+        await buf.put(make_trajectory(job, version))
+    untaken = await buf.put(make_trajectory("untaken", 0))
+    a, b, c = await buf.take(3, timeout=0)
+    assert await buf.release([c.id, a.id, untaken, "no-such-id"]) == 2  # only pending entries count
+    assert await buf.release([a.id]) == 0  # already released
+    assert await buf.stats() == BufferStats(ready=4, pending=1, acked=0)
+    again = await buf.take(3, timeout=0)
+    assert jobs(again) == ["a", "c", "old"]  # their original place: FIFO in version 2, before version 1
+    assert [e.deliveries for e in again] == [2, 2, 1]
+    assert await buf.ack([b.id]) == 1
+    assert await buf.release([b.id]) == 0  # acknowledged
+    assert await buf.stats() == BufferStats(ready=1, pending=3, acked=1)
+
+
+async def test_release_wakes_a_waiting_take():
+    buf = MemoryBuffer()
+    await buf.put(make_trajectory("a"))
+    [entry] = await buf.take(1, timeout=0)
+    waiter = asyncio.create_task(buf.take(1))
+    await assert_blocked(waiter)
+    assert await buf.release(entry.id) == 1  # one id alone works too, as with ack
+    [again] = await waiter
+    assert again.id == entry.id and again.deliveries == 2
+
+
+async def test_expire_removes_ready_entries_of_older_versions_only():
+    clock = FakeClock()
+    buf = MemoryBuffer(clock=clock)
+    await buf.put(make_trajectory("pending1", 1))
+    [pending] = await buf.take(1, timeout=0)
+    await buf.put(make_trajectory("reclaimed1", 1))
+    [reclaimed] = await buf.take(1, timeout=0)
+    clock.now += 60
+    assert await buf.reclaim(30) == 2
+    [pending] = await buf.take(1, timeout=0)  # pending again; reclaimed1 stays ready
+    assert pending.trajectory.job_id == "pending1"
+    for job, version in [("b1", 1), ("c2", 2), ("d3", 3), ("e4", 4)]:
+        await buf.put(make_trajectory(job, version))
+    assert await buf.expire(1) == 0  # nothing older than version 1
+    assert await buf.expire(3) == 3  # reclaimed1, b1, c2: ready and older than 3
+    assert await buf.expire(3) == 0
+    assert await buf.stats() == BufferStats(ready=2, pending=1, acked=0, expired=3)
+    assert await buf.version_counts() == {1: 1, 3: 1, 4: 1}  # the pending one stays
+    assert jobs(await buf.take(5, timeout=0)) == ["e4", "d3"]
+    assert await buf.ack([reclaimed.id]) == 0  # gone for good: a late ack does not count it
+    assert await buf.release([pending.id]) == 1  # handed back, ready, stale: the next expire removes it
+    assert await buf.expire(3) == 1
+    assert await buf.stats() == BufferStats(ready=0, pending=2, acked=0, expired=4)
+
+
+async def test_expire_makes_room_and_leaves_no_stale_heap_keys():
+    buf = MemoryBuffer(max_size=1000)
+    for i in range(1000):
+        await buf.put(make_trajectory(f"old{i}", 0))
+    blocked = asyncio.create_task(buf.put(make_trajectory("new", 1)))
+    await assert_blocked(blocked)
+    assert await buf.expire(1) == 1000
+    await blocked
+    # The expired keys were at the bottom of the newest-first heap, where take would never reach them.
+    assert len(buf._ready) == 1
+    assert jobs(await buf.take(2, timeout=0)) == ["new"]
+
+
+async def test_version_counts_follow_put_ack_and_expire_but_not_take():
+    buf = MemoryBuffer()
+    assert await buf.version_counts() == {}
+    for version in (4, 2, 1, 2):
+        await buf.put(make_trajectory(f"v{version}", version))
+    assert await buf.version_counts() == {1: 1, 2: 2, 4: 1}
+    assert list(await buf.version_counts()) == [1, 2, 4]  # ascending
+    [newest] = await buf.take(1, timeout=0)
+    assert await buf.version_counts() == {1: 1, 2: 2, 4: 1}  # pending is still unconsumed
+    await buf.ack([newest.id])
+    assert await buf.version_counts() == {1: 1, 2: 2}  # no zero counts
+    assert await buf.expire(2) == 1
+    assert await buf.version_counts() == {2: 2}
+    assert await buf.buffered_versions() == [2, 2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import pytest
@@ -29,6 +29,11 @@ versions = st.integers(min_value=0, max_value=10_000)
 ks = st.integers(min_value=0, max_value=50)
 logprobs = st.floats(min_value=-30.0, max_value=0.0)
 caps = st.floats(min_value=1.0, max_value=100.0)
+
+
+def admission(current: int, in_flight: list[int], buffered: list[int]) -> AdmissionState:
+    """The state admission control sees, from one version per running episode and per buffered trajectory."""
+    return AdmissionState(current, Counter(in_flight), Counter(buffered))
 
 
 def make_trajectory(version: int, mask=(1, 1, 0, 1), behaviour=None, job_id: str = "j", task: str = "t") -> Trajectory:
@@ -157,7 +162,7 @@ def run_paced(durations: list[int], k: int, batch_size: int, order: str, seed: i
             consumed += [staleness(v, version) for v in batch]
             version += 1
         while queue:
-            state = AdmissionState(version, [v for _, v in running], list(buffered))
+            state = admission(version, [v for _, v in running], list(buffered))
             if should_pace(state, k, batch_size):
                 break
             running.append((t + queue.popleft(), version))
@@ -185,7 +190,7 @@ def test_pacing_never_lets_a_trajectory_exceed_k(durations, k, batch_size, order
 @given(ks, st.integers(min_value=1, max_value=8))
 def test_pacing_admits_k_plus_one_batches_when_nothing_is_old(k, b):
     def held(pending: int) -> bool:
-        return should_pace(AdmissionState(10, [10] * pending, []), k, b)
+        return should_pace(admission(10, [10] * pending, []), k, b)
 
     assert not held((k + 1) * b - 1)
     assert held((k + 1) * b)
@@ -194,10 +199,10 @@ def test_pacing_admits_k_plus_one_batches_when_nothing_is_old(k, b):
 def test_pacing_holds_while_the_oldest_is_at_its_limit():
     # The oldest pending episode started at 3; at version 5 with K=2 the next batch is its last chance, so only
     # a batch's worth of episodes may be pending.
-    assert not should_pace(AdmissionState(5, [3], [5, 5]), 2, 4)
-    assert should_pace(AdmissionState(5, [3], [5, 5, 5]), 2, 4)
-    assert should_pace(AdmissionState(6, [3], []), 2, 4)
-    assert should_pace(AdmissionState(5, [5, 5], []), 2, 100, max_in_flight=2)
+    assert not should_pace(admission(5, [3], [5, 5]), 2, 4)
+    assert should_pace(admission(5, [3], [5, 5, 5]), 2, 4)
+    assert should_pace(admission(6, [3], []), 2, 4)
+    assert should_pace(admission(5, [5, 5], []), 2, 100, max_in_flight=2)
 
 
 # -- configuration -----------------------------------------------------------------------------------------
@@ -243,7 +248,7 @@ def test_off_and_no_section_have_no_opinion():
             pm.hook.prorl_trajectory_weight(trajectory=make_trajectory(0), current_version=9, current_logprobs=None)
             == []
         )
-        assert pm.hook.prorl_admit_episode(state=AdmissionState(9, [0] * 100, [])) == []
+        assert pm.hook.prorl_admit_episode(state=admission(9, [0] * 100, [])) == []
 
 
 # -- the hooks through pluggy ------------------------------------------------------------------------------
@@ -285,8 +290,8 @@ def test_importance_through_the_plugin_manager():
 
 def test_pace_through_the_plugin_manager_admits_and_never_drops():
     pm = manager({"mode": "pace", "max_staleness": 2, "batch_size": 4})
-    assert pm.hook.prorl_admit_episode(state=AdmissionState(5, [3], [5, 5])) == [True]
-    assert pm.hook.prorl_admit_episode(state=AdmissionState(5, [3], [5, 5, 5])) == [False]
+    assert pm.hook.prorl_admit_episode(state=admission(5, [3], [5, 5])) == [True]
+    assert pm.hook.prorl_admit_episode(state=admission(5, [3], [5, 5, 5])) == [False]
     [w] = pm.hook.prorl_trajectory_weight(trajectory=make_trajectory(0), current_version=9, current_logprobs=None)
     assert w.sample == 1.0
     assert "despite pacing (kept)" in w.reasons[0]
@@ -341,7 +346,7 @@ def simulate(section: dict, workers: int = 16, batch_size: int = 4, duration: in
             version += 1
             result.steps += 1
         while len(running) < workers:
-            state = AdmissionState(version, [v for _, v, _ in running], [v for v, _ in buffer])
+            state = admission(version, [v for _, v, _ in running], [v for v, _ in buffer])
             if False in pm.hook.prorl_admit_episode(state=state):
                 break
             kind = "slow" if len(result.submitted) % 4 == 3 else "fast"

@@ -75,13 +75,9 @@ class _ServiceSession:
         async with self.lock:
             if set(urls) <= self.registered:
                 return
-            for url in urls:
-                await self._call("adding an LLM server", self.client.add_llm_server(url))
-                logger.info("registered LLM server %s with the rollout service %s", url, self.url)
-            for server in await self._call("listing LLM servers", self.client.llm_servers()):
-                if server["url"] not in urls:
-                    await self._call("removing an LLM server", self.client.remove_llm_server(server["url"]))
-                    logger.info("removed LLM server %s (not one of verl's replicas) from %s", server["url"], self.url)
+            # One idempotent call: workers of one trainer each set the same set, in any order, without a race.
+            await self._call("setting the LLM servers", self.client.set_llm_servers(urls))
+            logger.info("the LLM servers of the rollout service %s are now verl's: %s", self.url, ", ".join(urls))
             self.registered.update(urls)
 
     async def publish_version(self, version: int) -> None:

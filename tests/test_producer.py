@@ -1,0 +1,259 @@
+"""Decoupled mode's liveness: the real Producer and MemoryBuffer with the real staleness plugin, on a pipeline
+stand-in whose episodes finish when the test says (`Episodes`), and a buffer fault injector (`Outage`) that
+makes the buffer unreachable on cue, as a dead Redis does."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from prorl_adapter.buffer import BufferUnavailable, ExperienceBuffer, MemoryBuffer
+from prorl_adapter.decoupled import Producer, ProducerConfig
+from prorl_adapter.models import JobError, JobRequest, JobState, StageTimings, Trajectory
+from prorl_adapter.plugins import make_plugin_manager
+from prorl_plugins.staleness import StalenessControl
+
+
+@dataclass
+class StandInJob:
+    id: str
+    request: JobRequest
+    state: JobState = JobState.running
+    result: Trajectory | None = None
+
+
+@dataclass
+class Episodes:
+    """The pipeline as the producer sees it: submitted jobs run until `finish` is called."""
+
+    hooks: Any
+    policy_version: int = 0
+    jobs: dict[str, StandInJob] = field(default_factory=dict)
+    on_finished: list = field(default_factory=list)
+
+    def submit(self, request: JobRequest) -> tuple[StandInJob, bool]:
+        if request.job_id in self.jobs:
+            return self.jobs[request.job_id], False
+        job = self.jobs[request.job_id] = StandInJob(request.job_id, request)
+        return job, True
+
+    def running(self) -> list[StandInJob]:
+        return [j for j in self.jobs.values() if j.state is JobState.running]
+
+    def fail(self, job: StandInJob) -> None:
+        """The episode failed for the infrastructure (its sandbox runtime died, say)."""
+        self.finish(job, notify=False)
+        job.state = JobState.failed
+        job.result = job.result.model_copy(
+            update={"error": JobError(error_class="init", message="sandbox runtime gone"), "filter": True}
+        )
+        for callback in self.on_finished:
+            callback(job)
+
+    def finish(self, job: StandInJob, version: int | None = None, notify: bool = True) -> None:
+        v = self.policy_version if version is None else version
+        job.state = JobState.done
+        job.result = Trajectory(
+            job_id=job.id,
+            task="t",
+            prompt_ids=[1],
+            response_ids=[2],
+            response_mask=[1],
+            response_logprobs=[0.0],
+            turns=[],
+            num_turns=0,
+            finish_reason="finish",
+            policy_version_min=v,
+            policy_version_max=v,
+            timings=StageTimings(),
+        )
+        for callback in self.on_finished if notify else []:
+            callback(job)
+
+
+class Outage(ExperienceBuffer):
+    """A MemoryBuffer that raises BufferUnavailable from every call while `down` is set."""
+
+    def __init__(self, inner: MemoryBuffer) -> None:
+        self.inner, self.down = inner, False
+
+    def _reachable(self) -> MemoryBuffer:
+        if self.down:
+            raise BufferUnavailable("Redis at redis://127.0.0.1:1 is unavailable (injected)")
+        return self.inner
+
+    async def put(self, trajectory: Trajectory) -> str:
+        return await self._reachable().put(trajectory)
+
+    async def take(self, n: int, timeout: float | None = None) -> list:
+        return await self._reachable().take(n, timeout)
+
+    async def ack(self, ids: Any) -> int:
+        return await self._reachable().ack(ids)
+
+    async def release(self, ids: Any) -> int:
+        return await self._reachable().release(ids)
+
+    async def expire(self, before_version: int) -> int:
+        return await self._reachable().expire(before_version)
+
+    async def reclaim(self, idle_s: float) -> int:
+        return await self._reachable().reclaim(idle_s)
+
+    async def buffered_versions(self) -> list[int]:
+        return await self._reachable().buffered_versions()
+
+    async def version_counts(self) -> dict[int, int]:
+        return await self._reachable().version_counts()
+
+    async def stats(self) -> Any:
+        return await self._reachable().stats()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+async def until(condition, seconds: float = 10.0) -> None:
+    """Yield to the event loop until `condition()` holds (the producer's tasks run in between)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not condition():
+        assert loop.time() < deadline, "the condition never held"
+        await asyncio.sleep(0.01)
+
+
+def rig(staleness: dict | None = None, **config: Any) -> tuple[Producer, Episodes, Outage]:
+    control = StalenessControl()
+    pm = make_plugin_manager(objects=[control], load_entry_points=False)
+    pm.hook.prorl_configure(config={"staleness": staleness or {"mode": "off"}})
+    episodes = Episodes(pm.hook)
+    buffer = Outage(MemoryBuffer())
+    producer = Producer(episodes, buffer, config=ProducerConfig(**config))  # type: ignore[arg-type]
+    pm.register(producer, name="decoupled-producer")
+    producer.start()
+    return producer, episodes, buffer
+
+
+def prompts(n: int, start: int = 0) -> list[JobRequest]:
+    return [JobRequest(job_id=f"p{i}", task="t") for i in range(start, start + n)]
+
+
+async def test_an_unacknowledged_batch_is_delivered_again_then_becomes_a_dead_letter():
+    producer, episodes, _ = rig(max_deliveries=2)
+    try:
+        await producer.enqueue(prompts(2))
+        await until(lambda: len(episodes.running()) == 2)
+        for job in episodes.running():
+            episodes.finish(job)
+        first = await producer.take_batch(2, timeout=5, lease_s=0.05)  # the trainer dies holding it
+        assert [t.entry.deliveries for t in first] == [1, 1]
+        second = await producer.take_batch(2, timeout=5, lease_s=0.05)
+        assert [t.entry.deliveries for t in second] == [2, 2]
+        assert {t.entry.id for t in second} == {t.entry.id for t in first}
+        await until(lambda: producer.stats.dead_letters == 2)
+        stats = await producer.snapshot()
+        assert (stats.redelivered, stats.leased, len(stats.recent_dead_letters)) == (2, 0, 2)
+        assert (await producer.buffer.stats()).ready == 0
+    finally:
+        await producer.stop()
+
+
+async def test_an_acknowledged_batch_is_never_delivered_again_and_a_held_lease_blocks_nothing():
+    producer, episodes, _ = rig(staleness={"mode": "pace", "max_staleness": 0, "batch_size": 2})
+    try:
+        await producer.enqueue(prompts(6))
+        await until(lambda: len(episodes.running()) == 2)  # pace with K=0: one batch at a time
+        for job in episodes.running():
+            episodes.finish(job)
+        batch = await producer.take_batch(2, timeout=5, lease_s=0.05)
+        # The trainer crashed: its lease runs out, the entries come back, and a new trainer consumes them.
+        again = await producer.take_batch(2, timeout=5, lease_s=60)
+        assert {t.entry.id for t in again} == {t.entry.id for t in batch}
+        await producer.ack([t.entry.id for t in again])
+        episodes.policy_version = 1
+        producer.wake()
+        await until(lambda: len(episodes.running()) == 2)  # admission was never deadlocked
+        assert await producer.take_batch(2, timeout=0) == []
+    finally:
+        await producer.stop()
+
+
+async def test_a_buffer_outage_pauses_production_and_loses_nothing():
+    producer, episodes, buffer = rig()
+    try:
+        await producer.enqueue(prompts(2))
+        await until(lambda: len(episodes.running()) == 2)
+        buffer.down = True
+        for job in episodes.running():
+            episodes.finish(job)  # finished while the buffer is down: kept, in order
+        await producer.enqueue(prompts(3, start=2))
+        await until(lambda: producer.stats.degraded is not None)
+        assert "unavailable" in producer.stats.degraded
+        stats = await producer.snapshot()
+        assert stats.undelivered == 2 and stats.produced == 0
+        buffer.down = False
+        await until(lambda: producer.stats.produced == 2 and len(episodes.running()) == 3, seconds=15)
+        assert producer.stats.degraded is None
+        assert len(await producer.take_batch(5, timeout=0)) == 2
+    finally:
+        await producer.stop()
+
+
+async def test_entries_too_stale_to_weigh_are_removed_at_take_time_even_when_not_the_newest():
+    producer, episodes, _ = rig(staleness={"mode": "drop", "max_staleness": 1})
+    try:
+        await producer.enqueue(prompts(4))
+        await until(lambda: len(episodes.running()) == 4)
+        for version, job in zip([0, 0, 3, 4], list(episodes.running())):
+            episodes.finish(job, version=version)
+        await until(lambda: producer.stats.produced == 4)
+        episodes.policy_version = 4
+        batch = await producer.take_batch(1, timeout=0)  # newest first: version 4; versions 0 are expired
+        assert [t.entry.version for t in batch] == [4]
+        assert producer.stats.expired == 2
+        assert await producer.buffer.version_counts() == {3: 1, 4: 1}
+    finally:
+        await producer.stop()
+
+
+async def test_admission_pauses_while_the_buffer_is_full():
+    producer, episodes, _ = rig(max_buffered=2)
+    try:
+        await producer.enqueue(prompts(5))
+        await until(lambda: len(episodes.running()) == 2)  # two running count as soon-to-be buffered
+        for job in episodes.running():
+            episodes.finish(job)
+        await until(lambda: producer.stats.produced == 2)
+        await until(lambda: producer.stats.held_back)
+        assert "max_buffered=2" in producer.stats.held_back_reason
+        assert len(episodes.jobs) == 2
+        await producer.ack([t.entry.id for t in await producer.take_batch(2, timeout=0)])
+        await until(lambda: len(episodes.jobs) == 4)
+    finally:
+        await producer.stop()
+
+
+async def test_a_prompt_whose_episode_failed_for_the_infrastructure_runs_again_up_to_max_attempts():
+    producer, episodes, _ = rig(max_attempts=3, retry_delay_s=0.01)
+    try:
+        await producer.enqueue(prompts(1))
+        for attempt in (1, 2, 3):
+            await until(lambda: len(episodes.running()) == 1)
+            [job] = episodes.running()
+            assert job.request.labels.get("prorl_attempt", "1") == str(attempt)
+            episodes.fail(job)
+        await until(lambda: producer.stats.filtered == 1)
+        assert (producer.stats.retried, len(episodes.jobs), producer.stats.produced) == (2, 3, 0)
+        assert sorted(episodes.jobs) == ["p0", "p0:2", "p0:3"]
+
+        await producer.enqueue(prompts(1, start=1))
+        await until(lambda: len(episodes.running()) == 1)
+        episodes.fail(episodes.running()[0])
+        await until(lambda: len(episodes.running()) == 1)
+        episodes.finish(episodes.running()[0])  # the second run delivers
+        await until(lambda: producer.stats.produced == 1)
+        [delivered] = await producer.take_batch(1, timeout=0)
+        assert delivered.entry.trajectory.job_id == "p1:2"
+    finally:
+        await producer.stop()
