@@ -103,7 +103,19 @@ redis.call('XADD', KEYS[3], 'MAXLEN', '~', '1000', '*', 'put', ARGV[1])
 return id
 """
 
-_ACK = """
+# The end of a script that removed `n` entries of a version's stream (KEYS[1]): an empty stream is deleted and
+# its version (ARGV[1]) unregistered from KEYS[2] in the same step; `n` is added to the counter KEYS[3].
+_RETIRE = """
+if redis.call('XLEN', KEYS[1]) == 0 then
+  redis.call('DEL', KEYS[1])
+  redis.call('ZREM', KEYS[2], ARGV[1])
+end
+if n > 0 then redis.call('INCRBY', KEYS[3], n) end
+return n
+"""
+
+_ACK = (
+    """
 -- KEYS: the version's stream, the version registry, the acked counter; ARGV: version, group, stream ids...
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local n = 0
@@ -113,13 +125,9 @@ for i = 3, #ARGV do
     n = n + 1
   end
 end
-if redis.call('XLEN', KEYS[1]) == 0 then
-  redis.call('DEL', KEYS[1])
-  redis.call('ZREM', KEYS[2], ARGV[1])
-end
-if n > 0 then redis.call('INCRBY', KEYS[3], n) end
-return n
 """
+    + _RETIRE
+)
 
 _RECLAIM = """
 -- KEYS: the version's stream; ARGV: group, consumer, min idle ms. Returns the ids claimed.
@@ -163,7 +171,8 @@ end
 return out
 """
 
-_EXPIRE = """
+_EXPIRE = (
+    """
 -- KEYS: the version's stream, the version registry, the expired counter; ARGV: version, group, consumer,
 -- the stream ids this consumer holds as reclaimed or released... Deletes the ready entries: those not in the
 -- group's pending list, and those of the given ids still pending for this consumer. Returns how many.
@@ -196,13 +205,9 @@ else
     if #slice > 0 then from = '(' .. slice[#slice][1] end
   until #slice < 100
 end
-if redis.call('XLEN', KEYS[1]) == 0 then
-  redis.call('DEL', KEYS[1])
-  redis.call('ZREM', KEYS[2], ARGV[1])
-end
-if n > 0 then redis.call('INCRBY', KEYS[3], n) end
-return n
 """
+    + _RETIRE
+)
 
 _STREAM_ID = re.compile(r"^\d+-\d+$")
 

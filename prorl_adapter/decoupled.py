@@ -186,11 +186,14 @@ class Producer:
             self._submit(request)
 
     def _submit(self, request: JobRequest) -> None:
-        job, created = self.pipeline.submit(request)
-        if job.id not in self._in_flight and (created or not job.state.finished):
-            version = self.pipeline.policy_version
-            self._in_flight[job.id] = version
-            self._in_flight_counts[version] += 1
+        job, _ = self.pipeline.submit(request)  # a known job id gives back that job (idempotent)
+        if job.id in self._in_flight:
+            return
+        version = self.pipeline.policy_version
+        self._in_flight[job.id] = version
+        self._in_flight_counts[version] += 1
+        if job.state.finished:  # a prompt enqueued again under the id of a job that has finished: deliver it
+            self._on_finished(job)
 
     async def _admitted(self) -> bool:
         buffered = await self.buffer.version_counts()
