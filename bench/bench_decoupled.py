@@ -280,6 +280,19 @@ async def feed(producer: Producer, total: int, ahead: int) -> None:
         await asyncio.sleep(FEED_EVERY_S)
 
 
+class RecordingBuffer(MemoryBuffer):
+    """The real MemoryBuffer, noting which episodes went into it (to tell which ones expired there)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.episodes_put: list[int] = []
+
+    async def put(self, trajectory: Trajectory) -> str:
+        entry_id = await super().put(trajectory)
+        self.episodes_put.append(int(trajectory.labels["episode"]))
+        return entry_id
+
+
 class WeighObserver:
     """A plugin with no opinion that records every weighing: (episode index, staleness)."""
 
@@ -328,6 +341,7 @@ class RunResult:
     dropped: list[tuple[int, int]] = field(default_factory=list)  # (episode, staleness)
     produced: int = 0
     expired: int = 0  # too stale to weigh above 0: removed before a take
+    expired_episodes: list[int] = field(default_factory=list)
     runs: list[tuple[int, float, float]] = field(default_factory=list)
     left_in_buffer: int = 0
     left_oldest_s: int = 0  # staleness of the oldest trajectory left in the buffer at the end
@@ -342,9 +356,9 @@ class RunResult:
         return used / (self.setting.slots * self.wall_s)
 
     def wasted(self) -> float:
-        """Share of generation time (within the run) spent on episodes that were dropped."""
+        """Share of generation time (within the run) spent on episodes that were dropped or expired."""
         ends = {i: (start, end) for i, start, end in self.runs}
-        lost = sum(ends[i][1] - ends[i][0] for i, _ in self.dropped)
+        lost = sum(ends[i][1] - ends[i][0] for i in [*(i for i, _ in self.dropped), *self.expired_episodes])
         used = sum(max(0.0, min(end, self.wall_s) - start) for _, start, end in self.runs)
         return lost / used if used else 0.0
 
@@ -371,7 +385,7 @@ async def run_decoupled(clock: VirtualClock, stream: Stream, setting: Setting, m
     pm = make_plugin_manager(objects=[StalenessControl(), observer], load_entry_points=False)
     pm.hook.prorl_configure(config={"staleness": section})
     pipeline = SimulatedPipeline(pm, stream, setting.slots)
-    producer = Producer(pipeline, MemoryBuffer(clock=clock))
+    producer = Producer(pipeline, RecordingBuffer(clock=clock))
     pm.register(producer, name="decoupled-producer")
     producer.start()
     loader = asyncio.ensure_future(feed(producer, len(stream.durations), prompts_ahead(setting)))
@@ -395,6 +409,11 @@ async def run_decoupled(clock: VirtualClock, stream: Stream, setting: Setting, m
     result.left_in_buffer = (await producer.buffer.stats()).ready
     result.left_oldest_s = setting.steps - min(await producer.buffer.buffered_versions(), default=setting.steps)
     assert stats.dropped == len(result.dropped), (stats.dropped, len(result.dropped))
+    # Which episodes expired: delivered to the buffer, yet neither trained, dropped nor left in it at the end.
+    left = {int(e.trajectory.labels["episode"]) for e in await producer.buffer.take(10**9, timeout=0)}
+    delivered = set(producer.buffer.episodes_put)
+    result.expired_episodes = sorted(delivered - kept - {i for i, _ in result.dropped} - left)
+    assert len(result.expired_episodes) == stats.expired, (len(result.expired_episodes), stats.expired)
     loader.cancel()
     await producer.stop()
     await pipeline.stop()
@@ -440,7 +459,7 @@ def tail_share(stream: Stream, episodes: list[int]) -> float:
 def main_table(stream: Stream, results: list[RunResult]) -> str:
     head = (
         "| Mode | Trainer busy | Gen. slots busy | Trained ep/s | Produced ep/s | Staleness of trained (s: share) "
-        "| Max s trained / dropped | Mean weight | Tail share started → trained | Dropped (gen. time wasted) "
+        "| Max s trained / dropped | Mean weight | Tail share started → trained | Dropped + expired (gen. time wasted) "
         "| Left in buffer |\n|" + "---|" * 11
     )
     rows = []
@@ -453,7 +472,7 @@ def main_table(stream: Stream, results: list[RunResult]) -> str:
             f"| {r.produced / r.wall_s:.3f} | {histogram(stale)} | {max(stale)} / "
             f"{'—' if max_dropped is None else max_dropped} | {sum(w for *_, w in r.trained) / len(r.trained):.2f} "
             f"| {pct(tail_share(stream, started))} → {pct(tail_share(stream, [i for i, *_ in r.trained]))} "
-            f"| {len(r.dropped)} ({pct(r.wasted())}) | {r.left_in_buffer} (oldest s {r.left_oldest_s}) |"
+            f"| {len(r.dropped)} + {r.expired} ({pct(r.wasted())}) | {r.left_in_buffer} (oldest s {r.left_oldest_s}) |"
         )
     return head + "\n" + "\n".join(rows)
 
@@ -470,6 +489,7 @@ def sweep_table(sweeps: list[list[RunResult]]) -> str:
         for r in results:
             stale = max(x for _, x, _ in r.trained)
             extra = f", {len(r.dropped)} dropped" if r.dropped else ""
+            extra += f", {r.expired:,} expired" if r.expired else ""
             if r.left_oldest_s > stale:  # left behind, staler than anything trained: starved, not in progress
                 extra += f", {r.left_in_buffer:,} never taken, oldest s {r.left_oldest_s}"
             cells.append(f"{pct(r.busy)} (max s {stale}{extra})")

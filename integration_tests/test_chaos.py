@@ -126,6 +126,8 @@ async def test_every_prompt_is_delivered_through_kill_9_of_every_part(vllm, tmp_
             while not (await http.get("/healthz")).json()["degraded"] and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
             assert (await http.get("/healthz")).json()["degraded"], "a Redis outage must show in /healthz"
+            assert (await http.get("/v1/status")).json()["degraded"]
+            assert "prorl_rollout_degraded 1.0" in (await http.get("/metrics")).text
         redis.start()
         await trainer.consume(7 * PROMPTS // 10, deadline)
         phase("Redis killed and back")

@@ -22,6 +22,17 @@ class RolloutMetrics:
         )
         self.in_flight = Gauge("prorl_rollout_jobs_in_flight", "Jobs not finished", ["state"], registry=r)
         self.policy_version = Gauge("prorl_rollout_policy_version", "Current policy version", registry=r)
+        # Decoupled mode, set from the producer's figures at each scrape (totals since the service started).
+        self.decoupled = Gauge(
+            "prorl_rollout_decoupled",
+            "Decoupled mode: upcoming, in_flight, leased, undelivered now; produced, filtered, retried, dropped, "
+            "expired, redelivered, dead_letters since start",
+            ["figure"],
+            registry=r,
+        )
+        self.degraded = Gauge(
+            "prorl_rollout_degraded", "1 while the buffer or the prompt queue cannot be used (see /healthz)", registry=r
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -52,6 +52,19 @@ PIPELINE = web.AppKey("pipeline", RolloutPipeline)
 PRODUCER = web.AppKey("producer", Producer)
 METRICS = web.AppKey("metrics", RolloutMetrics)
 MAX_WAIT_S = 3600.0
+DECOUPLED_FIGURES = (
+    "upcoming",
+    "in_flight",
+    "leased",
+    "undelivered",
+    "produced",
+    "filtered",
+    "retried",
+    "dropped",
+    "expired",
+    "redelivered",
+    "dead_letters",
+)
 
 
 class NotFound(Exception):
@@ -89,6 +102,10 @@ async def metrics(request: web.Request) -> web.Response:
     for state, count in pipeline.status()["active"].items():
         app_metrics.in_flight.labels(state).set(count)
     app_metrics.policy_version.set(pipeline.policy_version)
+    figures = await request.app[PRODUCER].snapshot()
+    for figure in DECOUPLED_FIGURES:
+        app_metrics.decoupled.labels(figure).set(getattr(figures, figure))
+    app_metrics.degraded.set(figures.degraded is not None)
     return web.Response(body=app_metrics.render(), content_type="text/plain")
 
 
@@ -115,8 +132,14 @@ async def cancel_job(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    pipeline = request.app[PIPELINE]
-    return web.json_response({**pipeline.status(), "llm_servers": [s.model_dump() for s in pipeline.llm.servers()]})
+    pipeline, producer = request.app[PIPELINE], request.app[PRODUCER]
+    return web.json_response(
+        {
+            **pipeline.status(),
+            "llm_servers": [s.model_dump() for s in pipeline.llm.servers()],
+            "degraded": producer.stats.degraded,
+        }
+    )
 
 
 async def list_llm_servers(request: web.Request) -> web.Response:
