@@ -122,6 +122,16 @@ async def test_keep_mode_interrupt_with_keys(client, box):
     assert bad_key.value.status == 400
 
 
+async def test_input_a_command_never_reads_ends_with_the_request_timeout(client, box):
+    kept = await run(client, box, "sleep 60", timeout=0.3, on_timeout="keep")
+    assert kept.status == "timeout"
+    # 1 MB: far more than the terminal holds while nobody reads it. It used to hang past its timeout.
+    flooded = await client.send_input(box.id, "default", text="x" * (1 << 20), timeout=1)
+    assert flooded.status == "timeout" and "not all delivered" in flooded.output
+    await client.delete_session(box.id, "default")
+    assert (await run(client, box, "echo free")).output == "free\n"
+
+
 async def test_named_sessions_are_independent(client, box):
     await run(client, box, "cd /tmp && export ONLY_HERE=1", session="one")
     other = await run(client, box, "pwd; echo ${ONLY_HERE:-unset}", session="two")

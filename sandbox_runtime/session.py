@@ -219,8 +219,12 @@ class ShellSession:
         self._interrupted = False
         # What background jobs printed since the last command stays in the buffer and leads this output.
         nonce = self._arm(max_output or self._default_limit, keep_buffer=True)
-        await self._write(b"__prorl_nonce=" + nonce.encode() + b"; " + encode_command(command) + b"\n")
-        return await self._finish(timeout, keep)
+        deadline = time.monotonic() + timeout
+        line = b"__prorl_nonce=" + nonce.encode() + b"; " + encode_command(command) + b"\n"
+        if not await self._write_within(line, timeout):  # the shell stopped reading: it cannot be used any more
+            procs.kill_session(self.pid)
+            return await self._died("timeout")
+        return await self._finish(max(deadline - time.monotonic(), 0.0), keep)
 
     async def send(self, data: bytes, timeout: float) -> ExecResult:
         """Input for a command left running; returns what it printed until it finished or `timeout` passed."""
@@ -228,8 +232,12 @@ class ShellSession:
             raise SessionError(f"session {self.name!r} has no running command to send input to")
         if b"\x03" in data:
             self._interrupted = True
-        await self._write(data)
-        return await self._finish(timeout, keep=True)
+        deadline = time.monotonic() + timeout
+        if not await self._write_within(data, timeout):  # the command does not read its input
+            text, truncated = self._out.take()
+            text += "\n[the input was not all delivered: the command did not read it in time]\n"
+            return self._result(text, truncated, None, "timeout")
+        return await self._finish(max(deadline - time.monotonic(), 0.0), keep=True)
 
     def read_output(self) -> ExecResult:
         """What a command left running printed since the last read, without waiting."""
@@ -387,6 +395,16 @@ class ShellSession:
         self._carry = b""
         self._disarm()
         self._done.set_result((int(code or b"0"), cwd.decode("utf-8", errors="replace")))
+
+    async def _write_within(self, data: bytes, timeout: float) -> bool:
+        """Write `data`, giving up after `timeout` (a program that does not read lets the terminal fill up);
+        False when it gave up, with part of the data possibly written."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._write(data)
+        except TimeoutError:
+            return False
+        return True
 
     async def _write(self, data: bytes) -> None:
         """Write everything, waiting (not spinning) whenever the terminal's input queue is full."""
