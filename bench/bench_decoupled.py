@@ -79,11 +79,11 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from prorl_adapter.buffer import MemoryBuffer  # noqa: E402
-from prorl_adapter.decoupled import Producer, ProducerConfig  # noqa: E402
-from prorl_adapter.hookspecs import hookimpl  # noqa: E402
+from prorl_adapter.hooks.manager import make_plugin_manager  # noqa: E402
+from prorl_adapter.hooks.specs import hookimpl  # noqa: E402
 from prorl_adapter.models import JobRequest, JobState, StageTimings, Trajectory  # noqa: E402
-from prorl_adapter.plugins import make_plugin_manager  # noqa: E402
+from prorl_adapter.service.decoupled import Producer, ProducerConfig  # noqa: E402
+from prorl_adapter.service.storage.memory_buffer import MemoryBuffer  # noqa: E402
 from prorl_plugins.staleness import StalenessControl  # noqa: E402
 
 BLOCK_START = "<!-- bench_decoupled:start -->"

@@ -51,8 +51,8 @@ from typing import Any
 from report import machine as report_machine
 from report import replace_section
 
-from prorl_adapter import localstack
-from prorl_adapter.localstack import TINY_MODEL
+from prorl_adapter.dev import localstack
+from prorl_adapter.dev.localstack import TINY_MODEL
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -303,8 +303,8 @@ def serve_instrumented(intervals_path: str, argv: list[str]) -> int:
     """`prorl-rollout serve ARGV`, unchanged but for the request recorder; the intervals go to a file at exit."""
     import atexit
 
-    from prorl_adapter.cli import main as rollout_main
-    from prorl_adapter.llm import LLMPool
+    from prorl_adapter.service.cli import main as rollout_main
+    from prorl_adapter.service.llm import LLMPool
 
     intervals: list[tuple[float, float]] = []
     record_llm_requests(LLMPool, intervals)
@@ -339,8 +339,8 @@ async def run_coupled(
     requests: list[Any], handler: Any, chat: Any, llm: Any, sandboxes: Any, init_workers: int = INIT_WORKERS
 ) -> tuple[Any, Any]:
     """The batch in lock-step; the per-episode steps are those of prorl_adapter.agent.run_episode."""
-    from prorl_adapter.agent import policy_turn, start_episode, tool_turn
-    from prorl_adapter.llm import Pin
+    from prorl_adapter.service.agent import policy_turn, start_episode, tool_turn
+    from prorl_adapter.service.llm import Pin
 
     phases: list[tuple[str, float]] = []
     eps: list[CoupledEpisode] = []
@@ -427,8 +427,8 @@ async def run_coupled(
 
 
 async def coupled_mode(requests: list[Any], env: Environment) -> tuple[list[EpisodeResult], Any]:
-    from prorl_adapter.llm import LLMPool
-    from prorl_adapter.sandboxes import SandboxPool
+    from prorl_adapter.service.llm import LLMPool
+    from prorl_adapter.service.sandboxes import SandboxPool
     from prorl_plugins.tasks.shell import ShellTask
 
     llm = LLMPool([env.vllm_url])
@@ -444,7 +444,7 @@ async def coupled_mode(requests: list[Any], env: Environment) -> tuple[list[Epis
 
 # -- (b) the pipeline over HTTP ---------------------------------------------------------------------------
 async def pipeline_mode(requests: list[Any], url: str) -> tuple[list[EpisodeResult], dict[str, float]]:
-    from prorl_adapter.client import RolloutClient
+    from prorl_adapter.trainer.client import RolloutClient
 
     async with RolloutClient(url, timeout=60) as client:
         trajectories = await client.run_many(requests, wait=3600)
@@ -500,7 +500,7 @@ class Services:
         self.rollout: localstack.Service | None = None
 
     def __enter__(self) -> Environment:
-        from prorl_adapter.chat import ChatTokenizer
+        from prorl_adapter.service.chat import ChatTokenizer
 
         try:
             vllm_url = self.vllm_url
@@ -891,7 +891,7 @@ def main(argv: list[str] | None = None) -> int:
     discarded: list[ModeResult] = []  # runs with failed episodes, repeated
     try:
         with Services(log_dir, args.vllm_url, args.max_run_workers, args.max_init_workers) as env:
-            from prorl_adapter.llm import LLMPool
+            from prorl_adapter.service.llm import LLMPool
 
             record_llm_requests(LLMPool, env.coupled_intervals)
             machine_text = machine(env.vllm_url)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from prorl_adapter import localstack
-from prorl_adapter.localstack import VLLM_PYTHON, Service
+from prorl_adapter.dev import localstack
+from prorl_adapter.dev.localstack import VLLM_PYTHON, Service
 from sandbox_runtime.client import SandboxClient
 
 # Which backends can run here, and why not where they cannot.

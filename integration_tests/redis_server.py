@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from prorl_adapter.localstack import free_port
+from prorl_adapter.dev.localstack import free_port
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_SKIP = None if REDIS_SERVER else "redis-server is not installed (apt-get install redis-server; make test does)"

@@ -20,7 +20,7 @@ from pathlib import Path
 from aiohttp import web
 from transformers import AutoTokenizer
 
-from prorl_adapter import localstack
+from prorl_adapter.dev import localstack
 
 SCRIPT = re.compile(r"\[script:([A-Za-z0-9_-]+)\]")
 FINISH = '<tool_call>{"name": "finish", "arguments": {"answer": "done"}}</tool_call>'

@@ -23,8 +23,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from prorl_adapter import localstack
-from prorl_adapter.localstack import REPO, free_port
+from prorl_adapter.dev import localstack
+from prorl_adapter.dev.localstack import REPO, free_port
 from prorl_adapter.models import StageTimings, Trajectory
 
 from .redis_server import REDIS_SKIP, RedisServer
@@ -35,9 +35,10 @@ redis = pytest.importorskip(
     "redis", reason="the redis Python package is missing (pip install 'prorl-adapter[redis]'; make test does)"
 )
 
-from prorl_adapter.buffer import BufferStats, BufferUnavailable, MalformedEntryId  # noqa: E402
-from prorl_adapter.buffer_redis import RedisBuffer, redact  # noqa: E402
-from prorl_adapter.storage import create_buffer  # noqa: E402
+from prorl_adapter.service.storage import create_buffer  # noqa: E402
+from prorl_adapter.service.storage.buffer import BufferStats, BufferUnavailable, MalformedEntryId  # noqa: E402
+from prorl_adapter.service.storage.redis_buffer import RedisBuffer  # noqa: E402
+from prorl_adapter.service.storage.redis_connection import redact  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +186,7 @@ async def test_consumer_process_killed_with_sigkill_loses_nothing(redis_server, 
             await producer.put(make_trajectory(f"j{i}"))
     script = textwrap.dedent(f"""
         import asyncio, json, sys
-        from prorl_adapter.buffer_redis import RedisBuffer
+        from prorl_adapter.service.storage.redis_buffer import RedisBuffer
 
         async def main():
             buf = RedisBuffer({redis_server.url!r}, prefix={prefix!r}, consumer="doomed")

@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prorl_adapter import localstack
-from prorl_adapter.client import RolloutAPIError, RolloutClient
+from prorl_adapter.dev import localstack
+from prorl_adapter.trainer.client import RolloutAPIError, RolloutClient
 from sandbox_runtime import procs
 
 from .conftest import BACKEND_SKIPS, VLLM_SKIP, start_rollout, start_server

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("verl", reason="the CPU trainer uses verl's core_algos: install the project's [train] extra")
 
-from prorl_adapter import localstack
+from prorl_adapter.dev import localstack
 from prorl_plugins.cpu_trainer.train import CpuTrainer, TrainSettings
 from prorl_plugins.cpu_trainer.weight_sync import VllmWeightSync, WeightSyncError
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from prorl_adapter import localstack
-from prorl_adapter.chat import tool_call_regex
-from prorl_adapter.client import RolloutClient
+from prorl_adapter.dev import localstack
 from prorl_adapter.models import JobRequest, SamplingParams
+from prorl_adapter.service.chat import tool_call_regex
+from prorl_adapter.trainer.client import RolloutClient
 
 from .conftest import start_rollout
 
@@ -89,7 +89,7 @@ HOOKS_SCRIPT = textwrap.dedent(
     """
     import json
     from prorl_adapter.models import StageTimings, ToolCall, Trajectory, Turn
-    from prorl_adapter.plugins import collect_tasks, make_plugin_manager
+    from prorl_adapter.hooks.manager import collect_tasks, make_plugin_manager
 
     def trajectory(task, *commands):
         turns = [

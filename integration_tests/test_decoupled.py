@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from prorl_adapter.client import RolloutAPIError, RolloutClient
 from prorl_adapter.models import JobRequest
+from prorl_adapter.trainer.client import RolloutAPIError, RolloutClient
 
 from .conftest import start_rollout
 from .test_rollout import shell_job

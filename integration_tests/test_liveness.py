@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from prorl_adapter.client import RolloutClient
 from prorl_adapter.models import JobRequest, JobState
+from prorl_adapter.trainer.client import RolloutClient
 
 from . import scripted_llm
 from .conftest import BACKEND_SKIPS, start_rollout

@@ -6,8 +6,8 @@ import uuid
 
 import pytest
 
-from prorl_adapter.buffer import BufferUnavailable
 from prorl_adapter.models import JobRequest
+from prorl_adapter.service.storage.buffer import BufferUnavailable
 
 from .redis_server import REDIS_SKIP, RedisServer
 
@@ -15,7 +15,7 @@ if REDIS_SKIP:
     pytest.skip(REDIS_SKIP, allow_module_level=True)
 pytest.importorskip("redis", reason="the redis Python package is missing (make test installs it)")
 
-from prorl_adapter.prompts_redis import RedisPromptQueue
+from prorl_adapter.service.storage.redis_prompts import RedisPromptQueue
 
 
 @pytest.fixture

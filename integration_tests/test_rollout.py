@@ -9,10 +9,10 @@ import json
 import httpx
 import pytest
 
-from prorl_adapter.chat import ChatTokenizer, tool_call_regex
-from prorl_adapter.client import RolloutAPIError, RolloutClient, SyncRolloutClient
-from prorl_adapter.localstack import TINY_MODEL
+from prorl_adapter.dev.localstack import TINY_MODEL
 from prorl_adapter.models import JobRequest, SamplingParams
+from prorl_adapter.service.chat import ChatTokenizer, tool_call_regex
+from prorl_adapter.trainer.client import RolloutAPIError, RolloutClient, SyncRolloutClient
 from prorl_plugins.tasks.shell import ShellTask
 
 from .conftest import start_rollout

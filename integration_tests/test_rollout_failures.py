@@ -7,8 +7,8 @@ import signal
 
 import pytest
 
-from prorl_adapter import localstack
-from prorl_adapter.client import RolloutClient
+from prorl_adapter.dev import localstack
+from prorl_adapter.trainer.client import RolloutClient
 
 from .conftest import BACKEND_SKIPS, VLLM_SKIP, start_rollout, start_server, stop_server
 from .test_rollout import shell_job

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prorl_adapter.client import RolloutClient
 from prorl_adapter.models import JobRequest
+from prorl_adapter.trainer.client import RolloutClient
 from sandbox_runtime.client import SandboxAPIError
 
 from . import scripted_llm

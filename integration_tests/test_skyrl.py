@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("skyrl", reason="SkyRL is not installed: pip install -e '.[torch,skyrl]'")
 pytest.importorskip("loguru", reason="SkyRL's trainer needs loguru: pip install -e '.[skyrl]'")
 
-from prorl_adapter.chat import tool_call_regex
-from prorl_adapter.client import RolloutClient
+from prorl_adapter.service.chat import tool_call_regex
+from prorl_adapter.trainer.client import RolloutClient
 from prorl_plugins.skyrl import compat  # noqa: F401  (SkyRL on Python 3.11: before any skyrl import)
 
 # isort: split

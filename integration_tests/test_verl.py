@@ -20,9 +20,9 @@ import torch
 
 pytest.importorskip("verl", reason="verl is not installed: pip install -e '.[verl]'")
 
-from prorl_adapter.chat import tool_call_regex
-from prorl_adapter.localstack import TINY_MODEL
+from prorl_adapter.dev.localstack import TINY_MODEL
 from prorl_adapter.models import Trajectory
+from prorl_adapter.service.chat import tool_call_regex
 from prorl_plugins.verl.agent_loop import output_extra_fields
 from prorl_plugins.verl.check import compose_verl_config
 from prorl_plugins.verl.config import ProrlVerlConfig, verl_lines

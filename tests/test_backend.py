@@ -1,6 +1,8 @@
 """The core every training backend shares: TrainingSample's weights, version tags and truncation."""
 
-from prorl_adapter.backend import (
+from prorl_adapter.hooks.specs import TrajectoryWeight
+from prorl_adapter.models import Turn
+from prorl_adapter.trainer.samples import (
     GROUP_LABEL,
     TrainingSample,
     group_key,
@@ -8,8 +10,6 @@ from prorl_adapter.backend import (
     job_request,
     trajectory_from_tensors,
 )
-from prorl_adapter.hookspecs import TrajectoryWeight
-from prorl_adapter.models import Turn
 
 
 def two_turn_trajectory(versions=(3, 4)):

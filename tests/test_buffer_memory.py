@@ -10,16 +10,16 @@ import asyncio
 
 import pytest
 
-from prorl_adapter.backend import trajectory_from_tensors
-from prorl_adapter.buffer import (
+from prorl_adapter.models import Trajectory
+from prorl_adapter.service.storage import create_buffer
+from prorl_adapter.service.storage.buffer import (
     BufferClosed,
     BufferedTrajectory,
     BufferStats,
     ExperienceBuffer,
-    MemoryBuffer,
 )
-from prorl_adapter.models import Trajectory
-from prorl_adapter.storage import create_buffer
+from prorl_adapter.service.storage.memory_buffer import MemoryBuffer
+from prorl_adapter.trainer.samples import trajectory_from_tensors
 
 
 def make_trajectory(job_id: str, version: int = 0) -> Trajectory:

@@ -1,6 +1,6 @@
 import pytest
 
-from prorl_adapter.hookspecs import TrajectoryWeight
+from prorl_adapter.hooks.specs import TrajectoryWeight
 
 
 def test_no_opinion_is_weight_one():

@@ -17,7 +17,7 @@ def test_other_hosts_need_a_token(host):
 
 
 def test_the_rollout_service_refuses_a_public_bind_without_a_token(capsys, monkeypatch):
-    from prorl_adapter.cli import main
+    from prorl_adapter.service.cli import main
 
     monkeypatch.delenv("PRORL_ROLLOUT_TOKEN", raising=False)
     argv = ["serve", "--host", "0.0.0.0", "--sandbox-url", "http://s", "--llm-url", "http://l", "--tokenizer", "t"]

@@ -5,8 +5,8 @@ import torch
 
 pytest.importorskip("verl", reason="the CPU trainer uses verl's core_algos: install the project's [train] extra")
 
-from prorl_adapter.backend import TrainingSample
-from prorl_adapter.hookspecs import TrajectoryWeight
+from prorl_adapter.hooks.specs import TrajectoryWeight
+from prorl_adapter.trainer.samples import TrainingSample
 from prorl_plugins.cpu_trainer.batch import pad_samples
 from prorl_plugins.cpu_trainer.constrained import FiniteActionMask
 from tests.test_backend import two_turn_trajectory

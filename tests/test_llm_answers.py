@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from aiohttp import web
 
-from prorl_adapter.llm import LLMPool, LLMUnavailable, Pin
 from prorl_adapter.models import SamplingParams
+from prorl_adapter.service.llm import LLMPool, LLMUnavailable, Pin
 
 GOOD = {"choices": [{"text": "ok", "token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.1, -0.2]}}]}
 MALFORMED = {

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from prorl_adapter.hookspecs import hookimpl
-from prorl_adapter.llm import Generation, LLMUnavailable
+from prorl_adapter.hooks.manager import make_plugin_manager
+from prorl_adapter.hooks.specs import hookimpl
 from prorl_adapter.models import JobRequest, JobState
-from prorl_adapter.pipeline import PipelineConfig, RolloutPipeline
-from prorl_adapter.plugins import make_plugin_manager
+from prorl_adapter.service.llm import Generation, LLMUnavailable
+from prorl_adapter.service.pipeline import PipelineConfig, RolloutPipeline
 from prorl_adapter.tasks import FINISH, Environment, EpisodeState, TaskHandler, Tool, bash_tool
 from sandbox_runtime.models import ExecResult, RunResult
 

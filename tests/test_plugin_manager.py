@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from prorl_adapter import plugins
-from prorl_adapter.hookspecs import PluginConfigError, hookimpl
+from prorl_adapter.hooks import manager as plugins
+from prorl_adapter.hooks.manager import PluginLoadError, collect_tasks, import_object, make_plugin_manager
+from prorl_adapter.hooks.specs import PluginConfigError, hookimpl
 from prorl_adapter.models import StageTimings, Trajectory
-from prorl_adapter.pipeline import RolloutPipeline
-from prorl_adapter.plugins import PluginLoadError, collect_tasks, import_object, make_plugin_manager
+from prorl_adapter.service.pipeline import RolloutPipeline
 from prorl_adapter.tasks import Environment, EpisodeState, TaskHandler
 
 
@@ -101,7 +101,7 @@ def trajectory(**fields: Any) -> Trajectory:
 
 # A plugin module as a third party writes it: hook functions at module level, or on an object `plugin`.
 PLUGIN_MODULE = """
-from prorl_adapter.hookspecs import hookimpl
+from prorl_adapter.hooks.specs import hookimpl
 from prorl_adapter.tasks import TaskHandler
 
 
@@ -277,7 +277,7 @@ def test_registering_something_other_than_a_task_handler_is_an_error_naming_the_
     module = write_module(
         "wrong_tasks",
         """
-        from prorl_adapter.hookspecs import hookimpl
+        from prorl_adapter.hooks.specs import hookimpl
 
         REGISTERED = []
 

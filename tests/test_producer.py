@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
-from prorl_adapter.buffer import BufferUnavailable, ExperienceBuffer, MemoryBuffer
-from prorl_adapter.decoupled import Producer, ProducerConfig
+from prorl_adapter.hooks.manager import make_plugin_manager
 from prorl_adapter.models import JobError, JobRequest, JobState, StageTimings, Trajectory
-from prorl_adapter.plugins import make_plugin_manager
+from prorl_adapter.service.decoupled import Producer, ProducerConfig
+from prorl_adapter.service.storage.buffer import BufferUnavailable, ExperienceBuffer
+from prorl_adapter.service.storage.memory_buffer import MemoryBuffer
 from prorl_plugins.staleness import StalenessControl
 
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from prorl_adapter.hookspecs import PluginConfigError
+from prorl_adapter.hooks.manager import make_plugin_manager
+from prorl_adapter.hooks.specs import PluginConfigError
 from prorl_adapter.models import StageTimings, ToolCall, Trajectory, Turn
-from prorl_adapter.plugins import make_plugin_manager
 from prorl_plugins import reward_shaping
 from prorl_plugins.reward_shaping import (
     DEFAULT_SAFETY_PATTERNS,

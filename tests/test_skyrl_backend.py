@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("skyrl", reason="SkyRL is not installed: pip install -e '.[torch,skyrl]'")
 pytest.importorskip("loguru", reason="SkyRL's trainer needs loguru: pip install -e '.[skyrl]'")
 
-from prorl_adapter.backend import GROUP_LABEL, TrainerPlugins, trajectory_from_tensors
-from prorl_adapter.hookspecs import PluginConfigError, TrajectoryWeight
+from prorl_adapter.hooks.specs import PluginConfigError, TrajectoryWeight
+from prorl_adapter.trainer.samples import GROUP_LABEL, TrainerPlugins, trajectory_from_tensors
 from prorl_plugins.skyrl import compat  # noqa: F401  (SkyRL on Python 3.11: before any skyrl import)
 
 # isort: split

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prorl_adapter.backend import trajectory_from_tensors
-from prorl_adapter.hookspecs import AdmissionState, PluginConfigError, TrajectoryWeight
+from prorl_adapter.hooks.manager import make_plugin_manager
+from prorl_adapter.hooks.specs import AdmissionState, PluginConfigError, TrajectoryWeight
 from prorl_adapter.models import Trajectory
-from prorl_adapter.plugins import make_plugin_manager
+from prorl_adapter.trainer.samples import trajectory_from_tensors
 from prorl_plugins import staleness as staleness_module
 from prorl_plugins.staleness import (
     StalenessControl,

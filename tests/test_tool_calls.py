@@ -1,4 +1,4 @@
-from prorl_adapter.chat import parse_tool_calls
+from prorl_adapter.service.chat import parse_tool_calls
 
 
 def test_hermes_calls_in_order():
@@ -49,7 +49,7 @@ def test_tool_call_regex_matches_exactly_the_allowed_calls():
     import json
     import re
 
-    from prorl_adapter.chat import tool_call_regex
+    from prorl_adapter.service.chat import tool_call_regex
 
     commands = ["ls -la", "python3 -c 'print(6*7)'", 'echo "quoted" \\ back > out.txt']
     pattern = tool_call_regex("bash", "command", commands)

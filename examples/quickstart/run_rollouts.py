@@ -24,10 +24,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from rich.table import Table
 from rich.text import Text
 
-from prorl_adapter import localstack
-from prorl_adapter.chat import ChatTokenizer, tool_call_regex
-from prorl_adapter.client import RolloutClient
+from prorl_adapter.dev import localstack
 from prorl_adapter.models import JobRequest, SamplingParams, Trajectory
+from prorl_adapter.service.chat import ChatTokenizer, tool_call_regex
+from prorl_adapter.trainer.client import RolloutClient
 
 COMMANDS = ["ls -la", "pwd", "echo hello > done.txt", "cat done.txt", "python3 -c 'print(6*7)'", "touch done.txt"]
 console = Console()

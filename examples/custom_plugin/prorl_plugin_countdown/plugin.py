@@ -17,7 +17,7 @@ import logging
 import math
 from typing import Any
 
-from prorl_adapter.hookspecs import PluginConfigError, hookimpl
+from prorl_adapter.hooks.specs import PluginConfigError, hookimpl
 from prorl_adapter.models import JobError, Trajectory
 
 from .task import CountdownTask

@@ -1,0 +1,1 @@
+"""The hook specifications, the plugin manager and the calls of the hooks."""

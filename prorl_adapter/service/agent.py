@@ -1,0 +1,174 @@
+"""The multi-turn agent loop of one episode, in token space.
+
+Each turn: the whole context (prompt ids + every id so far) goes to the pinned LLM server; the sampled ids
+are appended with mask 1 and their logprobs; the turn's text is parsed for tool calls; the tools run in the
+episode's sandbox; their results are appended as template ids with mask 0. The loop ends on `finish`, on a
+turn with no tool call, at max turns, or when the next turn would not fit the context.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..models import FinishReason, JobRequest, ToolCall, Turn
+from ..tasks import Environment, EpisodeState, TaskHandler, Tool
+from .chat import ChatTokenizer, parse_tool_calls
+from .llm import LLMPool, Pin
+
+MAX_OBSERVATION_CHARS = 8000
+
+
+@dataclass
+class Episode:
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    response_logprobs: list[float] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    finish_reason: FinishReason = "max_turns"
+    state: EpisodeState = field(default_factory=EpisodeState)
+    generate_s: float = 0.0
+    tools_s: float = 0.0
+
+    @property
+    def context_length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def append(self, ids: list[int], mask: int, logprobs: list[float] | None = None) -> None:
+        self.response_ids += ids
+        self.response_mask += [mask] * len(ids)
+        self.response_logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+
+def clip(text: str, limit: int = MAX_OBSERVATION_CHARS) -> str:
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n[... {len(text) - limit} characters omitted ...]\n{text[-half:]}"
+
+
+@dataclass
+class PolicyTurn:
+    """A sampled turn whose tool calls have not run yet."""
+
+    turn: Turn
+    calls: list[ToolCall]
+    errors: list[str]
+    last_token: int | None
+
+
+class PromptTooLong(Exception):
+    """The task's prompt alone does not fit the episode's context: there is nothing to sample."""
+
+
+async def start_episode(
+    request: JobRequest, handler: TaskHandler, chat: ChatTokenizer
+) -> tuple[Episode, dict[str, Tool]]:
+    """The episode's prompt (system prompt with the task's tool schemas, then the task) and its tools."""
+    instance = request.instance
+    tools = {tool.name: tool for tool in handler.tools(instance)}
+    messages = [
+        {"role": "system", "content": handler.system_prompt(instance)},
+        {"role": "user", "content": handler.user_prompt(instance)},
+    ]
+    prompt_ids = await chat.off_loop(chat.prompt_ids, messages, [t.schema() for t in tools.values()])
+    if len(prompt_ids) >= request.max_context_tokens:
+        raise PromptTooLong(
+            f"the prompt is {len(prompt_ids)} tokens, max_context_tokens is {request.max_context_tokens}"
+        )
+    return Episode(prompt_ids=prompt_ids), tools
+
+
+async def policy_turn(
+    episode: Episode, request: JobRequest, llm: LLMPool, pin: Pin, version: int, index: int
+) -> PolicyTurn | None:
+    """Sample the next turn and record it; None when the episode ends here (context full, or no tool call)."""
+    room = request.max_context_tokens - episode.context_length
+    if room <= 0:
+        episode.finish_reason = "max_context"
+        return None
+    sampling = request.sampling.model_copy(update={"max_tokens": min(request.sampling.max_tokens, room)})
+    generation = await llm.generate(episode.prompt_ids + episode.response_ids, sampling, pin)
+    episode.append(generation.token_ids, 1, generation.logprobs)
+    episode.generate_s += generation.seconds
+    episode.state.response_tokens += len(generation.token_ids)
+    parsed = parse_tool_calls(generation.text)
+    turn = Turn(
+        index=index,
+        policy_version=version,
+        llm_server=generation.server,
+        response_tokens=len(generation.token_ids),
+        finish_reason=generation.finish_reason,
+        text=generation.text,
+        tool_calls=parsed.calls,
+        generate_s=generation.seconds,
+    )
+    episode.turns.append(turn)
+    episode.state.turns = len(episode.turns)
+    episode.state.malformed_calls += len(parsed.errors)
+    if not parsed.calls and not parsed.errors:
+        episode.finish_reason = "no_tool_call"
+        return None
+    return PolicyTurn(turn, parsed.calls, parsed.errors, generation.token_ids[-1] if generation.token_ids else None)
+
+
+async def tool_turn(
+    episode: Episode, pending: PolicyTurn, tools: dict[str, Tool], env: Environment, chat: ChatTokenizer, limit: int
+) -> bool:
+    """Run the turn's tool calls and append their results; False when the episode ends here (finish, or the
+    results would not fit the context of `limit` tokens)."""
+    started = time.perf_counter()
+    results, finished = await _run_tools(pending.calls, tools, env, episode.state)
+    results += [f"error: {error}" for error in pending.errors]
+    turn = pending.turn
+    turn.tools_s = time.perf_counter() - started
+    episode.tools_s += turn.tools_s
+    if finished:
+        episode.finish_reason = "finish"
+        return False
+    turn.observation = "\n".join(results)
+    closed = pending.last_token == chat.eos_id  # else the template's eos is added, as a token nobody sampled
+    observation_ids = await chat.off_loop(chat.tool_turn_ids, [{"role": "tool", "content": r} for r in results], closed)
+    if episode.context_length + len(observation_ids) >= limit:
+        episode.finish_reason = "max_context"
+        return False
+    turn.observation_tokens = len(observation_ids)
+    episode.append(observation_ids, 0)
+    return True
+
+
+async def run_episode(
+    request: JobRequest,
+    handler: TaskHandler,
+    env: Environment,
+    chat: ChatTokenizer,
+    llm: LLMPool,
+    policy_version: Callable[[], int],
+) -> Episode:
+    episode, tools = await start_episode(request, handler, chat)
+    pin = Pin()
+    for index in range(request.max_turns):
+        pending = await policy_turn(episode, request, llm, pin, policy_version(), index)
+        if pending is None or not await tool_turn(episode, pending, tools, env, chat, request.max_context_tokens):
+            break
+    return episode
+
+
+async def _run_tools(
+    calls: list, tools: dict[str, Tool], env: Environment, state: EpisodeState
+) -> tuple[list[str], bool]:
+    results: list[str] = []
+    for call in calls:
+        tool = tools.get(call.name)
+        if tool is None:
+            results.append(f"error: unknown tool {call.name!r}; available: {', '.join(tools)}")
+        elif tool.run is None:  # finish
+            answer = call.arguments.get("answer")
+            state.answer = answer if isinstance(answer, str) else json.dumps(answer)
+            return results, True
+        else:
+            results.append(clip(await tool.run(env, call.arguments, state)))
+    return results, False

@@ -1,0 +1,155 @@
+"""The conversation in token space: the chat template applied locally, tool turns appended as token ids.
+
+The prompt is rendered once with the model's own chat template. After that, the policy's sampled ids are
+appended as they came back from the server, and each tool turn is appended as the ids of exactly the text
+the template would put between the assistant's turn and the next one. That text is found once, by
+rendering a short fixed conversation with and without a tool message and taking the difference, so each
+turn costs one tokenization of the observation, not a re-render of the whole history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ..models import ToolCall
+
+T = TypeVar("T")
+
+_DUMMY = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+
+
+class ChatTokenizer:
+    def __init__(self, name_or_path: str) -> None:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" banner
+        from transformers import AutoTokenizer  # heavy import, paid once per process
+
+        self.tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"tokenizer {name_or_path!r} has no chat template")
+        self.eos_id: int = self.tokenizer.eos_token_id
+        self.eos_text: str = self.tokenizer.eos_token
+        rendered = self.render(_DUMMY, tools=None, add_generation_prompt=False)
+        end = rendered.rfind(self.eos_text)
+        if end < 0:
+            raise ValueError("the chat template does not end an assistant turn with the eos token")
+        # What the template writes after the eos that closes an assistant turn (ChatML: a newline).
+        self._after_eos = rendered[end + len(self.eos_text) :]
+        self._dummy_rendered = rendered
+        # One thread for the service's tokenisation: a megabyte prompt takes seconds, which must not stall the
+        # event loop, and one thread keeps a tokenizer that is not safe to share off concurrent calls.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+
+    async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
+        """`work(*args)` (one of this tokenizer's methods) on the tokenizer's own thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, work, *args)
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+        return self.encode(self.render(messages, tools, add_generation_prompt=True))
+
+    def tool_turn_ids(self, tool_messages: list[dict[str, Any]], closed_by_eos: bool) -> list[int]:
+        """Ids that follow a sampled assistant turn: its closing, the tool messages, the next turn's opening.
+
+        `closed_by_eos` says whether the sampled ids already end with the eos token; if the turn was cut
+        (max_tokens), the eos is added here, as a template token the policy did not sample.
+        """
+        with_tools = self.render(_DUMMY + tool_messages, tools=None, add_generation_prompt=True)
+        if not with_tools.startswith(self._dummy_rendered):
+            raise ValueError("the chat template re-renders earlier turns when a tool message follows")
+        text = self._after_eos + with_tools[len(self._dummy_rendered) :]
+        return self.encode(text if closed_by_eos else self.eos_text + text)
+
+
+@dataclass
+class ParsedCalls:
+    calls: list[ToolCall]
+    errors: list[str]
+
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> ParsedCalls:
+    """Tool calls in a policy turn: hermes `<tool_call>{json}</tool_call>` blocks, or one OpenAI-style JSON
+    object (`{"name", "arguments"}` or `{"tool_calls": [{"function": {...}}]}`) making up the whole turn.
+
+    What cannot be parsed becomes an error message for the agent, never an exception.
+    """
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    blocks = _TOOL_CALL.findall(text)
+    if not blocks:
+        if "<tool_call>" in text:
+            return ParsedCalls([], ["a <tool_call> was opened but never closed with </tool_call>"])
+        stripped = text.replace("<|im_end|>", "").strip()
+        if stripped.startswith("{"):
+            blocks = [stripped]
+    for index, block in enumerate(blocks, 1):
+        try:
+            payload = json.loads(block)
+        except ValueError as exc:
+            errors.append(f"tool call {index} is not valid JSON ({exc}): {block.strip()[:200]}")
+            continue
+        for item in payload.get("tool_calls", [payload]) if isinstance(payload, dict) else [payload]:
+            call, error = _to_call(item.get("function", item) if isinstance(item, dict) else item)
+            if error:
+                errors.append(f"tool call {index}: {error}")
+            else:
+                calls.append(call)
+    return ParsedCalls(calls, errors)
+
+
+def _to_call(item: Any) -> tuple[ToolCall | None, str | None]:
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        return None, 'expected an object with a string "name" and an object "arguments"'
+    arguments = item.get("arguments", {})
+    if isinstance(arguments, str):  # the OpenAI format carries arguments as a JSON string
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError as exc:
+            return None, f"arguments of {item['name']!r} are not valid JSON: {exc}"
+    if not isinstance(arguments, dict):
+        return None, f'"arguments" of {item["name"]!r} must be an object'
+    return ToolCall(name=item["name"], arguments=arguments), None
+
+
+def _regex_literal(text: str) -> str:
+    # Escapes only the metacharacters: `re.escape` also escapes spaces and dashes, which some of the
+    # regex engines behind structured outputs refuse.
+    return re.sub(r"([\\.^$*+?()\[\]{}|])", r"\\\1", text)
+
+
+def _tool_call_parts(tool: str, argument: str) -> tuple[str, str]:
+    """The text of a hermes tool call of `tool` around its one string `argument`'s JSON-escaped value."""
+    return f'<tool_call>{{"name": {json.dumps(tool)}, "arguments": {{{json.dumps(argument)}: "', '"}}</tool_call>'
+
+
+def tool_call_regex(tool: str, argument: str, values: list[str]) -> str:
+    """A structured-output regex for exactly one hermes tool call of `tool` whose string `argument` is one of
+    `values`: it lets a model that knows nothing (the tiny test model) make real, well-formed tool calls."""
+    choices = "|".join(_regex_literal(json.dumps(value)[1:-1]) for value in values)
+    prefix, suffix = _tool_call_parts(tool, argument)
+    return _regex_literal(prefix) + f"({choices})" + _regex_literal(suffix)
+
+
+def tool_call_texts(tool: str, argument: str, values: list[str]) -> list[str]:
+    """Every text `tool_call_regex(tool, argument, values)` matches: the action set of a constrained turn."""
+    prefix, suffix = _tool_call_parts(tool, argument)
+    return [prefix + json.dumps(value)[1:-1] + suffix for value in values]

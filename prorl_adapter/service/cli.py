@@ -1,0 +1,149 @@
+"""`prorl-rollout serve` runs the rollout service; `prorl-rollout plugins` lists what is loaded."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+
+from .config import RolloutConfig
+from .decoupled import ProducerConfig
+from .pipeline import PipelineConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prorl-rollout", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the rollout service")
+    serve.add_argument("--sandbox-url", action="append", required=True, help="a sandbox runtime server (repeatable)")
+    serve.add_argument("--llm-url", action="append", required=True, help="an OpenAI-compatible server (repeatable)")
+    serve.add_argument("--tokenizer", required=True, help="path or name of the policy's tokenizer")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8766)
+    serve.add_argument("--token", default=os.environ.get("PRORL_ROLLOUT_TOKEN"), help="env PRORL_ROLLOUT_TOKEN")
+    serve.add_argument("--sandbox-token", default=os.environ.get("PRORL_SANDBOX_TOKEN"))
+    serve.add_argument("--timeout", type=float, default=1800.0, help="default time budget of a job, in seconds")
+    serve.add_argument("--max-init-workers", type=int, default=32)
+    serve.add_argument("--max-run-workers", type=int, default=256)
+    serve.add_argument("--max-eval-workers", type=int, default=32)
+    serve.add_argument("--plugin", action="append", default=[], help="import path of a plugin (repeatable)")
+    serve.add_argument("--block-plugin", action="append", default=[], help="name of a plugin not to load")
+    serve.add_argument(
+        "--buffer",
+        default="memory://",
+        help="experience buffer and upcoming prompts: memory:// or redis://host:port/db (survives a restart)",
+    )
+    defaults = ProducerConfig()
+    serve.add_argument(
+        "--lease-s",
+        type=float,
+        default=defaults.lease_s,
+        help="how long a taken batch may stay unacknowledged before its entries are delivered again "
+        "(default %(default)s; POST /v1/batches may ask otherwise)",
+    )
+    serve.add_argument(
+        "--max-deliveries",
+        type=int,
+        default=defaults.max_deliveries,
+        help="deliveries after which an unacknowledged entry is a dead letter (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-buffered",
+        type=int,
+        default=defaults.max_buffered,
+        help="admission pauses while the buffer holds this many entries (default %(default)s)",
+    )
+    serve.add_argument("--plugin-config", type=Path, default=None, help="JSON file: plugin settings by section")
+    serve.add_argument(
+        "--service-id",
+        default=None,
+        help="labels this service's sandboxes; a restart with the same id deletes what the last run left "
+        "(default: prorl-rollout@HOST:PORT)",
+    )
+    serve.add_argument("--log-level", default="INFO")
+    plugins = sub.add_parser("plugins", help="list the plugins and task handlers that would be loaded")
+    plugins.add_argument("--plugin", action="append", default=[])
+    plugins.add_argument("--block-plugin", action="append", default=[])
+    plugins.add_argument("--plugin-config", type=Path, default=None, help="check this plugin configuration too")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "plugins":
+        return list_plugins(args.plugin, args.block_plugin, args.plugin_config)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = RolloutConfig(
+        sandbox_urls=args.sandbox_url,
+        llm_urls=args.llm_url,
+        tokenizer=args.tokenizer,
+        host=args.host,
+        port=args.port,
+        token=args.token,
+        sandbox_token=args.sandbox_token,
+        pipeline=PipelineConfig(
+            max_init_workers=args.max_init_workers,
+            max_run_workers=args.max_run_workers,
+            max_eval_workers=args.max_eval_workers,
+            default_timeout_s=args.timeout,
+        ),
+        plugins=args.plugin,
+        blocked_plugins=args.block_plugin,
+        buffer_url=args.buffer,
+        decoupled=ProducerConfig(
+            lease_s=args.lease_s, max_deliveries=args.max_deliveries, max_buffered=args.max_buffered
+        ),
+        service_id=args.service_id,
+    )
+    try:
+        config.plugin_config = read_plugin_config(args.plugin_config)
+        config.check_exposure()
+    except ValueError as exc:
+        print(f"prorl-rollout: {exc}")
+        return 2
+    from sandbox_runtime.webapp import run_forever
+
+    from .server import serve
+
+    run_forever(serve(config))
+    return 0
+
+
+def read_plugin_config(path: Path | None) -> dict:
+    if path is None:
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the plugin configuration {path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"the plugin configuration {path} must be a JSON object of sections")
+    return config
+
+
+def list_plugins(paths: list[str], blocked: list[str], config_file: Path | None = None) -> int:
+    """Print the plugins, their hooks and the tasks; with a config file, also check it as start-up would."""
+    from ..hooks.manager import PluginLoadError, collect_tasks, configure_plugins, make_plugin_manager
+    from ..hooks.specs import PluginConfigError
+
+    try:
+        pm = make_plugin_manager(paths, blocked=blocked)
+        tasks = collect_tasks(pm)
+        if config_file is not None:
+            configure_plugins(pm, read_plugin_config(config_file))
+    except (PluginLoadError, PluginConfigError, ValueError) as exc:
+        print(f"prorl-rollout: {exc}")
+        return 2
+    for name, plugin in pm.list_name_plugin():
+        if plugin is None:
+            print(f"{name}: blocked")
+            continue
+        hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
+        print(f"{name}: {getattr(plugin, '__name__', type(plugin).__name__)} hooks={','.join(hooks)}")
+    for name, handler in sorted(tasks.items()):
+        print(f"task {name}: {type(handler).__module__}.{type(handler).__name__}")
+    if config_file is not None:
+        print(f"configuration {config_file}: accepted")
+    return 0

@@ -1,0 +1,365 @@
+"""Decoupled mode: the service keeps producing trajectories for upcoming prompts into the experience buffer
+while the trainer consumes batches from it; admission control bounds how far ahead it runs.
+
+    trainer ─ POST /v1/prompts ─> [upcoming prompts] ─ admitted? ─> pipeline ─> buffer ─ POST /v1/batches ─> trainer
+                                                                                 (leased until acknowledged)
+
+Before each new episode starts, every plugin is asked `prorl_admit_episode` (the staleness plugin's pace
+mode answers False while starting one more could make a trajectory staler than K); admission also pauses while
+the buffer holds `max_buffered` entries. A held episode is asked again when an episode finishes, a batch is
+taken or acknowledged, or the policy version changes. When the trainer takes a batch, entries that no plugin
+would weigh above 0 any more are removed first (`prorl_expired_before`), then `prorl_trajectory_weight` weighs
+each taken trajectory; a weight of 0 drops it (acknowledged as consumed) and the rest go out with their weights.
+
+Nothing waits forever and nothing is lost:
+- A taken batch is leased (`lease_s`). Entries not acknowledged in time go back to the buffer and are
+  delivered again, with their delivery count; after `max_deliveries` they are dead letters (removed, counted).
+- When the buffer (Redis) is unreachable, production pauses and retries with backoff, the outage shows in
+  `degraded` (GET /healthz, GET /v1/buffer), and trajectories finished meanwhile wait in order (at most
+  `max_undelivered`, after which admission pauses too) until the buffer takes them.
+- An admitted prompt stays recorded as running until its trajectory is in the buffer, so a service killed
+  mid-run runs it again when it starts on the same prompt queue (`PromptQueue.recover`). An episode that
+  failed for the infrastructure (sandbox, LLM server) runs again, up to `max_attempts` runs of its prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+from ..hooks.specs import AdmissionState, TrajectoryWeight, hookimpl
+from ..models import JobRequest
+from .pipeline import Job, RolloutPipeline
+from .storage.buffer import BufferedTrajectory, ExperienceBuffer, ExperienceBufferError
+from .storage.prompts import MemoryPromptQueue, PromptQueue
+
+log = logging.getLogger(__name__)
+
+RETRY_MAX_S = 30.0  # the longest pause between two attempts at an unreachable buffer
+# Labels of a prompt that runs again: the job id it was first admitted under, and which run this is.
+PROMPT_LABEL, ATTEMPT_LABEL = "prorl_prompt", "prorl_attempt"
+
+
+@dataclass
+class ProducerConfig:
+    lease_s: float = 600.0  # how long a taken batch may stay unacknowledged, unless the take asks otherwise
+    max_deliveries: int = 3  # deliveries after which an entry still unacknowledged is a dead letter
+    max_buffered: int = 10_000  # admission pauses while this many entries are buffered, leased or running
+    max_undelivered: int = 1_000  # finished trajectories kept while the buffer is unreachable
+    # Runs of one prompt whose episodes failed for the infrastructure (a sandbox, an LLM server, a service that
+    # died): the prompt runs again until its trajectory is delivered or this many runs have failed.
+    max_attempts: int = 5
+    retry_delay_s: float = 1.0  # before the second run; doubled for each further one (at most RETRY_MAX_S)
+
+
+@dataclass
+class WeightedTrajectory:
+    entry: BufferedTrajectory
+    weight: TrajectoryWeight
+
+
+@dataclass
+class ProducerStats:
+    upcoming: int = 0
+    in_flight: int = 0
+    held_back: bool = False
+    held_back_reason: str | None = None
+    produced: int = 0
+    filtered: int = 0  # episodes that failed (infrastructure) max_attempts times, or were cancelled: not buffered
+    retried: int = 0  # failed episodes whose prompt was queued to run again
+    dropped: int = 0  # trajectories weighed 0 when taken (too stale)
+    expired: int = 0  # trajectories removed before a take: no plugin would weigh them above 0
+    leased: int = 0  # entries taken and not yet acknowledged
+    redelivered: int = 0  # entries whose lease ran out, handed back to be taken again
+    dead_letters: int = 0  # entries whose lease ran out after max_deliveries: removed
+    undelivered: int = 0  # finished trajectories waiting for the buffer to come back
+    degraded: str | None = None  # why the buffer or the prompt queue cannot be used now, and what is done
+    versions_in_flight: list[int] = field(default_factory=list)
+    recent_dead_letters: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Lease:
+    deadline: float
+    deliveries: int
+
+
+class Producer:
+    """Feeds admitted prompts to the pipeline and finished trajectories to the buffer.
+
+    It is also a plugin (it implements `prorl_policy_version_changed`), registered by the service so that a
+    new policy version wakes held-back episodes.
+    """
+
+    def __init__(
+        self,
+        pipeline: RolloutPipeline,
+        buffer: ExperienceBuffer,
+        prompts: PromptQueue | None = None,
+        config: ProducerConfig | None = None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.buffer = buffer
+        self.prompts = prompts or MemoryPromptQueue()
+        self.config = config or ProducerConfig()
+        self._in_flight: dict[str, int] = {}  # job id -> the policy version it was admitted at
+        self._in_flight_counts: Counter[int] = Counter()  # the same, by version: admission costs O(versions)
+        self._finished: deque[Job] = deque()  # waiting to be put into the buffer, in order
+        self._leases: dict[str, Lease] = {}
+        self._wakeup = asyncio.Event()
+        self._delivery = asyncio.Event()
+        self._lease_change = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._retries: set[asyncio.Task[None]] = set()
+        self.stats = ProducerStats()
+        self._dead: deque[str] = deque(maxlen=100)
+        pipeline.on_finished.append(self._on_finished)
+
+    # -- life cycle -------------------------------------------------------------------------------------
+    def start(self) -> None:
+        for loop in (self._produce_forever, self._deliver_forever, self._expire_leases_forever):
+            self._tasks.append(asyncio.create_task(loop()))
+
+    async def stop(self) -> None:
+        tasks = [*self._tasks, *self._retries]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    @hookimpl
+    def prorl_policy_version_changed(self, version: int) -> None:
+        self.wake()
+
+    def wake(self) -> None:
+        self._wakeup.set()
+
+    async def _retrying(self, what: str, attempt: Callable[[], Awaitable[None]]) -> None:
+        """Run `attempt()` until it gets through: an unreachable buffer or queue is waited out, with backoff."""
+        delay = 0.5
+        while True:
+            try:
+                await attempt()
+            except ExperienceBufferError as exc:
+                self._degraded(f"{what}: {exc}; retrying every {min(delay, RETRY_MAX_S):g} s at most")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
+                continue
+            self.stats.degraded = None
+            return
+
+    def _degraded(self, message: str) -> None:
+        if self.stats.degraded != message:
+            log.warning("decoupled mode degraded: %s", message)
+        self.stats.degraded = message
+
+    # -- producing --------------------------------------------------------------------------------------
+    async def enqueue(self, requests: list[JobRequest]) -> int:
+        upcoming = await self.prompts.push(requests)
+        self.wake()
+        return upcoming
+
+    async def _produce_forever(self) -> None:
+        await self._retrying("recovering the prompts an earlier run left running", self._resubmit_recovered)
+        while True:
+            self._wakeup.clear()
+            await self._retrying("admitting prompts", self._admit_while_allowed)
+            await self._wakeup.wait()
+
+    async def _resubmit_recovered(self) -> None:
+        """Prompts an earlier incarnation admitted but never delivered run again (admission was granted)."""
+        for request in await self.prompts.recover():
+            self._submit(request)
+        # Entries taken but never acknowledged before the restart: their leases died with that process.
+        await self.buffer.reclaim(0.0)
+
+    async def _admit_while_allowed(self) -> None:
+        while await self._admitted():
+            request = await self.prompts.pop()
+            if request is None:
+                break
+            self._submit(request)
+
+    def _submit(self, request: JobRequest) -> None:
+        job, _ = self.pipeline.submit(request)  # a known job id gives back that job (idempotent)
+        if job.id in self._in_flight:
+            return
+        version = self.pipeline.policy_version
+        self._in_flight[job.id] = version
+        self._in_flight_counts[version] += 1
+        if job.state.finished:  # a prompt enqueued again under the id of a job that has finished: deliver it
+            self._on_finished(job)
+
+    async def _admitted(self) -> bool:
+        buffered = await self.buffer.version_counts()
+        held = None
+        # What runs now lands in the buffer soon: it counts against the bound too.
+        if sum(buffered.values()) + len(self._in_flight) >= self.config.max_buffered:
+            held = f"the buffer holds or is about to hold max_buffered={self.config.max_buffered} entries"
+        elif len(self._finished) >= self.config.max_undelivered:
+            held = f"{len(self._finished)} finished trajectories wait for the buffer"
+        else:
+            state = AdmissionState(self.pipeline.policy_version, self._in_flight_counts, buffered)
+            if any(verdict is False for verdict in self.pipeline.hooks.prorl_admit_episode(state=state)):
+                held = "admission control (a plugin) holds new episodes back"
+        self.stats.held_back_reason = held
+        self.stats.held_back = held is not None and await self.prompts.size() > 0
+        return held is None
+
+    def _on_finished(self, job: Job) -> None:
+        if job.id in self._in_flight:
+            self._finished.append(job)
+            self._delivery.set()
+
+    async def _deliver_forever(self) -> None:
+        """Finished trajectories into the buffer, one at a time and in order; an outage holds the queue."""
+        while True:
+            await self._delivery.wait()
+            self._delivery.clear()
+            while self._finished:
+                await self._retrying("putting a trajectory into the buffer", self._deliver_first)
+
+    async def _deliver_first(self) -> None:
+        job = self._finished[0]
+        if job.result is not None and not job.result.filter:
+            await self.buffer.put(job.result)
+            self.stats.produced += 1
+        elif (again := self._another_attempt(job)) is not None:
+            self._finished.popleft()
+            self._retry_later(job, again)
+            return
+        else:
+            self.stats.filtered += 1
+        await self._settle(job)
+        self._finished.popleft()
+
+    async def _settle(self, job: Job) -> None:
+        """The job's prompt is done with; only now does it stop counting as in flight for admission."""
+        await self.prompts.done(job.id)
+        version = self._in_flight.pop(job.id)
+        self._in_flight_counts[version] -= 1
+        if not self._in_flight_counts[version]:
+            del self._in_flight_counts[version]
+        self.wake()
+
+    def _retry_later(self, job: Job, again: JobRequest) -> None:
+        """Queue the prompt anew after a backoff (an outage that failed this run may fail the next at once).
+        Until then it stays recorded as running, so a restart in between runs it again."""
+        attempt = int(again.labels[ATTEMPT_LABEL])
+        delay = min(self.config.retry_delay_s * 2 ** (attempt - 2), RETRY_MAX_S)
+        task = asyncio.ensure_future(self._requeue_after(job, again, delay))
+        self._retries.add(task)
+        task.add_done_callback(self._retries.discard)
+
+    async def _requeue_after(self, job: Job, again: JobRequest, delay: float) -> None:
+        await asyncio.sleep(delay)
+        await self._retrying("queueing a failed prompt to run again", partial(self._requeue, job, again))
+
+    async def _requeue(self, job: Job, again: JobRequest) -> None:
+        await self.prompts.push([again])
+        self.stats.retried += 1
+        await self._settle(job)
+
+    def _another_attempt(self, job: Job) -> JobRequest | None:
+        """The prompt of an episode that failed for the infrastructure, to run again under a job id of its own;
+        None once it has failed max_attempts times, or when it was cancelled."""
+        error = job.result.error if job.result is not None else None
+        if error is None or error.error_class == "cancelled":
+            return None
+        labels = job.request.labels
+        attempt = int(labels.get(ATTEMPT_LABEL, "1")) + 1
+        if attempt > self.config.max_attempts:
+            return None
+        prompt = labels.get(PROMPT_LABEL, job.id)
+        labels = {**labels, PROMPT_LABEL: prompt, ATTEMPT_LABEL: str(attempt)}
+        return job.request.model_copy(update={"job_id": f"{prompt[:120]}:{attempt}", "labels": labels})
+
+    # -- consuming --------------------------------------------------------------------------------------
+    async def take_batch(
+        self,
+        size: int,
+        timeout: float | None,
+        current_logprobs: dict[str, list[float]] | None = None,
+        lease_s: float | None = None,
+    ) -> list[WeightedTrajectory]:
+        """Up to `size` trajectories with their weights, leased for `lease_s`; the ones weighed 0 are dropped
+        (and acknowledged), and the ones no plugin would weigh above 0 are removed before the take."""
+        version = self.pipeline.policy_version
+        thresholds = [v for v in self.pipeline.hooks.prorl_expired_before(current_version=version) if v is not None]
+        if thresholds:
+            self.stats.expired += await self.buffer.expire(max(thresholds))
+        entries = await self.buffer.take(size, timeout)
+        version = self.pipeline.policy_version
+        kept: list[WeightedTrajectory] = []
+        dropped: list[str] = []
+        for entry in entries:
+            logprobs = (current_logprobs or {}).get(entry.id)
+            verdicts = self.pipeline.hooks.prorl_trajectory_weight(
+                trajectory=entry.trajectory, current_version=version, current_logprobs=logprobs
+            )
+            weight = TrajectoryWeight.combine(verdicts, len(entry.trajectory.response_ids))
+            if weight.sample == 0.0:
+                dropped.append(entry.id)
+            else:
+                kept.append(WeightedTrajectory(entry, weight))
+        deadline = time.monotonic() + (self.config.lease_s if lease_s is None else lease_s)
+        for item in kept:
+            self._leases[item.entry.id] = Lease(deadline, item.entry.deliveries)
+        self._lease_change.set()
+        if dropped:
+            await self.buffer.ack(dropped)
+            self.stats.dropped += len(dropped)
+        self.wake()
+        return kept
+
+    async def ack(self, ids: list[str]) -> int:
+        acknowledged = await self.buffer.ack(ids)
+        for entry_id in ids:
+            self._leases.pop(entry_id, None)
+        self.wake()
+        return acknowledged
+
+    async def _expire_leases_forever(self) -> None:
+        while True:
+            self._lease_change.clear()
+            now = time.monotonic()
+            expired = [entry_id for entry_id, lease in self._leases.items() if lease.deadline <= now]
+            if expired:
+                await self._retrying("handing back entries whose lease ran out", partial(self._end_leases, expired))
+                continue
+            wait = min((lease.deadline for lease in self._leases.values()), default=now + 3600.0) - now
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(wait, 0.0)):
+                    await self._lease_change.wait()
+
+    async def _end_leases(self, ids: list[str]) -> None:
+        """Entries whose consumer did not acknowledge them in time: delivered again, or dead letters."""
+        dead = [i for i in ids if i in self._leases and self._leases[i].deliveries >= self.config.max_deliveries]
+        again = [i for i in ids if i in self._leases and i not in dead]
+        if dead:
+            removed = await self.buffer.ack(dead)
+            self.stats.dead_letters += removed
+            self._dead.extend(dead)
+            log.warning("%d entries taken %d times were never acknowledged: dead letters", removed, len(dead))
+        if again:
+            self.stats.redelivered += await self.buffer.release(again)
+        for entry_id in dead + again:
+            self._leases.pop(entry_id, None)
+        self.wake()
+
+    async def snapshot(self) -> ProducerStats:
+        try:
+            self.stats.upcoming = await self.prompts.size()
+        except ExperienceBufferError as exc:
+            self._degraded(f"reading the prompt queue: {exc}")
+        self.stats.in_flight = len(self._in_flight)
+        self.stats.versions_in_flight = sorted(self._in_flight_counts.elements())
+        self.stats.leased = len(self._leases)
+        self.stats.undelivered = len(self._finished)
+        self.stats.recent_dead_letters = list(self._dead)
+        return self.stats

@@ -1,0 +1,398 @@
+"""The rollout pipeline: a job goes init -> run -> eval, each stage served by its own pool of workers.
+
+    submit ──> [init queue] ──init workers──> [run queue] ──run workers──> [eval queue] ──eval workers──> done
+                 sandbox + task set-up          multi-turn agent loop          score, release the sandbox
+
+Separate pools mean a slow evaluation never holds a generation slot, and sandbox start-up overlaps with
+other episodes' generation. Everything is asyncio: a job in flight is a few objects, not a thread.
+
+Each stage runs as its own asyncio task, so that cancelling a job stops the stage at once, and so that a
+stage overrunning the job's time budget (stage time only; queueing is free) can be stopped the same way.
+A failure never reaches the trainer as an exception: the job ends with a trajectory carrying an error class
+and `filter: true`, and its sandbox is released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sandbox_runtime.client import SandboxAPIError
+
+from ..hooks.rewards import RewardComponentConflict, shape_reward
+from ..models import ErrorClass, JobError, JobRequest, JobState, JobStatus, StageTimings, Trajectory
+from ..tasks import Environment, TaskConfigError, TaskHandler
+from .agent import Episode, PromptTooLong, run_episode
+from .chat import ChatTokenizer
+from .llm import LLMPool, LLMRequestError, LLMUnavailable
+from .sandboxes import SandboxPool, SandboxServerError
+
+if TYPE_CHECKING:
+    import pluggy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PipelineConfig:
+    max_init_workers: int = 32
+    max_run_workers: int = 256
+    max_eval_workers: int = 32
+    default_timeout_s: float = 1800.0
+    max_init_attempts: int = 2
+    keep_finished: int = 100_000  # finished jobs kept for their results; the oldest are forgotten first
+
+
+SANDBOX_TTL_MARGIN_S = 600.0
+
+
+class StageFailed(Exception):
+    def __init__(self, error_class: ErrorClass, message: str):
+        super().__init__(message)
+        self.error_class = error_class
+
+
+@dataclass
+class Job:
+    id: str
+    request: JobRequest
+    handler: TaskHandler
+    submitted_at: float = field(default_factory=time.time)
+    submitted_mono: float = field(default_factory=time.monotonic)
+    state: JobState = JobState.queued
+    timings: StageTimings = field(default_factory=StageTimings)
+    error: JobError | None = None
+    attempts: int = 0
+    env: Environment | None = None
+    episode: Episode | None = None
+    reward_components: dict[str, float] = field(default_factory=dict)
+    reward: float = 0.0
+    result: Trajectory | None = None
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    stage_task: asyncio.Task | None = None
+
+    def budget_left(self, default_timeout: float) -> float:
+        spent = self.timings.init_s + self.timings.run_s + self.timings.eval_s
+        return (self.request.timeout_s or default_timeout) - spent
+
+    def status(self) -> JobStatus:
+        return JobStatus(
+            job_id=self.id,
+            task=self.request.task,
+            state=self.state,
+            submitted_at=self.submitted_at,
+            timings=self.timings,
+            error=self.error,
+            attempts=self.attempts,
+        )
+
+
+_STAGE_NAMES = {JobState.init: "init", JobState.running: "run", JobState.evaluating: "eval"}
+
+
+class UnknownTask(ValueError):
+    status = 400
+
+
+class RolloutPipeline:
+    def __init__(
+        self,
+        pm: pluggy.PluginManager,
+        tasks: dict[str, TaskHandler],
+        sandboxes: SandboxPool,
+        llm: LLMPool,
+        chat: ChatTokenizer,
+        config: PipelineConfig | None = None,
+    ) -> None:
+        self.hooks = pm.hook
+        self.tasks = tasks
+        self.sandboxes = sandboxes
+        self.llm = llm
+        self.chat = chat
+        self.config = config or PipelineConfig()
+        self._policy_version = 0
+        self.jobs: OrderedDict[str, Job] = OrderedDict()
+        self.counts = {state: 0 for state in (JobState.done, JobState.failed, JobState.cancelled)}
+        self._finish_times: deque[float] = deque(maxlen=10_000)
+        self._queues = {name: asyncio.Queue() for name in ("init", "run", "eval")}
+        self._workers: list[asyncio.Task] = []
+        self.on_finished: list[Callable[[Job], None]] = []
+
+    @property
+    def policy_version(self) -> int:
+        """The version new turns are tagged with: the backend's, where a backend plugin knows it."""
+        backend = self.hooks.prorl_backend_policy_version()
+        return self._policy_version if backend is None else backend
+
+    @policy_version.setter
+    def policy_version(self, version: int) -> None:
+        self._policy_version = version
+        self.hooks.prorl_policy_version_changed(version=version)
+
+    # -- life cycle -------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        c = self.config
+        stages = [
+            ("init", JobState.init, self._init, "run", c.max_init_workers),
+            ("run", JobState.running, self._run, "eval", c.max_run_workers),
+            ("eval", JobState.evaluating, self._eval, None, c.max_eval_workers),
+        ]
+        for name, state, work, following, count in stages:
+            for _ in range(count):
+                self._workers.append(asyncio.create_task(self._worker(name, state, work, following)))
+
+    async def stop(self) -> None:
+        for job in list(self.jobs.values()):
+            if not job.state.finished:
+                await self.cancel(job.id)
+        for worker in self._workers:
+            worker.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        self._workers.clear()
+
+    # -- the API ----------------------------------------------------------------------------------------
+    def submit(self, request: JobRequest) -> tuple[Job, bool]:
+        """Queue a job; with a known job_id, return that job instead (idempotent). (job, created)"""
+        if request.job_id and request.job_id in self.jobs:
+            return self.jobs[request.job_id], False
+        handler = self.tasks.get(request.task)
+        if handler is None:
+            raise UnknownTask(f"unknown task {request.task!r}; known: {', '.join(sorted(self.tasks))}")
+        job = Job(request.job_id or uuid.uuid4().hex, request, handler)
+        self.jobs[job.id] = job
+        self._forget_old_jobs()
+        self._queues["init"].put_nowait(job)
+        return job, True
+
+    async def cancel(self, job_id: str) -> Job:
+        job = self.jobs[job_id]
+        if job.state.finished:
+            return job
+        error = JobError(error_class="cancelled", message="cancelled by request")
+        if job.stage_task is not None and not job.stage_task.done():
+            job.stage_task.cancel()  # the stage's worker sees it and finishes the job
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await job.stage_task
+        if not job.state.finished:  # queued between stages, or the worker has not resumed yet
+            await self._finish(job, JobState.cancelled, error)
+        return job
+
+    async def wait(self, job_id: str, timeout: float) -> Job:
+        job = self.jobs[job_id]
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(job.finished.wait(), timeout)
+        return job
+
+    def status(self) -> dict:
+        now = time.monotonic()
+        recent = [t for t in self._finish_times if now - t <= 60.0]
+        active = {state.value: 0 for state in JobState if not state.finished}
+        for job in self.jobs.values():
+            if not job.state.finished:
+                active[job.state.value] += 1
+        return {
+            "policy_version": self.policy_version,
+            "queues": {name: queue.qsize() for name, queue in self._queues.items()},
+            "active": active,
+            "finished": {state.value: count for state, count in self.counts.items()},
+            "episodes_per_s_last_60s": round(len(recent) / 60.0, 3),
+            "workers": {
+                "init": self.config.max_init_workers,
+                "run": self.config.max_run_workers,
+                "eval": self.config.max_eval_workers,
+            },
+        }
+
+    # -- the stages -------------------------------------------------------------------------------------
+    async def _init(self, job: Job) -> None:
+        spec = job.handler.sandbox_spec(job.request.instance)
+        spec.setdefault("labels", {}).update({"job_id": job.id, "task": job.request.task})
+        # The runtime reaps it even if this service dies with the job. The margin is wide (the budget again,
+        # and ten minutes): the budget counts stage time, while the sandbox also lives through queue waits.
+        budget = job.budget_left(self.config.default_timeout_s)
+        spec.setdefault("ttl_s", 2 * budget + SANDBOX_TTL_MARGIN_S)
+        failed_on: set[str] = set()
+        last_error = ""
+        for _ in range(self.config.max_init_attempts):
+            job.attempts += 1
+            try:
+                job.env = await self.sandboxes.acquire(spec, exclude=failed_on)
+                await job.handler.init(job.env.for_task(), job.request.instance)
+                return
+            except TaskConfigError as exc:
+                raise StageFailed("init", f"task set-up failed: {exc}") from exc
+            except (SandboxServerError, SandboxAPIError) as exc:
+                last_error = str(exc)
+                failed_on.add(exc.url if isinstance(exc, SandboxServerError) else job.env.server_url)
+                await self._release(job)
+                log.warning("job %s: init attempt %d failed: %s", job.id, job.attempts, exc)
+        raise StageFailed("init", f"no sandbox after {job.attempts} attempts: {last_error}")
+
+    async def _run(self, job: Job) -> None:
+        try:
+            job.episode = await run_episode(
+                job.request, job.handler, job.env, self.chat, self.llm, lambda: self.policy_version
+            )
+        except (LLMUnavailable, LLMRequestError) as exc:
+            raise StageFailed("run", f"LLM: {exc}") from exc
+        except PromptTooLong as exc:
+            raise StageFailed("run", str(exc)) from exc
+        except SandboxAPIError as exc:
+            raise StageFailed("run", f"sandbox: {exc}") from exc
+        job.timings.generate_s = job.episode.generate_s
+        job.timings.tools_s = job.episode.tools_s
+
+    async def _eval(self, job: Job) -> None:
+        try:
+            # Nothing the agent started may run on while it is graded (a loop rewriting the tests, say).
+            await job.env.end_processes()
+            components = await job.handler.evaluate(job.env.for_task(), job.request.instance, job.episode.state)
+        except SandboxAPIError as exc:
+            raise StageFailed("eval", f"sandbox: {exc}") from exc
+        if "outcome" not in components:
+            raise StageFailed("eval", f"task {job.request.task!r} returned no 'outcome': {components}")
+        job.reward_components = {name: float(value) for name, value in components.items()}
+        await self._shape_reward(job)
+        await self._finish(job, JobState.done)
+
+    async def _shape_reward(self, job: Job) -> None:
+        """Reward plugins add components beside the task's own; the shaped total is what the trainer gets.
+        Plugins are user code: they run on a thread, so a slow one never stalls the event loop."""
+        try:
+            job.reward_components, job.reward = await asyncio.to_thread(
+                shape_reward, self.hooks, self._trajectory(job), job.request.instance, job.reward_components
+            )
+        except RewardComponentConflict as exc:
+            raise StageFailed("eval", str(exc)) from exc
+
+    # -- the machinery ----------------------------------------------------------------------------------
+    async def _worker(
+        self, name: str, state: JobState, work: Callable[[Job], Awaitable[None]], following: str | None
+    ) -> None:
+        queue = self._queues[name]
+        while True:
+            job = await queue.get()
+            if job.state.finished:  # cancelled while it waited in the queue
+                continue
+            if state is JobState.init:
+                job.timings.queued_s = time.monotonic() - job.submitted_mono
+            try:
+                await self._run_stage(job, state, work)
+            except Exception as exc:  # a bug of ours or a plugin's: it fails this job, never the worker
+                log.exception("job %s: %s stage failed unexpectedly", job.id, name)
+                error = JobError(error_class=_STAGE_NAMES[state], message=f"{type(exc).__name__}: {exc}")
+                await self._finish(job, JobState.failed, error)
+            if not job.state.finished and following:
+                self._queues[following].put_nowait(job)
+
+    async def _run_stage(self, job: Job, state: JobState, work: Callable[[Job], Awaitable[None]]) -> None:
+        job.state = state
+        stage = _STAGE_NAMES[state]
+        self._stage_event(job, stage, "start", 0.0)
+        budget = job.budget_left(self.config.default_timeout_s)
+        started = time.monotonic()
+        job.stage_task = task = asyncio.ensure_future(work(job))
+        done, _ = await asyncio.wait({task}, timeout=max(budget, 0.0))
+        seconds = time.monotonic() - started
+        setattr(job.timings, f"{stage}_s", getattr(job.timings, f"{stage}_s") + seconds)
+        job.stage_task = None
+        try:
+            await self._conclude_stage(job, state, task, done)
+        finally:
+            self._stage_event(
+                job, stage, {JobState.failed: "failed", JobState.cancelled: "cancelled"}.get(job.state, "end"), seconds
+            )
+
+    def _stage_event(self, job: Job, stage: str, event: str, seconds: float) -> None:
+        try:
+            self.hooks.prorl_stage_event(
+                job_id=job.id, task=job.request.task, stage=stage, event=event, seconds=seconds, error=job.error
+            )
+        except Exception:  # an observer's bug must not stall the job it observes
+            log.exception("a prorl_stage_event plugin failed on job %s (%s %s)", job.id, stage, event)
+
+    async def _conclude_stage(self, job: Job, state: JobState, task: asyncio.Task, done: set) -> None:
+        if not done:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            message = (
+                f"time budget of {job.request.timeout_s or self.config.default_timeout_s:g} s spent in {state.value}"
+            )
+            await self._finish(job, JobState.failed, JobError(error_class="timeout", message=message))
+        elif task.cancelled():
+            await self._finish(job, JobState.cancelled, JobError(error_class="cancelled", message="cancelled"))
+        elif (exc := task.exception()) is not None:
+            if isinstance(exc, StageFailed):
+                error = JobError(error_class=exc.error_class, message=str(exc))
+            else:
+                log.error("job %s: unexpected error in %s", job.id, state.value, exc_info=exc)
+                error = JobError(error_class=_STAGE_NAMES[state], message=f"{type(exc).__name__}: {exc}")
+            await self._finish(job, JobState.failed, error)
+
+    async def _release(self, job: Job) -> None:
+        env, job.env = job.env, None
+        if env is not None:
+            await asyncio.shield(self.sandboxes.release(env))
+
+    async def _finish(self, job: Job, state: JobState, error: JobError | None = None) -> None:
+        if job.state.finished:
+            return
+        job.state, job.error = state, error
+        try:
+            await self._release(job)
+        except Exception:  # the job's result must still be delivered: never leave a waiter hanging
+            log.exception("job %s: releasing its sandbox failed", job.id)
+        try:
+            job.result = self._trajectory(job)
+        except Exception as exc:  # what the episode recorded is unusable: deliver the failure without it
+            log.exception("job %s: its trajectory could not be built", job.id)
+            job.state = JobState.failed
+            job.error = JobError(
+                error_class=job.error.error_class if job.error else "eval",
+                message=f"the trajectory could not be built: {type(exc).__name__}: {exc}",
+            )
+            job.episode, job.reward, job.reward_components = None, 0.0, {}
+            job.result = self._trajectory(job)
+        self.counts[job.state] += 1
+        self._finish_times.append(time.monotonic())
+        job.finished.set()
+        for callback in self.on_finished:
+            callback(job)
+
+    def _trajectory(self, job: Job) -> Trajectory:
+        episode = job.episode or Episode(prompt_ids=[])
+        versions = [turn.policy_version for turn in episode.turns] or [self.policy_version]
+        return Trajectory(
+            job_id=job.id,
+            task=job.request.task,
+            instance_id=job.handler.instance_id(job.request.instance),
+            prompt_ids=episode.prompt_ids,
+            response_ids=episode.response_ids,
+            response_mask=episode.response_mask,
+            response_logprobs=episode.response_logprobs,
+            turns=episode.turns,
+            num_turns=len(episode.turns),
+            finish_reason=episode.finish_reason if job.error is None else "error",
+            reward=job.reward,
+            reward_components=job.reward_components,
+            policy_version_min=min(versions),
+            policy_version_max=max(versions),
+            timings=job.timings,
+            error=job.error,
+            filter=job.error is not None,
+            labels=job.request.labels,
+        )
+
+    def _forget_old_jobs(self) -> None:
+        excess = len(self.jobs) - self.config.keep_finished
+        for job_id in list(self.jobs)[: max(excess, 0)]:
+            if self.jobs[job_id].state.finished:
+                del self.jobs[job_id]

@@ -1,0 +1,166 @@
+"""The experience buffer between the rollout service (producer) and the trainer (consumer).
+
+The rollout service `put`s every finished trajectory; the trainer `take`s batches, trains on them and then
+`ack`s them. Until it is acknowledged a taken entry is *pending*: a trainer that crashes between take and ack
+loses nothing, because `reclaim(idle_s)` hands entries pending for at least `idle_s` seconds back to the queue
+(the next `take` delivers them again, with a higher delivery count), and `release(ids)` does the same for
+exactly the entries given (the caller knows their lease expired). Delivery is therefore at least once: a
+trainer slower than `idle_s` may see an entry twice, and `BufferedTrajectory.deliveries > 1` says so.
+
+Order ("prioritised by recency and policy version"): entries of the newest policy version first, where an
+entry's version is `trajectory.policy_version_min` (the version of its oldest turn, the one staleness is
+measured from). Within one version the oldest entry comes first (FIFO). All entries of one version have the
+same staleness, so serving the newest of them first would buy no freshness, while FIFO bounds how long an
+entry waits among its peers (newest-first would starve the early ones of a version for as long as the
+producer keeps adding to it). Entries handed back by `reclaim` or `release` keep their original place.
+Entries of older versions wait while newer ones keep coming: that is the point (fresher data first), and two
+things keep it bounded. Pacing: `version_counts()` (the entries per version, in O(versions); or
+`buffered_versions()`, the same as one version per entry) feeds `AdmissionState.buffered`, so
+admission control stops new episodes before the buffer holds data staler than the trainer accepts. And
+`expire(before_version)` removes the ready entries of older versions for good (counted in `stats().expired`):
+too stale to train on, newest-first takes would never reach them, and they would pile up without bound.
+
+`take(n, timeout)` waits until n entries are ready or the timeout passes, then returns what there is (up to
+n, possibly fewer, possibly none). `timeout=None` waits for all n; `timeout=0` never waits.
+
+Backends: `MemoryBuffer` (here; the default, one process, asyncio) and `RedisBuffer`
+(`prorl_adapter.buffer_redis`: Redis Streams with a consumer group, shared by processes and machines,
+surviving a trainer crash). `prorl_adapter.storage.open_storage(url)` picks one from a URL.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ...models import Trajectory
+
+
+class ExperienceBufferError(Exception):
+    """Base class of the buffer's errors."""
+
+
+class BufferClosed(ExperienceBufferError):
+    """The buffer was closed; raised by every call after `close()`, and by calls waiting when it happened."""
+
+
+class BufferUnavailable(ExperienceBufferError):
+    """The buffer's storage cannot be reached (e.g. Redis is down). The message names where and what failed.
+
+    Nothing acknowledged is lost and nothing pending is dropped by the error itself; the same buffer object
+    works again once the storage is back."""
+
+    status = 503  # what the service's API answers with: try again later
+
+
+class MalformedEntryId(ExperienceBufferError, ValueError):
+    """An entry id that this buffer never hands out (a client's mistake: the API answers 400)."""
+
+    status = 400
+
+
+@dataclass(frozen=True)
+class BufferedTrajectory:
+    """One delivered entry: `id` is what `ack` takes; `deliveries` counts deliveries, 1 the first time."""
+
+    id: str
+    trajectory: Trajectory
+    deliveries: int = 1
+
+    @property
+    def version(self) -> int:
+        return self.trajectory.policy_version_min
+
+
+@dataclass(frozen=True)
+class BufferStats:
+    """`ready`: waiting to be taken; `pending`: taken, not yet acknowledged; `acked`: acknowledged in total;
+    `expired`: removed by `expire` in total."""
+
+    ready: int
+    pending: int
+    acked: int
+    expired: int = 0
+
+    @property
+    def unconsumed(self) -> int:
+        return self.ready + self.pending
+
+
+class ExperienceBuffer(abc.ABC):
+    """The buffer's contract; every method is a coroutine. Use as `async with` to close it at the end."""
+
+    @abc.abstractmethod
+    async def put(self, trajectory: Trajectory) -> str:
+        """Add one trajectory; returns its entry id."""
+
+    @abc.abstractmethod
+    async def take(self, n: int, timeout: float | None = None) -> list[BufferedTrajectory]:
+        """Wait until `n` entries are ready or `timeout` seconds pass, then return up to `n` of them, in
+        priority order (newest version first, FIFO within a version). They stay pending until `ack`ed.
+        `timeout=None` waits for all `n`; `timeout=0` returns at once with what is ready."""
+
+    @abc.abstractmethod
+    async def ack(self, ids: Iterable[str]) -> int:
+        """Acknowledge taken entries (the trainer consumed them): they leave the buffer for good. Returns how
+        many were acknowledged now; ids already acknowledged, unknown or never taken count 0."""
+
+    @abc.abstractmethod
+    async def reclaim(self, idle_s: float) -> int:
+        """Hand back to the queue every entry taken but not acknowledged for at least `idle_s` seconds (its
+        consumer crashed or hangs). Returns how many were handed back."""
+
+    @abc.abstractmethod
+    async def release(self, ids: Iterable[str]) -> int:
+        """Hand exactly these pending entries back to the queue (the caller knows their lease expired), like
+        `reclaim`: they keep their original place, and the next `take` delivers them with `deliveries` one
+        higher. Returns how many were handed back; ids not pending (unknown, never taken, acknowledged,
+        already handed back) count 0."""
+
+    @abc.abstractmethod
+    async def expire(self, before_version: int) -> int:
+        """Remove for good every ready entry (not pending) whose `policy_version_min` is below
+        `before_version`: too stale to train on. Pending entries stay for their consumer to acknowledge; if
+        handed back, a later `expire` removes them. Returns how many were removed now; `stats().expired`
+        counts them all."""
+
+    @abc.abstractmethod
+    async def version_counts(self) -> dict[int, int]:
+        """The number of unconsumed entries (ready and pending) per `policy_version_min`, by ascending
+        version, versions without any left out: for pacing, without a list item per entry."""
+
+    async def buffered_versions(self) -> list[int]:
+        """`policy_version_min` of every unconsumed entry (ready and pending), ascending: `version_counts()`
+        as one item per entry."""
+        counts = await self.version_counts()
+        return [version for version, count in counts.items() for _ in range(count)]
+
+    @abc.abstractmethod
+    async def stats(self) -> BufferStats:
+        """Counts of ready, pending, acknowledged and expired entries."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release the buffer; later calls raise `BufferClosed`. Idempotent."""
+
+    async def __aenter__(self) -> ExperienceBuffer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def check_n(n: int) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"take(n): n must be a positive integer, got {n!r}")
+
+
+def check_trajectory(trajectory: Any) -> None:
+    if not isinstance(trajectory, Trajectory):
+        raise TypeError(f"put() takes a Trajectory, got {type(trajectory).__name__}")
+
+
+def id_list(ids: Iterable[str]) -> list[str]:
+    return [ids] if isinstance(ids, str) else list(ids)  # one id alone is a string, not its characters

@@ -1,0 +1,234 @@
+"""The in-process experience buffer (the default): asyncio, one process. The contract is `buffer.ExperienceBuffer`."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from ...models import Trajectory
+from .buffer import (
+    BufferClosed,
+    BufferedTrajectory,
+    BufferStats,
+    ExperienceBuffer,
+    check_n,
+    check_trajectory,
+    id_list,
+)
+
+
+@dataclass(eq=False)
+class _Entry:
+    id: str
+    seq: int
+    trajectory: Trajectory
+    deliveries: int = 0
+    taken_at: float | None = None  # set while pending
+
+    @property
+    def version(self) -> int:
+        return self.trajectory.policy_version_min
+
+    @property
+    def key(self) -> tuple[int, int, str]:  # heap order: newest version first, then FIFO
+        return (-self.version, self.seq, self.id)
+
+
+class MemoryBuffer(ExperienceBuffer):
+    """The in-process buffer (the default): asyncio, no busy waiting, no threads; not shared by processes.
+
+    `max_size` bounds the unconsumed entries (ready + pending: a taken entry holds memory until it is
+    acknowledged). When the buffer is full, `put` waits for room (backpressure on the rollout service) rather
+    than raising: an episode already paid for is never thrown away, and the producer slows to the trainer's
+    pace. Only `ack` and `expire` make room; `take` alone does not.
+
+    `clock` (seconds, monotonic) measures how long entries are pending, for `reclaim`; tests inject one.
+    The buffer keeps the trajectory objects it is given (no copy): do not change one after `put`.
+    """
+
+    def __init__(self, max_size: int | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+        if max_size is not None and (not isinstance(max_size, int) or max_size < 1):
+            raise ValueError(f"max_size must be a positive integer or None, got {max_size!r}")
+        self.max_size = max_size
+        self._clock = clock
+        self._entries: dict[str, _Entry] = {}  # every unconsumed entry: ready or pending
+        self._pending: dict[str, _Entry] = {}
+        self._ready: list[tuple[int, int, str]] = []  # heap of _Entry.key; stale keys (acked, expired) are skipped
+        # The ready ids again, by version, so that `expire` finds the old ones without looking at the others;
+        # `_ready_versions` holds its keys, ascending.
+        self._ready_by_version: dict[int, set[str]] = {}
+        self._ready_versions: list[int] = []
+        self._counts: dict[int, int] = {}  # unconsumed entries per version, kept as they change: for pacing
+        self._seq = itertools.count(1)
+        self._acked = 0
+        self._expired = 0
+        self._closed = False
+        self._cond = asyncio.Condition()
+
+    def _ready_count(self) -> int:
+        return len(self._entries) - len(self._pending)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BufferClosed("the experience buffer is closed")
+
+    def _mark_ready(self, entry: _Entry) -> None:
+        ids = self._ready_by_version.get(entry.version)
+        if ids is None:
+            ids = self._ready_by_version[entry.version] = set()
+            bisect.insort(self._ready_versions, entry.version)
+        ids.add(entry.id)
+        heapq.heappush(self._ready, entry.key)
+
+    def _unmark_ready(self, entry: _Entry) -> None:  # its heap key stays, skipped when popped
+        ids = self._ready_by_version[entry.version]
+        ids.remove(entry.id)
+        if not ids:
+            del self._ready_by_version[entry.version]
+            self._ready_versions.remove(entry.version)
+
+    def _count(self, version: int, delta: int) -> None:
+        left = self._counts.get(version, 0) + delta
+        if left:
+            self._counts[version] = left
+        else:
+            del self._counts[version]
+
+    async def put(self, trajectory: Trajectory) -> str:
+        check_trajectory(trajectory)
+        async with self._cond:
+            self._check_open()
+            if self.max_size is not None:
+                await self._cond.wait_for(lambda: self._closed or len(self._entries) < self.max_size)
+                self._check_open()
+            seq = next(self._seq)
+            entry = _Entry(f"m{seq}", seq, trajectory)
+            self._entries[entry.id] = entry
+            self._mark_ready(entry)
+            self._count(entry.version, 1)
+            self._cond.notify_all()
+            return entry.id
+
+    async def take(self, n: int, timeout: float | None = None) -> list[BufferedTrajectory]:
+        check_n(n)
+        async with self._cond:
+            self._check_open()
+
+            def enough() -> bool:
+                return self._closed or self._ready_count() >= n
+
+            if timeout is None:
+                await self._cond.wait_for(enough)
+            elif timeout > 0 and not enough():
+                with contextlib.suppress(asyncio.TimeoutError):  # then return what there is
+                    await asyncio.wait_for(self._cond.wait_for(enough), timeout)
+            self._check_open()
+            return self._pop(n)
+
+    def _pop(self, n: int) -> list[BufferedTrajectory]:
+        out: list[BufferedTrajectory] = []
+        now = self._clock()
+        while self._ready and len(out) < n:
+            _, _, entry_id = heapq.heappop(self._ready)
+            entry = self._entries.get(entry_id)
+            if entry is None or entry_id in self._pending:
+                continue  # acknowledged while it waited (after a reclaim) or expired
+            self._unmark_ready(entry)
+            entry.deliveries += 1
+            entry.taken_at = now
+            self._pending[entry_id] = entry
+            out.append(BufferedTrajectory(entry.id, entry.trajectory, entry.deliveries))
+        return out
+
+    async def ack(self, ids: Iterable[str]) -> int:
+        ids = id_list(ids)
+        async with self._cond:
+            self._check_open()
+            done = 0
+            for entry_id in ids:
+                entry = self._entries.get(entry_id)
+                # Pending, or handed back after a delivery (its slow consumer did consume it).
+                if entry is None or entry.deliveries == 0:
+                    continue
+                del self._entries[entry_id]
+                if self._pending.pop(entry_id, None) is None:
+                    self._unmark_ready(entry)
+                self._count(entry.version, -1)
+                done += 1
+            self._acked += done
+            if done:
+                self._cond.notify_all()  # room for waiting puts
+            return done
+
+    async def reclaim(self, idle_s: float) -> int:
+        async with self._cond:
+            self._check_open()
+            now = self._clock()
+            stale = [e for e in self._pending.values() if e.taken_at is not None and now - e.taken_at >= idle_s]
+            return self._hand_back(stale)
+
+    async def release(self, ids: Iterable[str]) -> int:
+        ids = id_list(ids)
+        async with self._cond:
+            self._check_open()
+            pending = {entry_id: self._pending[entry_id] for entry_id in ids if entry_id in self._pending}
+            return self._hand_back(list(pending.values()))
+
+    def _hand_back(self, entries: list[_Entry]) -> int:
+        for entry in entries:
+            del self._pending[entry.id]
+            entry.taken_at = None
+            self._mark_ready(entry)  # back in its original place: the key orders by version and put order
+        if entries:
+            self._cond.notify_all()
+        return len(entries)
+
+    async def expire(self, before_version: int) -> int:
+        async with self._cond:
+            self._check_open()
+            cut = bisect.bisect_left(self._ready_versions, before_version)
+            old = self._ready_versions[:cut]
+            del self._ready_versions[:cut]
+            removed = 0
+            for version in old:
+                ids = self._ready_by_version.pop(version)
+                for entry_id in ids:
+                    del self._entries[entry_id]
+                self._count(version, -len(ids))
+                removed += len(ids)
+            if removed:
+                self._expired += removed
+                self._compact_ready()
+                self._cond.notify_all()  # room for waiting puts
+            return removed
+
+    def _compact_ready(self) -> None:
+        # Keys of removed entries are skipped when popped, but expired ones are the oldest, at the bottom of a
+        # newest-first heap, and might never be popped. Rebuilding once they are the majority costs O(1)
+        # amortised per removed entry.
+        if len(self._ready) > 2 * self._ready_count():
+            self._ready = [k for k in self._ready if k[2] in self._entries and k[2] not in self._pending]
+            heapq.heapify(self._ready)
+
+    async def version_counts(self) -> dict[int, int]:
+        self._check_open()
+        return dict(sorted(self._counts.items()))
+
+    async def stats(self) -> BufferStats:
+        self._check_open()
+        return BufferStats(
+            ready=self._ready_count(), pending=len(self._pending), acked=self._acked, expired=self._expired
+        )
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        async with self._cond:
+            self._cond.notify_all()  # waiting take/put raise BufferClosed

@@ -1,0 +1,98 @@
+"""Training samples as the padded tensors the CPU trainer's actor and verl's `core_algos` consume.
+
+This is the CPU backend's `prorl_backend_batch`: verl's and SkyRL's backends build their own batch types from
+the same `TrainingSample`s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from prorl_adapter.trainer.samples import TrainingSample
+
+from .constrained import FiniteActionMask
+
+
+@dataclass
+class PaddedBatch:
+    """Prompt and response of each sample laid out in one right-padded row (so position ids are plain
+    0..n-1 and match the server's); response tensors are [batch, max response length]."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    response_positions: torch.Tensor  # [B, R]: where each response token sits in input_ids (0 on padding)
+    response_ids: torch.Tensor  # [B, R]
+    response_mask: torch.Tensor  # [B, R] float: 1 = policy token
+    behaviour_logprobs: torch.Tensor  # [B, R]: what the server reported when it sampled
+    loss_weights: torch.Tensor  # [B, R]: the staleness verdict (sample x token weights)
+    token_level_rewards: torch.Tensor  # [B, R]: the shaped reward on each sample's last response token
+    token_versions: torch.Tensor  # [B, R]: the policy version that sampled each token, -1 elsewhere
+    groups: np.ndarray  # [B] GRPO group of each sample
+    allowed: torch.Tensor | None = None  # [B, R, V]: the grammar's allowed tokens at each policy position
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def pad_samples(
+    samples: Sequence[TrainingSample],
+    pad_token_id: int,
+    action_mask: FiniteActionMask | None = None,
+) -> PaddedBatch:
+    if not samples:
+        raise ValueError("no samples to pad")
+    batch, length = len(samples), max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    width = max(len(s.response_ids) for s in samples)
+    input_ids = torch.full((batch, length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, length), dtype=torch.long)
+    positions = torch.zeros((batch, width), dtype=torch.long)
+    response_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
+    floats = {name: torch.zeros((batch, width)) for name in ("mask", "logprobs", "weights", "rewards")}
+    versions = torch.full((batch, width), -1, dtype=torch.long)
+    allowed = None
+    if action_mask is not None:
+        allowed = torch.ones((batch, width, action_mask.vocab_size), dtype=torch.bool)
+    for row, sample in enumerate(samples):
+        prompt, response = len(sample.prompt_ids), len(sample.response_ids)
+        input_ids[row, : prompt + response] = torch.tensor(sample.prompt_ids + sample.response_ids)
+        attention_mask[row, : prompt + response] = 1
+        positions[row, :response] = torch.arange(prompt, prompt + response)
+        response_ids[row, :response] = torch.tensor(sample.response_ids)
+        floats["mask"][row, :response] = torch.tensor(sample.response_mask, dtype=torch.float32)
+        floats["logprobs"][row, :response] = torch.tensor(sample.response_logprobs)
+        floats["weights"][row, :response] = torch.tensor(sample.loss_weights())
+        if response:
+            floats["rewards"][row, response - 1] = sample.reward
+        versions[row, :response] = torch.tensor([-1 if v is None else v for v in sample.token_versions()])
+        if action_mask is not None:
+            for start, end in _policy_runs(sample.response_mask):
+                allowed[row, start:end] = action_mask.turn_masks(sample.response_ids[start:end])
+    return PaddedBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_positions=positions,
+        response_ids=response_ids,
+        response_mask=floats["mask"],
+        behaviour_logprobs=floats["logprobs"],
+        loss_weights=floats["weights"],
+        token_level_rewards=floats["rewards"],
+        token_versions=versions,
+        groups=np.array([s.group for s in samples], dtype=object),
+        allowed=allowed,
+    )
+
+
+def _policy_runs(mask: Sequence[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of policy tokens: one per turn."""
+    runs, start = [], None
+    for i, value in enumerate([*mask, 0]):
+        if value and start is None:
+            start = i
+        elif not value and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs

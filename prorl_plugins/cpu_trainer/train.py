@@ -1,0 +1,256 @@
+"""Decoupled GRPO on CPU through the rollout service: the CPU training backend.
+
+    rollout service (decoupled mode) ── POST /v1/batches ──> CpuTrainer.step ── reload_weights ──> vLLM
+          ^  pace admission (staleness plugin)                  │ verl core_algos: GRPO advantages,
+          └──────────── PUT /v1/policy-version, ack ────────────┘ clipped loss, staleness loss weights
+
+The trainer queues every prompt up front (POST /v1/prompts); the service's staleness plugin decides when each
+episode may start. Each step takes a batch of whole GRPO groups from the buffer, updates the torch actor,
+pushes the weights to every vLLM server, verifies them there, publishes the new policy version and only then
+acknowledges the batch (a trainer that dies mid-step loses nothing: the batch is redelivered).
+
+It is written against the same hooks as the verl and SkyRL backends (`prorl_backend_requests`,
+`prorl_backend_batch`) and is the embedded default for demonstrations and tests, not a replacement for verl.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from prorl_adapter.hooks.specs import TrajectoryWeight, hookimpl
+from prorl_adapter.models import BatchItem, JobRequest, Trajectory
+from prorl_adapter.trainer.client import RolloutClient
+from prorl_adapter.trainer.samples import TrainerPlugins, TrainingSample, group_key, job_request
+from prorl_plugins.tasks.relay import RelayTask, relay_instances, relay_regex, relay_turn_texts
+
+from .actor import TorchActor
+from .batch import PaddedBatch, pad_samples
+from .constrained import FiniteActionMask
+from .weight_sync import VllmWeightSync
+
+
+@dataclass
+class TrainSettings:
+    steps: int = 30
+    groups_per_step: int = 4  # prompts per step
+    group_size: int = 8  # episodes per prompt, compared with each other by GRPO
+    # Measured on the relay task (docs/cpu-trainer.md): with 1-2 epochs the policy often sat for 20+ steps at
+    # 0.25, the best a policy blind to the turn index can do; 4 epochs at 3e-3 left it by step ~15.
+    learning_rate: float = 3e-3
+    ppo_epochs: int = 4
+    clip_ratio: float = 0.2
+    staleness: dict[str, Any] = field(default_factory=lambda: {"mode": "pace", "max_staleness": 1})
+    # The shared reward plugin's section: a cost per turn, so the log shows a shaped reward beside the task's
+    # outcome (every relay episode takes two turns, so it shifts each group alike and GRPO is unmoved).
+    reward: dict[str, Any] = field(default_factory=lambda: {"weights": {"outcome": 1.0, "step_cost": 0.01}})
+    max_tokens_per_turn: int = 64
+    seed: int = 0
+    take_timeout_s: float = 300.0
+
+    @property
+    def batch_size(self) -> int:
+        return self.groups_per_step * self.group_size
+
+    def plugin_config(self) -> dict[str, Any]:
+        """The plugin configuration both the service and the trainer load (one source, so they agree)."""
+        staleness = dict(self.staleness)
+        if staleness.get("mode") == "pace":
+            staleness.setdefault("batch_size", self.batch_size)
+        return {"staleness": staleness, "reward": dict(self.reward)}
+
+
+@dataclass
+class StepRecord:
+    step: int
+    policy_version: int  # the version this step trained (it published version + 1)
+    reward: float
+    reward_components: dict[str, float]
+    logprob_gap: float | None  # max |trainer - server| over tokens sampled at this version; None if none were
+    fresh_tokens: int
+    probe_gap: float  # the weight-sync probe after this step's push
+    staleness: dict[int, int]  # staleness (versions) -> samples
+    sample_weight_mean: float
+    trainer_busy: float  # share of the step spent training and syncing, not waiting for the batch
+    seconds: float
+    pg_loss: float
+    clip_fraction: float
+    grad_norm: float
+
+
+class CpuTrainerBackend:
+    """The hook implementation: dataset rows to jobs, and taken trajectories to the actor's padded batch."""
+
+    def __init__(self, settings: TrainSettings, action_mask: FiniteActionMask, pad_id: int):
+        self.settings = settings
+        self.action_mask = action_mask
+        self.pad_id = pad_id
+
+    @hookimpl
+    def prorl_backend_requests(self, batch: Any, config: dict[str, Any]) -> list[JobRequest] | None:
+        if not (isinstance(batch, list) and all(isinstance(row, dict) and "word" in row for row in batch)):
+            return None  # not relay rows: another backend's request
+        rows: list[dict[str, Any]] = batch
+        sampling = {"max_tokens": self.settings.max_tokens_per_turn, "temperature": 1.0}
+        sampling["regex"] = relay_regex()
+        return [
+            job_request("relay", row, group=row["id"], sampling=sampling, max_turns=2, labels={"run": "cpu-grpo"})
+            for row in rows
+            for _ in range(self.settings.group_size)
+        ]
+
+    @hookimpl
+    def prorl_backend_batch(
+        self, trajectories: list[Trajectory], weights: list[TrajectoryWeight], batch: Any
+    ) -> PaddedBatch | None:
+        if not (isinstance(batch, list) and all(isinstance(sample, TrainingSample) for sample in batch)):
+            return None
+        samples: list[TrainingSample] = batch
+        return pad_samples(samples, self.pad_id, self.action_mask)
+
+
+class GroupCollector:
+    """Takes batches from the service until it holds `size` samples in complete GRPO groups; samples of an
+    incomplete group wait (unacknowledged) for their siblings. GRPO needs whole groups: a lone sample's
+    advantage would be its raw reward.
+
+    A group can stay incomplete for good: the service does not buffer an episode that failed for an
+    infrastructure reason, and drops (acknowledges) one its staleness plugin weighed 0. Once the service has
+    nothing left to produce, incomplete groups of two or more are released as they are; a lone sample is
+    acknowledged unused."""
+
+    def __init__(self, client: RolloutClient, group_size: int) -> None:
+        self.client = client
+        self.group_size = group_size
+        self._waiting: dict[str, dict[str, BatchItem]] = defaultdict(dict)
+
+    async def take(self, size: int, timeout: float) -> list[BatchItem]:
+        deadline = time.monotonic() + timeout
+        while self._count(self.group_size) < size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"the service delivered no full batch of {size} within {timeout:g} s")
+            batch = await self.client.take_batch(size, timeout=min(remaining, 5.0))
+            for item in batch.items:
+                self._waiting[group_key(item.trajectory)][item.id] = item  # a redelivered item replaces itself
+            if not batch.items and await self._production_finished():
+                if self._count(2) == 0:
+                    raise RuntimeError(f"the service has nothing left to produce: no batch of {size} will come")
+                await self._give_up_on_singletons()
+                return self._pop_groups(size, minimum=2)
+        return self._pop_groups(size, minimum=self.group_size)
+
+    def _count(self, minimum: int) -> int:
+        return sum(len(items) for items in self._waiting.values() if len(items) >= minimum)
+
+    def _pop_groups(self, size: int, minimum: int) -> list[BatchItem]:
+        taken: list[BatchItem] = []
+        for group in [g for g, items in self._waiting.items() if len(items) >= minimum]:
+            if len(taken) >= size:
+                break
+            taken += self._waiting.pop(group).values()
+        return taken
+
+    async def _production_finished(self) -> bool:
+        status = await self.client.buffer()
+        return status["upcoming"] == 0 and status["in_flight"] == 0 and status["ready"] == 0
+
+    async def _give_up_on_singletons(self) -> None:
+        lone = [g for g, items in self._waiting.items() if len(items) == 1]
+        if lone:
+            await self.client.ack([item.id for g in lone for item in self._waiting.pop(g).values()])
+
+
+class CpuTrainer:
+    def __init__(self, settings: TrainSettings, model_dir: Path, rollout_url: str, llm_urls: list[str], run_dir: Path):
+        torch.set_num_threads(1)  # on 2 cores the other one serves vLLM: a second thread here only fights it
+        self.settings = settings
+        self.run_dir = run_dir
+        self.rollout_url = rollout_url
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.actor = TorchActor(model_dir, settings.learning_rate, settings.clip_ratio, settings.seed)
+        actions = relay_turn_texts()
+        self.action_mask = FiniteActionMask.for_tokenizer(actions, tokenizer, self.actor.vocab_size)
+        backend = CpuTrainerBackend(settings, self.action_mask, tokenizer.pad_token_id or 0)
+        self.plugins = TrainerPlugins(settings.plugin_config(), objects=[backend])
+        self.sync = VllmWeightSync(llm_urls)
+        # Any text scores the weights; the task's own prompt keeps the probe in the model's usual context.
+        self._probe = tokenizer.encode(RelayTask().user_prompt({}))
+
+    def requests(self) -> list[JobRequest]:
+        count = self.settings.steps * self.settings.groups_per_step
+        rows = relay_instances(count, self.settings.seed)
+        return self.plugins.hooks.prorl_backend_requests(batch=rows, config=self.plugins.config)
+
+    async def run(self, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
+        records: list[StepRecord] = []
+        try:
+            async with RolloutClient(self.rollout_url) as client:
+                # Version 0 is the trainer's weights: push them first, so a server that was serving anything
+                # else (a previous run's weights) cannot produce version-0 samples.
+                self._publish_weights()
+                await client.set_policy_version(0)
+                await client.enqueue_prompts(self.requests())
+                collector = GroupCollector(client, self.settings.group_size)
+                for step in range(self.settings.steps):
+                    records.append(await self._step(client, collector, step))
+                    if on_step:
+                        on_step(records[-1])
+        finally:
+            self.sync.close()
+        return records
+
+    def _publish_weights(self) -> float:
+        """Save, push to every server, and check there that they arrived; the largest probe gap."""
+        self.sync.push(self.actor.save(self.run_dir / "weights"))
+        return self.sync.verify(self._probe, self.actor.sequence_logprobs(self._probe))
+
+    async def _step(self, client: RolloutClient, collector: GroupCollector, version: int) -> StepRecord:
+        started = time.perf_counter()
+        items = await collector.take(self.settings.batch_size, self.settings.take_timeout_s)
+        training = time.perf_counter()
+        samples = [TrainingSample.from_batch_item(item) for item in items]
+        batch: PaddedBatch = self.plugins.hooks.prorl_backend_batch(
+            trajectories=[s.trajectory for s in samples], weights=[s.weight for s in samples], batch=samples
+        )
+        stats, logprobs = self.actor.update(batch, self.settings.ppo_epochs)
+        probe_gap = self._publish_weights()
+        await client.set_policy_version(version + 1)
+        await client.ack([item.id for item in items])
+        finished = time.perf_counter()
+        fresh = (batch.token_versions == version) & batch.response_mask.bool()
+        gap = (logprobs - batch.behaviour_logprobs).abs()[fresh]
+        components: dict[str, list[float]] = defaultdict(list)
+        for sample in samples:
+            for name, value in sample.reward_components.items():
+                components[name].append(value)
+        return StepRecord(
+            step=version,
+            policy_version=version,
+            reward=statistics.fmean(s.reward for s in samples),
+            reward_components={name: statistics.fmean(values) for name, values in components.items()},
+            logprob_gap=float(gap.max()) if gap.numel() else None,
+            fresh_tokens=int(fresh.sum()),
+            probe_gap=probe_gap,
+            staleness=dict(sorted(Counter(version - s.policy_version_min for s in samples).items())),
+            sample_weight_mean=statistics.fmean(s.weight.sample for s in samples),
+            trainer_busy=(finished - training) / (finished - started),
+            seconds=finished - started,
+            pg_loss=stats.pg_loss,
+            clip_fraction=stats.clip_fraction,
+            grad_norm=stats.grad_norm,
+        )
+
+
+def record_json(record: StepRecord) -> dict[str, Any]:
+    data = asdict(record)
+    data["staleness"] = {str(k): v for k, v in record.staleness.items()}
+    return data

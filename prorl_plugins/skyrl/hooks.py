@@ -1,0 +1,222 @@
+"""The SkyRL backend hook implementation: SkyRL's `GeneratorInput` in, rollout jobs out; finished trajectories
+in, SkyRL's `GeneratorOutput` out. Everything a trainer does the same (weighing, the loss-mask fold, the GRPO
+group) comes from `prorl_adapter.backend`; what is here is only SkyRL's vocabulary.
+
+How a SkyRL row becomes an episode:
+- `env_classes[i]` (the dataset's `env_class` column, else `environment.env_class`) names the rollout task
+  (`shell`, `python_math`, `swe`, or a plugin's);
+- `env_extras[i]["instance"]` (the dataset's `instance` column: a mapping, or a JSON object as a string) is the
+  task instance; SkyRL's `prompt` column is not sent: the task builds the prompt, and `prompt_token_ids` in the
+  output are the ids the policy actually saw;
+- `trajectory_ids[i].instance_id` (SkyRL's uid of the row) is the GRPO group, as SkyRL groups by it too;
+- `sampling_params` (vLLM names, from `generator.sampling_params`, `additional_kwargs` included) become the
+  job's sampling settings; a setting the service cannot honour (e.g. `top_k=50`) is an error, not a silent drop;
+- `batch_metadata.global_step` - 1 is the policy version (`prorl_backend_policy_version`): SkyRL's step g
+  (from 1) generates with the weights after g - 1 updates, as verl's does, so both backends count alike.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from skyrl.train.generators.base import GeneratorInput, GeneratorOutput
+
+from prorl_adapter.hooks.specs import TrajectoryWeight, hookimpl
+from prorl_adapter.models import JobRequest, Trajectory
+from prorl_adapter.trainer.samples import TrainingSample, group_neutral_rewards, job_request
+
+from . import compat  # noqa: F401  (before the first skyrl import)
+
+INSTANCE_COLUMN = "instance"
+TRAJECTORY_LABEL = "skyrl_trajectory_id"  # JobRequest.labels: SkyRL's TrajectoryID, for logs and lookups
+STEP_LABEL = "skyrl_global_step"
+
+# The service's own sampling fields, under the name SkyRL's vLLM params use for them.
+_SERVICE_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "max_tokens": "max_tokens", "seed": "seed"}
+_SERVICE_SAMPLING.update({"stop": "stop", "regex": "regex"})
+# vLLM settings SkyRL sends with every batch (skyrl...engine_utils.get_vllm_sampling_params) and the values at
+# which they change nothing the service does. Another value cannot be honoured, so it is an error.
+_NEUTRAL_SAMPLING: Mapping[str, tuple[Any, ...]] = {
+    "top_k": (-1, 0, None),
+    "min_p": (0.0, None),
+    "min_tokens": (0, 1, None),  # every turn samples at least one token anyway
+    "repetition_penalty": (1.0, None),
+    "logprobs": (0, 1, None),  # the service always asks for the sampled token's logprob
+    # Text-side flags: the service works on token ids and decodes turns itself.
+    "skip_special_tokens": (True, False, None),
+    "include_stop_str_in_output": (True, False, None),
+}
+# The agent loop's finish reason in SkyRL's words: "stop" ended by itself, "length" cut by a budget.
+STOP_REASONS: Mapping[str, str] = {
+    "finish": "stop",
+    "no_tool_call": "stop",
+    "max_turns": "length",
+    "max_context": "length",
+    "error": "error",
+}
+_REQUEST_KEYS = ("max_turns", "max_context_tokens", "timeout_s")
+
+
+def is_generator_input(batch: Any) -> bool:
+    """SkyRL's `GeneratorInput` is a TypedDict, a plain dict at run time: recognised by its required keys."""
+    return isinstance(batch, Mapping) and "prompts" in batch and "env_classes" in batch
+
+
+def sampling_settings(params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """SkyRL's per-batch vLLM sampling params as the service's `SamplingParams` fields."""
+    settings: dict[str, Any] = {}
+    for key, value in (params or {}).items():
+        if key in _SERVICE_SAMPLING:
+            if value is not None:
+                settings[_SERVICE_SAMPLING[key]] = list(value) if key == "stop" else value
+        elif key in _NEUTRAL_SAMPLING and value in _NEUTRAL_SAMPLING[key]:
+            continue
+        else:
+            raise ValueError(
+                f"SkyRL sampling parameter {key}={value!r} cannot be honoured by the rollout service "
+                f"(it honours {', '.join(_SERVICE_SAMPLING)}; {', '.join(_NEUTRAL_SAMPLING)} only at their "
+                "neutral values): remove it from generator.sampling_params"
+            )
+    return settings
+
+
+def instance_of(extras: Mapping[str, Any] | None, row: int) -> dict[str, Any]:
+    """The task instance a SkyRL row carries in its `instance` column (a mapping, or JSON text)."""
+    instance = (extras or {}).get(INSTANCE_COLUMN)
+    if isinstance(instance, str):
+        try:
+            instance = json.loads(instance)
+        except ValueError as exc:
+            raise ValueError(f"row {row}: the {INSTANCE_COLUMN!r} column is not valid JSON: {exc}") from None
+    if not isinstance(instance, Mapping):
+        present = ", ".join(sorted(extras or {})) or "none"
+        raise ValueError(
+            f"row {row}: a SkyRL dataset row for the rollout service needs an {INSTANCE_COLUMN!r} column holding "
+            f"the task instance (a mapping or a JSON object); its extra columns are: {present}"
+        )
+    return dict(instance)
+
+
+def request_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The generator's per-job settings: `max_turns`, `max_context_tokens`, `timeout_s` (each optional)."""
+    unknown = sorted(set(config) - set(_REQUEST_KEYS))
+    if unknown:
+        raise ValueError(f"unknown SkyRL backend setting(s) {', '.join(unknown)}; known: {', '.join(_REQUEST_KEYS)}")
+    return {key: config[key] for key in _REQUEST_KEYS if config.get(key) is not None}
+
+
+def _filled(sample: TrainingSample, filler_token_id: int | None) -> TrainingSample:
+    """SkyRL puts the reward on a response's last token, so a response cannot be empty; an episode that failed
+    before the policy spoke gets one filler token (mask 0: never trained on)."""
+    if sample.response_ids:
+        return sample
+    if filler_token_id is None:
+        raise ValueError(
+            f"episode {sample.id} has an empty response and no filler token id was given (SkyRLBackend's "
+            "filler_token_id, the tokenizer's eos token)"
+        )
+    weight = TrajectoryWeight(sample.weight.sample, None, list(sample.weight.reasons))
+    return replace(sample, response_ids=[filler_token_id], response_mask=[0], response_logprobs=[0.0], weight=weight)
+
+
+def generator_output(
+    samples: Sequence[TrainingSample], batch: Mapping[str, Any], filler_token_id: int | None = None
+) -> GeneratorOutput:
+    """Weighed samples, in the order of the `GeneratorInput` rows they answer, in SkyRL's terms.
+
+    Weights: SkyRL has no per-sample loss weight, but its `loss_mask` is a float tensor that multiplies each
+    token's loss, so the weights ride in it (`TrainingSample.weighted_mask`): a dropped sample keeps its row with
+    an all-zero mask (SkyRL needs one row per prompt) and its group's mean reward, so that SkyRL's GRPO
+    baseline, computed over every row, is not pulled by it; a linear staleness weight w scales its policy
+    tokens to w.
+    """
+    samples = [_filled(s, filler_token_id) for s in samples]
+    masks = []
+    for s in samples:
+        mask = s.weighted_mask()
+        # Plain 0/1 ints where no weight is in play, as SkyRL's own generators emit.
+        masks.append([int(m) for m in mask] if all(m in (0.0, 1.0) for m in mask) else mask)
+    trajectories = [s.trajectory for s in samples]
+    return GeneratorOutput(
+        prompt_token_ids=[s.prompt_ids for s in samples],
+        response_ids=[s.response_ids for s in samples],
+        rewards=group_neutral_rewards(samples),
+        loss_masks=masks,
+        stop_reasons=[STOP_REASONS[t.finish_reason] if t else "stop" for t in trajectories],
+        rollout_metrics=rollout_metrics(samples),
+        rollout_logprobs=[s.response_logprobs for s in samples],
+        trajectory_ids=batch.get("trajectory_ids"),
+        trajectory_generation_times=[
+            t.timings.init_s + t.timings.run_s + t.timings.eval_s if t else 0.0 for t in trajectories
+        ],
+        rollout_expert_indices=None,
+        is_last_step=None,
+        env_metrics=None,
+        pixel_values=None,
+        image_grid_thw=None,
+    )
+
+
+def rollout_metrics(samples: Sequence[TrainingSample]) -> dict[str, float]:
+    n = max(1, len(samples))
+    return {
+        "prorl/num_turns": sum(s.num_turns for s in samples) / n,
+        "prorl/sample_weight": sum(s.weight.sample for s in samples) / n,
+        "prorl/untrainable": float(sum(not s.trainable for s in samples)),
+        "prorl/infra_failures": float(sum(bool(s.trajectory and s.trajectory.filter) for s in samples)),
+    }
+
+
+class SkyRLBackend:
+    """The hook implementations; its state is the trainer's last global step and the filler token id."""
+
+    def __init__(self, filler_token_id: int | None = None) -> None:
+        self.filler_token_id = filler_token_id
+        self.global_step: int | None = None
+
+    @hookimpl
+    def prorl_backend_requests(self, batch: Any, config: dict[str, Any]) -> list[JobRequest] | None:
+        if not is_generator_input(batch):
+            return None
+        batch: GeneratorInput
+        settings = request_settings(config)
+        metadata = batch.get("batch_metadata")
+        if metadata is not None:
+            self.global_step = int(metadata.global_step)
+        n = len(batch["prompts"])
+        extras = batch.get("env_extras") or [None] * n
+        ids = batch.get("trajectory_ids") or [None] * n
+        if not len(batch["env_classes"]) == len(extras) == len(ids) == n:
+            raise ValueError(
+                f"GeneratorInput lists differ in length: {n} prompts, {len(batch['env_classes'])} env_classes, "
+                f"{len(extras)} env_extras, {len(ids)} trajectory_ids"
+            )
+        sampling = sampling_settings(batch.get("sampling_params"))
+        requests = []
+        for i, (task, extra, tid) in enumerate(zip(batch["env_classes"], extras, ids)):
+            labels = {STEP_LABEL: str(self.global_step)} if self.global_step is not None else {}
+            if tid is not None:
+                labels[TRAJECTORY_LABEL] = tid.to_string()
+            group = tid.instance_id if tid is not None else f"row-{i}"
+            requests.append(job_request(task, instance_of(extra, i), group, sampling, labels=labels, **settings))
+        return requests
+
+    @hookimpl
+    def prorl_backend_batch(
+        self, trajectories: list[Trajectory], weights: list[TrajectoryWeight], batch: Any
+    ) -> GeneratorOutput | None:
+        if not is_generator_input(batch):
+            return None
+        if not len(trajectories) == len(weights) == len(batch["prompts"]):
+            raise ValueError(
+                f"{len(trajectories)} trajectories and {len(weights)} weights for {len(batch['prompts'])} prompts"
+            )
+        samples = [TrainingSample.from_trajectory(t, w) for t, w in zip(trajectories, weights)]
+        return generator_output(samples, batch, self.filler_token_id)
+
+    @hookimpl
+    def prorl_backend_policy_version(self) -> int | None:
+        return None if self.global_step is None else max(0, self.global_step - 1)

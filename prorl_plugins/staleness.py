@@ -1,0 +1,259 @@
+"""Staleness control, shared by every training backend.
+
+A trajectory produced at policy version v (its oldest turn, `policy_version_min`) and consumed by the trainer
+at version c has staleness s = c - v. Configured by the `staleness` section of the plugin configuration:
+
+    {"staleness": {"mode": "pace", "max_staleness": 2, "batch_size": 256}}
+
+`mode`:
+- `off` (also: no `staleness` section at all): no opinion on anything.
+- `drop`: a trajectory with s > K is dropped (sample weight 0); the others keep weight 1.
+- `linear`: sample weight max(0, 1 - s/K), a per-sample loss weight (with K = 0: 1 at s = 0, else 0). Note
+  that s = K already weighs 0 here, whereas `drop` keeps s = K.
+- `pace`: admission control (`prorl_admit_episode`) holds new episodes back so that no trajectory is ever
+  consumed with s > K (the rule and why it is right: `should_pace`). Nothing is dropped: dropping stale
+  episodes biases training toward the problems that finish fast, pacing slows the producer instead.
+- `importance`: drop above K as in `drop`; within K, truncated importance weights per response token,
+  w_t = min(cap, exp(current_logprob_t - behaviour_logprob_t)) where the policy sampled token t, 1.0 on tool
+  and template tokens. They need the trainer's `current_logprobs`; without them only the drop rule applies
+  (a trajectory within K gets no opinion, `None`). Dropping above K stays, because beyond it the ratios are
+  mostly truncated and the correction no longer means much.
+
+Keys: `mode` (required), `max_staleness` K (int >= 0, required unless `off`), `importance_cap` (number
+>= 1, default 2.0), `batch_size` (trajectories the trainer consumes per policy version; required by `pace`),
+`pace_max_in_flight` (optional int >= 1: in `pace`, also never run more episodes at once). A bad value raises
+`PluginConfigError` naming `staleness.<key>` and what is allowed.
+
+Registration: the plugin is one object, `plugin` (a `StalenessControl`; its state is its configuration),
+registered by the entry point `prorl_plugins.staleness:plugin`. Tests and embedders may register a fresh
+`StalenessControl()` instead; never both (their verdicts would multiply).
+
+The pure functions `staleness`, `linear_weight`, `truncated_importance_weights` and `should_pace` are the
+arithmetic, for backends and tests.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prorl_adapter.hooks.specs import AdmissionState, PluginConfigError, TrajectoryWeight, hookimpl
+from prorl_adapter.models import Trajectory
+
+MODES = ("off", "drop", "linear", "pace", "importance")
+SECTION = "staleness"
+_KEYS = ("mode", "max_staleness", "importance_cap", "batch_size", "pace_max_in_flight")
+_MAX_EXP = 709.0  # math.exp overflows above ~709.78
+
+
+# -- the arithmetic ----------------------------------------------------------------------------------------
+def staleness(trajectory_version: int, current_version: int) -> int:
+    """How many policy versions old a trajectory produced at `trajectory_version` is at `current_version`."""
+    if current_version < trajectory_version:
+        raise ValueError(
+            f"trajectory version {trajectory_version} is newer than the current policy version {current_version}"
+        )
+    return current_version - trajectory_version
+
+
+def linear_weight(s: int, k: int) -> float:
+    """max(0, 1 - s/k): 1 for a fresh trajectory, falling to 0 at s = k. With k = 0: 1 at s = 0, else 0."""
+    if s < 0 or k < 0:
+        raise ValueError(f"staleness {s} and max_staleness {k} must be >= 0")
+    if k == 0:
+        return 1.0 if s == 0 else 0.0
+    return max(0.0, 1.0 - s / k)
+
+
+def truncated_importance_weights(
+    behaviour: Sequence[float], current: Sequence[float], mask: Sequence[int], cap: float
+) -> list[float]:
+    """Per-token min(cap, exp(current - behaviour)) where `mask` is 1 (policy tokens); 1.0 where it is 0.
+
+    The three sequences are aligned with the response tokens. Raises ValueError on unequal lengths, a mask
+    value other than 0/1, or a NaN ratio, because each is a bug upstream that a weight would only hide.
+    """
+    if not len(behaviour) == len(current) == len(mask):
+        raise ValueError(
+            f"lengths differ: {len(behaviour)} behaviour logprobs, {len(current)} current logprobs, "
+            f"{len(mask)} mask entries"
+        )
+    weights = []
+    for i, (old, new, m) in enumerate(zip(behaviour, current, mask)):
+        if m == 0:
+            weights.append(1.0)
+            continue
+        if m != 1:
+            raise ValueError(f"response_mask[{i}] is {m!r}; expected 0 or 1")
+        diff = new - old
+        if math.isnan(diff):
+            raise ValueError(f"importance ratio at token {i} is NaN (behaviour {old}, current {new})")
+        weights.append(min(cap, math.exp(diff) if diff < _MAX_EXP else math.inf))
+    return weights
+
+
+def should_pace(state: AdmissionState, k: int, batch_size: int, max_in_flight: int | None = None) -> bool:
+    """True when a new episode must be held back for now, so that no trajectory is consumed with staleness > k.
+
+    The rule. Let c be the current version, P the number of pending episodes (in flight + buffered), and
+    v_min the oldest version among them and the new episode (which starts at c). Admit iff
+
+        P + 1 <= (v_min + k - c + 1) * batch_size
+
+    Why this bound. The trainer bumps the version once per batch of (at least) B = `batch_size` trajectories.
+    The oldest pending episode, started at v_min, must be in one of the batches consumed at versions
+    c, c+1, ..., v_min + k: that is (v_min + k - c + 1) batches, (v_min + k - c + 1) * B trajectories. If every
+    episode that can still enter those batches besides it -- the other pending ones and any admitted later --
+    numbers fewer than that, the trainer cannot fill them all without it, so it is consumed in time. Each
+    admission keeps "pending <= (v_min + k - c + 1) * B"; consuming a batch lowers both sides by B (and raises
+    the right one further when v_min moves up), so it keeps holding, and after the oldest is consumed the same
+    argument covers the next oldest. This holds whatever the episode durations and whichever finished
+    trajectories the trainer picks; nothing is ever dropped.
+    It is also the loosest such rule: admitting one more would leave (v_min + k - c + 1) * B other episodes,
+    and if the oldest one finishes last they fill every batch up to version v_min + k without it.
+    It never deadlocks: with fewer than B pending, the invariant gives v_min + k - c + 1 >= 1, so the trainer
+    can always be brought to a full batch. With k = 0 it is synchronous training (B episodes, then a step); with
+    k it keeps up to (k + 1) * B episodes pending.
+
+    `max_in_flight`, where given, also holds the episode while that many are running.
+
+    Assumes the version counts consumed batches: a batch the trainer has taken must count as buffered until the
+    version it is trained at has been bumped (or the pipeline must not admit in between).
+    """
+    if k < 0 or batch_size < 1:
+        raise ValueError(f"max_staleness {k} must be >= 0 and batch_size {batch_size} >= 1")
+    if max_in_flight is not None and state.running >= max_in_flight:
+        return True
+    return state.pending + 1 > (state.oldest_version + k - state.current_version + 1) * batch_size
+
+
+# -- configuration -----------------------------------------------------------------------------------------
+def _error(key: str, expected: str, value: Any) -> PluginConfigError:
+    return PluginConfigError(f"staleness plugin: {SECTION}.{key} must be {expected}, got {value!r}")
+
+
+def _int(section: Mapping[str, Any], key: str, minimum: int, required: str | None = None) -> int | None:
+    value = section.get(key)
+    if value is None:
+        if required is not None:
+            raise PluginConfigError(f"staleness plugin: {SECTION}.{key} is required {required}")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _error(key, f"an int >= {minimum}", value)
+    return value
+
+
+@dataclass(frozen=True)
+class StalenessConfig:
+    mode: str = "off"
+    max_staleness: int | None = None
+    importance_cap: float = 2.0
+    batch_size: int | None = None
+    pace_max_in_flight: int | None = None
+
+    @classmethod
+    def from_section(cls, section: Mapping[str, Any] | None) -> StalenessConfig:
+        """Validate the `staleness` section (None: mode off)."""
+        if section is None:
+            return cls()
+        if not isinstance(section, Mapping):
+            raise PluginConfigError(
+                f"staleness plugin: {SECTION} must be a mapping of {', '.join(_KEYS)}, got {section!r}"
+            )
+        for key in section:
+            if key not in _KEYS:
+                raise PluginConfigError(
+                    f"staleness plugin: {SECTION}.{key} is not a known key; allowed: {', '.join(_KEYS)}"
+                )
+        mode = section.get("mode")
+        if mode not in MODES:
+            raise _error("mode", f"one of {', '.join(MODES)}", mode)
+        cap = section.get("importance_cap", 2.0)
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap < 1:
+            raise _error("importance_cap", "a finite number >= 1", cap)
+        return cls(
+            mode=mode,
+            max_staleness=_int(section, "max_staleness", 0, None if mode == "off" else f"in mode {mode!r}"),
+            importance_cap=float(cap),
+            batch_size=_int(
+                section,
+                "batch_size",
+                1,
+                "in mode 'pace' (trajectories the trainer consumes per policy version)" if mode == "pace" else None,
+            ),
+            pace_max_in_flight=_int(section, "pace_max_in_flight", 1),
+        )
+
+
+# -- the plugin --------------------------------------------------------------------------------------------
+class StalenessControl:
+    """The hook implementations; the state is the validated configuration (mode off until configured)."""
+
+    def __init__(self, config: StalenessConfig | None = None) -> None:
+        self.config = config or StalenessConfig()
+
+    @hookimpl
+    def prorl_configure(self, config: dict[str, Any]) -> list[str]:
+        self.config = StalenessConfig.from_section(config.get(SECTION))
+        return [SECTION]
+
+    @hookimpl
+    def prorl_admit_episode(self, state: AdmissionState) -> bool | None:
+        c = self.config
+        if c.mode != "pace":
+            return None
+        return not should_pace(state, c.max_staleness, c.batch_size, c.pace_max_in_flight)
+
+    @hookimpl
+    def prorl_expired_before(self, current_version: int) -> int | None:
+        """drop and importance weigh staleness > K as 0, linear staleness >= K: such entries can go."""
+        c = self.config
+        if c.mode in ("drop", "importance"):
+            return current_version - c.max_staleness
+        if c.mode == "linear":  # weight 1 - s/K is 0 from s = K (with K = 0: from s = 1)
+            return current_version - c.max_staleness + (1 if c.max_staleness > 0 else 0)
+        return None
+
+    @hookimpl
+    def prorl_trajectory_weight(
+        self, trajectory: Trajectory, current_version: int, current_logprobs: list[float] | None
+    ) -> TrajectoryWeight | None:
+        c = self.config
+        if c.mode == "off":
+            return None
+        s = staleness(trajectory.policy_version_min, current_version)
+        k = c.max_staleness
+        if c.mode == "pace":
+            if s > k:  # only when the pipeline broke pacing's assumptions; kept all the same
+                return TrajectoryWeight(reasons=[f"staleness {s} > K={k} despite pacing (kept)"])
+            return TrajectoryWeight()
+        if c.mode == "linear":
+            weight = linear_weight(s, k)
+            if weight == 0.0:
+                return TrajectoryWeight(sample=0.0, reasons=[f"staleness {s} >= K={k}: dropped (linear weight 0)"])
+            reasons = [f"staleness {s} of K={k}: linear weight {weight:.3g}"] if weight < 1.0 else []
+            return TrajectoryWeight(sample=weight, reasons=reasons)
+        # drop and importance
+        if s > k:
+            return TrajectoryWeight(sample=0.0, reasons=[f"staleness {s} > K={k}: dropped"])
+        if c.mode == "drop":
+            return TrajectoryWeight()
+        if current_logprobs is None:
+            return None
+        tokens = truncated_importance_weights(
+            trajectory.response_logprobs, current_logprobs, trajectory.response_mask, c.importance_cap
+        )
+        policy = [w for w, m in zip(tokens, trajectory.response_mask) if m == 1]
+        capped = sum(w == c.importance_cap for w in policy)
+        reasons = []
+        if policy and (capped or any(w != 1.0 for w in policy)):
+            reasons.append(
+                f"staleness {s}: truncated importance weights on {len(policy)} policy tokens, "
+                f"mean {sum(policy) / len(policy):.3g}, {capped} capped at {c.importance_cap:g}"
+            )
+        return TrajectoryWeight(tokens=tokens, reasons=reasons)
+
+
+plugin = StalenessControl()  # what the entry point registers: `prorl_plugins.staleness:plugin`
