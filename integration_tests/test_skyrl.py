@@ -12,8 +12,9 @@ import pytest
 pytest.importorskip("skyrl", reason="SkyRL is not installed: pip install -e '.[torch,skyrl]'")
 pytest.importorskip("loguru", reason="SkyRL's trainer needs loguru: pip install -e '.[skyrl]'")
 
+from prorl_adapter.models import BatchItem
 from prorl_adapter.service.chat import tool_call_regex
-from prorl_adapter.trainer.client import RolloutClient
+from prorl_adapter.trainer import RolloutClient, RolloutDriver
 from prorl_plugins.skyrl import compat  # noqa: F401  (SkyRL on Python 3.11: before any skyrl import)
 
 # isort: split
@@ -111,13 +112,15 @@ async def test_one_trajectory_gives_equivalent_verl_and_skyrl_batches(rollout):
     agent_loop = pytest.importorskip("verl.experimental.agent_loop.agent_loop", reason="verl is not installed")
     generator = make_generator(rollout)
     batch = generator_input(step=5)
-    fresh = await generator.samples(batch)
-    assert {s.weight.sample for s in fresh} == {1.0}
-    samples = generator.plugins.samples([s.trajectory for s in fresh], current_version=5)  # one step later
+    async with RolloutClient(rollout.url) as client:  # the driver's steps, one at a time
+        driver = RolloutDriver(client, generator.plugins, generator.request_config, wait_s=300)
+        assert await driver.publish_version(batch) == 4  # global step 5
+        trajectories = await client.run_many(driver.requests(batch), wait=300)
+    plugins = generator.plugins
+    assert {plugins.weigh(t, current_version=4).sample for t in trajectories} == {1.0}
+    samples = [BatchItem(id=t.job_id, weight=plugins.weigh(t, 5), trajectory=t) for t in trajectories]  # a step on
     assert {s.weight.sample for s in samples} == {0.5}
-    skyrl = generator.plugins.hooks.prorl_backend_batch(
-        trajectories=[s.trajectory for s in samples], weights=[s.weight for s in samples], batch=batch
-    )
+    skyrl = driver.to_batch(samples, batch)
     validate_generator_output(len(samples), skyrl)
     # As SkyRL's trainer does in postprocess_generator_output: the response-level reward on the last token.
     token_rewards = [[0.0] * (len(r) - 1) + [x] for r, x in zip(skyrl["response_ids"], skyrl["rewards"])]
@@ -131,13 +134,14 @@ async def test_one_trajectory_gives_equivalent_verl_and_skyrl_batches(rollout):
         skyrl["rollout_logprobs"],
     )
     for i, sample in enumerate(samples):
+        t = sample.trajectory
         verl = agent_loop.AgentLoopOutput(
-            prompt_ids=sample.prompt_ids,
-            response_ids=sample.response_ids,
-            response_mask=sample.response_mask,
-            response_logprobs=sample.response_logprobs,
-            reward_score=sample.reward,
-            num_turns=sample.num_turns,
+            prompt_ids=t.prompt_ids,
+            response_ids=t.response_ids,
+            response_mask=t.response_mask,
+            response_logprobs=t.response_logprobs,
+            reward_score=t.reward,
+            num_turns=t.num_turns,
             metrics=agent_loop.AgentLoopMetrics(),
             extra_fields={"loss_weights": sample.loss_weights()},
         ).as_dict()

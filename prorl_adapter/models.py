@@ -1,12 +1,14 @@
-"""The rollout service's wire format: job requests, job status, and the trajectory a trainer consumes.
+"""Every type that crosses a boundary: the rollout service's HTTP API (job requests, job status, the trajectory
+a trainer consumes, batches) and the hooks between the core and its plugins (weights, admission state).
 
-One module, shared by the service, its HTTP API, its clients and the training-backend plugins, so the
-contract a trainer relies on is written down exactly once.
+One module, shared by the service, its clients, the hooks and the training-backend plugins, so the contract a
+trainer relies on is written down exactly once. It imports nothing of the project.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Annotated, Any, Literal
 
@@ -15,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 @dataclass
 class TrajectoryWeight:
-    """A plugin's verdict on one trajectory when the trainer consumes it.
+    """The plugins' verdict on one trajectory when the trainer consumes it (`prorl_trajectory_weight`).
 
     `sample` multiplies the sample's loss (0 drops it); `tokens`, if given, multiplies each response token's
     loss (e.g. truncated importance weights), aligned with `response_ids`.
@@ -25,22 +27,29 @@ class TrajectoryWeight:
     tokens: list[float] | None = None
     reasons: list[str] = field(default_factory=list)
 
-    @classmethod
-    def combine(cls, weights: list[TrajectoryWeight | None], length: int) -> TrajectoryWeight:
-        """Several plugins' verdicts on one trajectory of `length` response tokens: sample weights multiply,
-        token weights multiply element-wise, reasons are kept in order."""
-        combined = cls()
-        for weight in weights:
-            if weight is None:
-                continue
-            combined.sample *= weight.sample
-            combined.reasons += weight.reasons
-            if weight.tokens is not None:
-                if len(weight.tokens) != length:
-                    raise ValueError(f"a plugin returned {len(weight.tokens)} token weights for {length} tokens")
-                base = combined.tokens or [1.0] * length
-                combined.tokens = [a * b for a, b in zip(base, weight.tokens)]
-        return combined
+
+@dataclass(frozen=True)
+class AdmissionState:
+    """What admission control sees before a new episode starts (`prorl_admit_episode`, decoupled mode), as
+    counts by policy version: it costs O(versions), never O(episodes or trajectories)."""
+
+    current_version: int
+    in_flight: Mapping[int, int]  # policy version -> episodes running that started at it
+    buffered: Mapping[int, int]  # oldest-turn version -> trajectories in the buffer (ready or leased)
+
+    @property
+    def running(self) -> int:
+        return sum(self.in_flight.values())
+
+    @property
+    def pending(self) -> int:
+        """Episodes that may still be consumed: running ones and buffered ones."""
+        return self.running + sum(self.buffered.values())
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest version among pending episodes and the one that would start now."""
+        return min([self.current_version, *self.in_flight, *self.buffered])
 
 
 class _Strict(BaseModel):
@@ -101,15 +110,18 @@ class ToolCall(BaseModel):
 
 
 class Turn(BaseModel):
-    """One policy turn and the tool results that followed it."""
+    """One policy turn and the tool results that followed it. The policy's tokens of the turn are
+    `response_ids[response_start : response_start + response_tokens]` of the trajectory."""
 
     index: int
     policy_version: int
     llm_server: str
+    response_start: int = Field(ge=0)
     response_tokens: int
     finish_reason: str | None
     text: str
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_call_errors: list[str] = Field(default_factory=list, description="why a call in `text` could not be parsed")
     observation: str = ""
     observation_tokens: int = 0
     generate_s: float = 0.0
@@ -222,11 +234,72 @@ class AckRequest(_Strict):
     ids: list[str] = Field(min_length=1)
 
 
+GROUP_LABEL = "group"  # JobRequest.labels[GROUP_LABEL]: the samples of one prompt, which GRPO compares
+
+
 class BatchItem(BaseModel):
+    """One weighed trajectory as a trainer consumes it: from the service's buffer (`id` is the entry to
+    acknowledge, `deliveries` counts deliveries) or from a coupled run (`id` is the job id). What a trainer
+    derives from it (loss weights, per-token versions, its GRPO group) is here, so every backend derives alike.
+    """
+
     id: str
-    deliveries: int
-    weight: TrajectoryWeight
+    deliveries: int = 1
+    weight: TrajectoryWeight = Field(default_factory=TrajectoryWeight)
     trajectory: Trajectory
+
+    @property
+    def group(self) -> str:
+        """GRPO compares the samples of one prompt: the `group` label a backend set, else the task instance."""
+        t = self.trajectory
+        return t.labels.get(GROUP_LABEL) or f"{t.task}:{t.instance_id or t.job_id}"
+
+    @property
+    def trainable(self) -> bool:
+        """False when no trainer may learn from this sample: a plugin weighed it 0 (e.g. too stale) or the
+        service flagged the episode as an infrastructure failure (`Trajectory.filter`). Trainers that need a
+        fixed batch size keep such a sample with an all-zero mask instead of dropping it."""
+        return self.weight.sample != 0.0 and not self.trajectory.filter
+
+    def loss_weights(self) -> list[float]:
+        """Per response token: the sample weight times the token weight (tool and template tokens included;
+        the response mask, not this, keeps them out of the loss)."""
+        tokens = self.weight.tokens or [1.0] * len(self.trajectory.response_ids)
+        return [self.weight.sample * w for w in tokens]
+
+    def weighted_mask(self) -> list[float]:
+        """The response mask times the loss weights, all zeros unless `trainable`: for a trainer whose loss
+        multiplies each token's loss by a float mask (SkyRL's `loss_mask`)."""
+        if not self.trainable:
+            return [0.0] * len(self.trajectory.response_ids)
+        return [m * w for m, w in zip(self.trajectory.response_mask, self.loss_weights())]
+
+    def token_versions(self) -> list[int | None]:
+        """The policy version that sampled each response token, from each turn's span; None on tool and template
+        tokens. A policy token outside every span (a trajectory rebuilt without turns) gets
+        `policy_version_min`, the conservative answer."""
+        t = self.trajectory
+        versions: list[int | None] = [t.policy_version_min if m else None for m in t.response_mask]
+        for turn in t.turns:
+            end = min(turn.response_start + turn.response_tokens, len(versions))
+            versions[turn.response_start : end] = [turn.policy_version] * (end - turn.response_start)
+        return versions
+
+    def truncated(self, max_response_tokens: int) -> BatchItem:
+        """The item cut to a trainer's fixed response length. The reward stays on the (new) last token: an
+        episode longer than the trainer's window is still scored as a whole."""
+        t, n = self.trajectory, max_response_tokens
+        if len(t.response_ids) <= n:
+            return self
+        cut = t.model_copy(
+            update={
+                "response_ids": t.response_ids[:n],
+                "response_mask": t.response_mask[:n],
+                "response_logprobs": t.response_logprobs[:n],
+            }
+        )
+        tokens = self.weight.tokens[:n] if self.weight.tokens is not None else None
+        return self.model_copy(update={"trajectory": cut, "weight": replace(self.weight, tokens=tokens)})
 
 
 class Batch(BaseModel):

@@ -36,10 +36,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from prorl_adapter.hooks import PluginConfigError, hookimpl
 from prorl_adapter.hooks.manager import PluginLoadError, import_object
-from prorl_adapter.hooks.specs import PluginConfigError, hookimpl
 from prorl_adapter.models import Trajectory
-from prorl_adapter.service.chat import parse_tool_calls
 
 PLUGIN = "reward_shaping"
 SECTION = "reward"
@@ -149,9 +148,9 @@ def concision_penalty(trajectory: Trajectory, budget_tokens: int, weight: float)
 
 
 def malformed_calls(trajectory: Trajectory) -> int:
-    """The tool calls that did not parse, over all turns: the same count as the agent's
-    `EpisodeState.malformed_calls` (one per `parse_tool_calls` error; an unclosed `<tool_call>` is one)."""
-    return sum(len(parse_tool_calls(turn.text).errors) for turn in trajectory.turns)
+    """The tool calls that did not parse, over all turns, as the agent recorded them (`Turn.tool_call_errors`;
+    an unclosed `<tool_call>` is one)."""
+    return sum(len(turn.tool_call_errors) for turn in trajectory.turns)
 
 
 def format_penalty(trajectory: Trajectory, weight: float) -> float:
@@ -317,16 +316,13 @@ def parse_config(section: Any) -> RewardConfig:
 
 # -- the plugin -------------------------------------------------------------------------------------------
 class RewardShaping:
-    """The hook implementations. Inert (every hook returns None) until configured with a `reward` section."""
+    """The hook implementations, configured by the `reward` section (validated here: a wrong one fails when
+    the plugin is loaded); inert (every hook returns None) without one."""
 
-    def __init__(self) -> None:
-        self.config: RewardConfig | None = None
+    config_section = SECTION
 
-    @hookimpl
-    def prorl_configure(self, config: dict[str, Any]) -> list[str]:
-        # Parsed in full before it replaces anything: a failed reconfiguration leaves the last good one.
-        self.config = parse_config(config[SECTION]) if config and SECTION in config else None
-        return [SECTION]
+    def __init__(self, section: Mapping[str, Any] | None = None) -> None:
+        self.config: RewardConfig | None = parse_config(section) if section is not None else None
 
     @hookimpl
     def prorl_reward_components(self, trajectory: Trajectory, instance: dict[str, Any]) -> dict[str, float] | None:
@@ -340,5 +336,3 @@ class RewardShaping:
             return None
         return combine(components, self.config.outcome_weight)
 
-
-plugin = RewardShaping()  # what the entry point registers: `prorl_plugins.reward_shaping:plugin`

@@ -24,9 +24,10 @@ Keys: `mode` (required), `max_staleness` K (int >= 0, required unless `off`), `i
 `pace_max_in_flight` (optional int >= 1: in `pace`, also never run more episodes at once). A bad value raises
 `PluginConfigError` naming `staleness.<key>` and what is allowed.
 
-Registration: the plugin is one object, `plugin` (a `StalenessControl`; its state is its configuration),
-registered by the entry point `prorl_plugins.staleness:plugin`. Tests and embedders may register a fresh
-`StalenessControl()` instead; never both (their verdicts would multiply).
+Registration: the entry point names the class, `prorl_plugins.staleness:StalenessControl`; each plugin set
+(the service's, a trainer's) creates its own instance from its `staleness` section. Tests and embedders may
+register a `StalenessControl(section)` of their own instead (with the entry point blocked or not loaded:
+two instances' verdicts would multiply).
 
 The pure functions `staleness`, `linear_weight`, `truncated_importance_weights` and `should_pace` are the
 arithmetic, for backends and tests.
@@ -39,8 +40,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prorl_adapter.hooks.specs import AdmissionState, PluginConfigError, TrajectoryWeight, hookimpl
-from prorl_adapter.models import Trajectory
+from prorl_adapter.hooks import PluginConfigError, hookimpl
+from prorl_adapter.models import AdmissionState, Trajectory, TrajectoryWeight
 
 MODES = ("off", "drop", "linear", "pace", "importance")
 SECTION = "staleness"
@@ -189,15 +190,12 @@ class StalenessConfig:
 
 # -- the plugin --------------------------------------------------------------------------------------------
 class StalenessControl:
-    """The hook implementations; the state is the validated configuration (mode off until configured)."""
+    """The hook implementations; the state is the validated `staleness` section (mode off without one)."""
 
-    def __init__(self, config: StalenessConfig | None = None) -> None:
-        self.config = config or StalenessConfig()
+    config_section = SECTION
 
-    @hookimpl
-    def prorl_configure(self, config: dict[str, Any]) -> list[str]:
-        self.config = StalenessConfig.from_section(config.get(SECTION))
-        return [SECTION]
+    def __init__(self, section: Mapping[str, Any] | None = None) -> None:
+        self.config = StalenessConfig.from_section(section)
 
     @hookimpl
     def prorl_admit_episode(self, state: AdmissionState) -> bool | None:
@@ -255,5 +253,3 @@ class StalenessControl:
             )
         return TrajectoryWeight(tokens=tokens, reasons=reasons)
 
-
-plugin = StalenessControl()  # what the entry point registers: `prorl_plugins.staleness:plugin`

@@ -10,11 +10,10 @@ import asyncio
 
 import pytest
 
-from prorl_adapter.models import Trajectory
+from prorl_adapter.models import BatchItem, Trajectory
 from prorl_adapter.service.storage import create_buffer
 from prorl_adapter.service.storage.buffer import (
     BufferClosed,
-    BufferedTrajectory,
     BufferStats,
     ExperienceBuffer,
 )
@@ -41,7 +40,7 @@ async def assert_blocked(task: asyncio.Task, within: float = 0.05) -> None:
     assert not task.done()
 
 
-def jobs(batch: list[BufferedTrajectory]) -> list[str]:
+def jobs(batch: list[BatchItem]) -> list[str]:
     return [b.trajectory.job_id for b in batch]
 
 
@@ -67,7 +66,7 @@ async def test_newest_version_first_fifo_within_a_version():
         await buf.put(make_trajectory(job, version))
     batch = await buf.take(6, timeout=0)
     assert jobs(batch) == ["b3", "d3", "c2", "f2", "a1", "e1"]
-    assert [b.version for b in batch] == [3, 3, 2, 2, 1, 1]
+    assert [b.trajectory.policy_version_min for b in batch] == [3, 3, 2, 2, 1, 1]
     # A newer version put later still comes first.
     await buf.put(make_trajectory("g1", 1))
     await buf.put(make_trajectory("h5", 5))
@@ -185,7 +184,7 @@ async def test_buffered_versions_count_ready_and_pending_until_acked():
         await buf.put(make_trajectory(f"v{version}", version))
     assert await buf.buffered_versions() == [1, 2, 2, 4]
     [newest] = await buf.take(1, timeout=0)
-    assert newest.version == 4
+    assert newest.trajectory.policy_version_min == 4
     assert await buf.buffered_versions() == [1, 2, 2, 4]  # pending is still buffered
     await buf.ack([newest.id])
     assert await buf.buffered_versions() == [1, 2, 2]

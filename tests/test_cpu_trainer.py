@@ -5,11 +5,10 @@ import torch
 
 pytest.importorskip("verl", reason="the CPU trainer uses verl's core_algos: install the project's [train] extra")
 
-from prorl_adapter.hooks.specs import TrajectoryWeight
-from prorl_adapter.trainer.samples import TrainingSample
-from prorl_plugins.cpu_trainer.batch import pad_samples
+from prorl_adapter.models import TrajectoryWeight
+from prorl_plugins.cpu_trainer.batch import pad_items
 from prorl_plugins.cpu_trainer.constrained import FiniteActionMask
-from tests.test_backend import two_turn_trajectory
+from tests.test_batch_item import item, two_turn_trajectory
 
 # token id -> text; 0 is a special token (None), 1 is the stop token
 TEXTS = [None, None, "a", "b", "ab", "c", "abc"]
@@ -36,9 +35,9 @@ def test_special_tokens_are_never_allowed_and_turn_masks_follow_the_prefix():
 
 
 def test_padded_batch_puts_the_reward_on_the_last_token_and_tags_versions():
-    heavy = TrainingSample.from_trajectory(two_turn_trajectory((3, 4)), TrajectoryWeight(sample=0.5))
-    short = TrainingSample.from_trajectory(two_turn_trajectory((4, 4))).truncated(2)
-    batch = pad_samples([heavy, short], pad_token_id=0)
+    heavy = item(two_turn_trajectory((3, 4)), TrajectoryWeight(sample=0.5))
+    short = item(two_turn_trajectory((4, 4))).truncated(2)
+    batch = pad_items([heavy, short], pad_token_id=0)
     assert batch.input_ids.tolist() == [[1, 2, 5, 6, 7, 8, 9], [1, 2, 5, 6, 0, 0, 0]]
     assert batch.attention_mask.tolist() == [[1] * 7, [1, 1, 1, 1, 0, 0, 0]]
     assert batch.response_positions[0].tolist() == [2, 3, 4, 5, 6]

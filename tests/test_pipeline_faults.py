@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from prorl_adapter.hooks.manager import make_plugin_manager
-from prorl_adapter.hooks.specs import hookimpl
+from prorl_adapter.hooks import PluginSet, hookimpl
 from prorl_adapter.models import JobRequest, JobState
 from prorl_adapter.service.llm import Generation, LLMUnavailable
 from prorl_adapter.service.pipeline import PipelineConfig, RolloutPipeline
@@ -159,9 +158,9 @@ class FaultyObserver:
 async def rig():
     faults = Faults()
     sandboxes, llm = FaultySandboxes(faults), FaultyLLM(faults)
-    pm = make_plugin_manager(objects=[FaultyRewardPlugin(faults), FaultyObserver(faults)], load_entry_points=False)
+    plugins = PluginSet.load(objects=[FaultyRewardPlugin(faults), FaultyObserver(faults)], entry_points=False)
     config = PipelineConfig(max_init_workers=1, max_run_workers=1, max_eval_workers=1, max_init_attempts=1)
-    pipeline = RolloutPipeline(pm, {"echo": EchoTask(faults)}, sandboxes, llm, FakeChat(), config)  # type: ignore[arg-type]
+    pipeline = RolloutPipeline(plugins, {"echo": EchoTask(faults)}, sandboxes, llm, FakeChat(), config)  # type: ignore[arg-type]
     await pipeline.start()
     yield pipeline, faults, sandboxes, llm
     await pipeline.stop()

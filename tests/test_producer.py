@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from prorl_adapter.hooks.manager import make_plugin_manager
+from prorl_adapter.hooks import PluginSet
 from prorl_adapter.models import JobError, JobRequest, JobState, StageTimings, Trajectory
 from prorl_adapter.service.decoupled import Producer, ProducerConfig
 from prorl_adapter.service.storage.buffer import BufferUnavailable, ExperienceBuffer
@@ -30,10 +30,9 @@ class StandInJob:
 class Episodes:
     """The pipeline as the producer sees it: submitted jobs run until `finish` is called."""
 
-    hooks: Any
+    plugins: PluginSet
     policy_version: int = 0
     jobs: dict[str, StandInJob] = field(default_factory=dict)
-    on_finished: list = field(default_factory=list)
 
     def submit(self, request: JobRequest) -> tuple[StandInJob, bool]:
         if request.job_id in self.jobs:
@@ -51,8 +50,7 @@ class Episodes:
         job.result = job.result.model_copy(
             update={"error": JobError(error_class="init", message="sandbox runtime gone"), "filter": True}
         )
-        for callback in self.on_finished:
-            callback(job)
+        self.plugins.notify("prorl_job_finished", trajectory=job.result, state=job.state)
 
     def finish(self, job: StandInJob, version: int | None = None, notify: bool = True) -> None:
         v = self.policy_version if version is None else version
@@ -71,8 +69,8 @@ class Episodes:
             policy_version_max=v,
             timings=StageTimings(),
         )
-        for callback in self.on_finished if notify else []:
-            callback(job)
+        if notify:
+            self.plugins.notify("prorl_job_finished", trajectory=job.result, state=job.state)
 
 
 class Outage(ExperienceBuffer):
@@ -128,13 +126,12 @@ async def until(condition, seconds: float = 10.0) -> None:
 
 
 def rig(staleness: dict | None = None, **config: Any) -> tuple[Producer, Episodes, Outage]:
-    control = StalenessControl()
-    pm = make_plugin_manager(objects=[control], load_entry_points=False)
-    pm.hook.prorl_configure(config={"staleness": staleness or {"mode": "off"}})
-    episodes = Episodes(pm.hook)
+    control = StalenessControl(staleness or {"mode": "off"})
+    plugins = PluginSet.load(objects=[control], entry_points=False)
+    episodes = Episodes(plugins)
     buffer = Outage(MemoryBuffer())
     producer = Producer(episodes, buffer, config=ProducerConfig(**config))  # type: ignore[arg-type]
-    pm.register(producer, name="decoupled-producer")
+    plugins.register(producer, name="decoupled-producer")
     producer.start()
     return producer, episodes, buffer
 
@@ -151,10 +148,10 @@ async def test_an_unacknowledged_batch_is_delivered_again_then_becomes_a_dead_le
         for job in episodes.running():
             episodes.finish(job)
         first = await producer.take_batch(2, timeout=5, lease_s=0.05)  # the trainer dies holding it
-        assert [t.entry.deliveries for t in first] == [1, 1]
+        assert [t.deliveries for t in first] == [1, 1]
         second = await producer.take_batch(2, timeout=5, lease_s=0.05)
-        assert [t.entry.deliveries for t in second] == [2, 2]
-        assert {t.entry.id for t in second} == {t.entry.id for t in first}
+        assert [t.deliveries for t in second] == [2, 2]
+        assert {t.id for t in second} == {t.id for t in first}
         await until(lambda: producer.stats.dead_letters == 2)
         stats = await producer.snapshot()
         assert (stats.redelivered, stats.leased, len(stats.recent_dead_letters)) == (2, 0, 2)
@@ -173,8 +170,8 @@ async def test_an_acknowledged_batch_is_never_delivered_again_and_a_held_lease_b
         batch = await producer.take_batch(2, timeout=5, lease_s=0.05)
         # The trainer crashed: its lease runs out, the entries come back, and a new trainer consumes them.
         again = await producer.take_batch(2, timeout=5, lease_s=60)
-        assert {t.entry.id for t in again} == {t.entry.id for t in batch}
-        await producer.ack([t.entry.id for t in again])
+        assert {t.id for t in again} == {t.id for t in batch}
+        await producer.ack([t.id for t in again])
         episodes.policy_version = 1
         producer.wake()
         await until(lambda: len(episodes.running()) == 2)  # admission was never deadlocked
@@ -214,7 +211,7 @@ async def test_entries_too_stale_to_weigh_are_removed_at_take_time_even_when_not
         await until(lambda: producer.stats.produced == 4)
         episodes.policy_version = 4
         batch = await producer.take_batch(1, timeout=0)  # newest first: version 4; versions 0 are expired
-        assert [t.entry.version for t in batch] == [4]
+        assert [t.trajectory.policy_version_min for t in batch] == [4]
         assert producer.stats.expired == 2
         assert await producer.buffer.version_counts() == {3: 1, 4: 1}
     finally:
@@ -232,7 +229,7 @@ async def test_admission_pauses_while_the_buffer_is_full():
         await until(lambda: producer.stats.held_back)
         assert "max_buffered=2" in producer.stats.held_back_reason
         assert len(episodes.jobs) == 2
-        await producer.ack([t.entry.id for t in await producer.take_batch(2, timeout=0)])
+        await producer.ack([t.id for t in await producer.take_batch(2, timeout=0)])
         await until(lambda: len(episodes.jobs) == 4)
     finally:
         await producer.stop()
@@ -258,6 +255,6 @@ async def test_a_prompt_whose_episode_failed_for_the_infrastructure_runs_again_u
         episodes.finish(episodes.running()[0])  # the second run delivers
         await until(lambda: producer.stats.produced == 1)
         [delivered] = await producer.take_batch(1, timeout=0)
-        assert delivered.entry.trajectory.job_id == "p1:2"
+        assert delivered.trajectory.job_id == "p1:2"
     finally:
         await producer.stop()

@@ -12,8 +12,9 @@ import pytest
 pytest.importorskip("skyrl", reason="SkyRL is not installed: pip install -e '.[torch,skyrl]'")
 pytest.importorskip("loguru", reason="SkyRL's trainer needs loguru: pip install -e '.[skyrl]'")
 
-from prorl_adapter.hooks.specs import PluginConfigError, TrajectoryWeight
-from prorl_adapter.trainer.samples import GROUP_LABEL, TrainerPlugins, trajectory_from_tensors
+from prorl_adapter.hooks import PluginConfigError, PluginSet
+from prorl_adapter.models import GROUP_LABEL, BatchItem, TrajectoryWeight
+from prorl_adapter.trainer.samples import trajectory_from_tensors
 from prorl_plugins.skyrl import compat  # noqa: F401  (SkyRL on Python 3.11: before any skyrl import)
 
 # isort: split
@@ -69,7 +70,7 @@ def test_real_generator_input_becomes_one_job_per_row():
     sampling = jobs[0].sampling
     assert (sampling.max_tokens, sampling.temperature, sampling.regex, sampling.seed) == (48, 0.7, "a+", 3)
     assert (jobs[0].max_turns, jobs[0].max_context_tokens) == (3, 1024)
-    assert backend.prorl_backend_policy_version() == 4  # global step 5 samples the weights after 4 updates
+    assert backend.prorl_backend_policy_version(batch=batch) == 4  # global step 5: the weights after 4 updates
 
 
 def test_a_sampling_setting_the_service_cannot_honour_is_an_error():
@@ -86,23 +87,19 @@ def test_a_row_without_an_instance_is_an_error_naming_its_columns():
         SkyRLBackend().prorl_backend_requests(batch=generator_input([("shell", {"instance": "{x"})]), config={})
 
 
-def test_unknown_settings_and_other_trainers_batches():
+def test_unknown_settings_are_an_error_and_a_batch_without_metadata_has_no_version():
     backend = SkyRLBackend()
     batch = generator_input([("shell", {"instance": SHELL})])
     with pytest.raises(ValueError, match="max_turn"):
         backend.prorl_backend_requests(batch=batch, config={"max_turn": 3})
-    assert backend.prorl_backend_requests(batch=[1, 2], config={}) is None  # not SkyRL's: another backend's
-    assert backend.prorl_backend_batch(trajectories=[], weights=[], batch=object()) is None
+    batch.pop("batch_metadata")
+    assert backend.prorl_backend_policy_version(batch=batch) is None  # the driver then weighs at the newest
 
 
 def test_output_passes_skyrl_checks_and_carries_the_staleness_weights():
     """Fresh, half-stale, too stale, and an infrastructure failure with no response at all; weighed by the real
     staleness plugin (linear, K=2) at version 4, as the generator does."""
-    plugins = TrainerPlugins(
-        {"staleness": {"mode": "linear", "max_staleness": 2}},
-        objects=[StalenessControl()],
-        load_entry_points=False,
-    )
+    plugins = PluginSet.load(objects=[StalenessControl({"mode": "linear", "max_staleness": 2})], entry_points=False)
     mask = [1, 1, 0, 0, 1]
     trajectories = [
         trajectory("fresh", 4, mask, reward=1.0),
@@ -110,12 +107,10 @@ def test_output_passes_skyrl_checks_and_carries_the_staleness_weights():
         trajectory("stale", 2, mask, reward=1.0),
         trajectory("failed", 4, [], reward=0.0, finish="error", filter=True),
     ]
-    samples = plugins.samples(trajectories, current_version=4)
-    assert [s.weight.sample for s in samples] == [1.0, 0.5, 0.0, 1.0]
+    items = [BatchItem(id=t.job_id, weight=plugins.weigh(t, 4), trajectory=t) for t in trajectories]
+    assert [i.weight.sample for i in items] == [1.0, 0.5, 0.0, 1.0]
     batch = generator_input([("shell", {"instance": SHELL}), ("shell", {"instance": SHELL})], step=4)
-    output = SkyRLBackend(filler_token_id=0).prorl_backend_batch(
-        trajectories=trajectories, weights=[s.weight for s in samples], batch=batch
-    )
+    output = SkyRLBackend(filler_token_id=0).prorl_backend_batch(items=items, batch=batch)
     validate_generator_output(4, output)  # SkyRL's own check of a generator's answer
     assert output["loss_masks"] == [mask, [0.5, 0.5, 0.0, 0.0, 0.5], [0] * 5, [0]]
     assert output["response_ids"][3] == [0] and output["rollout_logprobs"][3] == [0.0]  # the filler token
@@ -138,7 +133,7 @@ def test_importance_token_weights_reach_the_loss_mask():
     weight = TrajectoryWeight(sample=1.0, tokens=[2.0, 0.5, 1.0])
     batch = generator_input([("shell", {"instance": SHELL})], n=1)
     output = SkyRLBackend().prorl_backend_batch(
-        trajectories=[trajectory("t", 1, [1, 1, 0])], weights=[weight], batch=batch
+        items=[BatchItem(id="t", weight=weight, trajectory=trajectory("t", 1, [1, 1, 0]))], batch=batch
     )
     assert output["loss_masks"] == [[2.0, 0.5, 0.0]]  # tool tokens stay out whatever their weight
 
@@ -147,7 +142,7 @@ def test_an_empty_response_without_a_filler_token_is_an_error():
     batch = generator_input([("shell", {"instance": SHELL})], n=1)
     with pytest.raises(ValueError, match="filler_token_id"):
         SkyRLBackend().prorl_backend_batch(
-            trajectories=[trajectory("t", 1, [], filter=True)], weights=[TrajectoryWeight()], batch=batch
+            items=[BatchItem(id="t", trajectory=trajectory("t", 1, [], filter=True))], batch=batch
         )
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "models" / "tiny-qwen2"
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 

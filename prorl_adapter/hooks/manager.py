@@ -1,24 +1,36 @@
-"""The plugin manager: plugins come from the entry-point group `prorl_adapter`, from import paths given in
-config, and from objects. A plugin that fails to load is an error that names it, never a silent skip."""
+"""Loading plugins: from the entry-point group `prorl_adapter`, from import paths given in config, and from
+objects. A plugin that fails to load, or that finds its configuration section wrong, is an error that names
+it, never a silent skip.
+
+What is loaded: a module is registered as it is (its hooks are functions); a class is instantiated, with its
+section of the plugin configuration when it names one (`config_section`), so that each plugin set (the
+service's, a trainer's, a test's) has its own configured instances; any other object is registered as it is.
+"""
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable
+import inspect
+import json
+from collections.abc import Iterable, Mapping
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any
 
 import pluggy
 
 from ..tasks import TaskHandler
-from . import specs as hookspecs
-from .specs import PluginConfigError
+from . import specs
 
 ENTRY_POINT_GROUP = "prorl_adapter"
 
 
 class PluginLoadError(RuntimeError):
     pass
+
+
+class PluginConfigError(ValueError):
+    """A plugin's configuration is wrong; the message names the plugin, the key and what is expected."""
 
 
 def import_object(path: str) -> Any:
@@ -31,14 +43,45 @@ def import_object(path: str) -> Any:
         raise PluginLoadError(f"cannot load plugin {path!r}: {type(exc).__name__}: {exc}") from exc
 
 
+def read_plugin_config(path: Path | None) -> dict[str, Any]:
+    """The plugin configuration from a JSON file of sections (`--plugin-config`); None: no configuration."""
+    if path is None:
+        return {}
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the plugin configuration {path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"the plugin configuration {path} must be a JSON object of sections")
+    return config
+
+
+def instantiate(plugin: Any, config: Mapping[str, Any], name: str) -> Any:
+    """A class becomes an instance, given its `config_section` of `config` (None when absent); anything else
+    is returned as it is."""
+    if not inspect.isclass(plugin):
+        return plugin
+    section = getattr(plugin, "config_section", None)
+    try:
+        return plugin(config.get(section)) if section else plugin()
+    except PluginConfigError:
+        raise
+    except Exception as exc:  # a plugin's constructor is user code: report it with the plugin's name
+        raise PluginLoadError(f"plugin {name!r} could not be created: {type(exc).__name__}: {exc}") from exc
+
+
 def make_plugin_manager(
+    config: Mapping[str, Any] | None = None,
     import_paths: Iterable[str] = (),
     objects: Iterable[object] = (),
     blocked: Iterable[str] = (),
     load_entry_points: bool = True,
 ) -> pluggy.PluginManager:
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
+    """The configured plugins; a configuration section that no loaded plugin reads is an error (a typo, or a
+    plugin that is not installed)."""
+    config = dict(config or {})
+    pm = pluggy.PluginManager(specs.PROJECT)
+    pm.add_hookspecs(specs)
     for name in blocked:
         pm.set_blocked(name)
     if load_entry_points:
@@ -51,10 +94,10 @@ def make_plugin_manager(
                 raise PluginLoadError(
                     f"plugin {entry_point.name!r} ({entry_point.value}) failed to load: {type(exc).__name__}: {exc}"
                 ) from exc
-            pm.register(plugin, name=entry_point.name)
+            pm.register(instantiate(plugin, config, entry_point.name), name=entry_point.name)
     for path in import_paths:
         if not pm.is_blocked(path):
-            pm.register(import_object(path), name=path)
+            pm.register(instantiate(import_object(path), config, path), name=path)
     for plugin in objects:
         name = f"{type(plugin).__module__}.{type(plugin).__qualname__}"
         if not pm.is_blocked(name):
@@ -63,7 +106,18 @@ def make_plugin_manager(
         pm.check_pending()  # an implementation of a hook that does not exist (a typo) is an error
     except pluggy.PluginValidationError as exc:
         raise PluginLoadError(f"a plugin implements a hook that does not exist: {exc}") from exc
+    _check_sections(pm, config)
     return pm
+
+
+def _check_sections(pm: pluggy.PluginManager, config: Mapping[str, Any]) -> None:
+    read = {getattr(plugin, "config_section", None) for plugin in pm.get_plugins()} - {None}
+    unknown = sorted(set(config) - read)
+    if unknown:
+        raise PluginConfigError(
+            f"plugin configuration has unknown section(s) {', '.join(map(repr, unknown))}; "
+            f"the loaded plugins read: {', '.join(sorted(read)) or 'none'}"
+        )
 
 
 def _entry_points() -> list:
@@ -77,18 +131,6 @@ def _entry_points() -> list:
                 "uninstall one, or block the name"
             )
     return list(found.values())
-
-
-def configure_plugins(pm: pluggy.PluginManager, config: dict[str, Any]) -> None:
-    """Hand every plugin the configuration; a section that no plugin reads is an error (a typo, or a plugin
-    that is not installed), as is whatever a plugin finds wrong in its own section."""
-    claimed = {name for sections in pm.hook.prorl_configure(config=config) for name in sections or []}
-    unknown = sorted(set(config) - claimed)
-    if unknown:
-        raise PluginConfigError(
-            f"plugin configuration has unknown section(s) {', '.join(map(repr, unknown))}; "
-            f"the loaded plugins read: {', '.join(sorted(claimed)) or 'none'}"
-        )
 
 
 def collect_tasks(pm: pluggy.PluginManager) -> dict[str, TaskHandler]:

@@ -92,6 +92,7 @@ async def policy_turn(
         return None
     sampling = request.sampling.model_copy(update={"max_tokens": min(request.sampling.max_tokens, room)})
     generation = await llm.generate(episode.prompt_ids + episode.response_ids, sampling, pin)
+    start = len(episode.response_ids)
     episode.append(generation.token_ids, 1, generation.logprobs)
     episode.generate_s += generation.seconds
     episode.state.response_tokens += len(generation.token_ids)
@@ -100,10 +101,12 @@ async def policy_turn(
         index=index,
         policy_version=version,
         llm_server=generation.server,
+        response_start=start,
         response_tokens=len(generation.token_ids),
         finish_reason=generation.finish_reason,
         text=generation.text,
         tool_calls=parsed.calls,
+        tool_call_errors=parsed.errors,
         generate_s=generation.seconds,
     )
     episode.turns.append(turn)

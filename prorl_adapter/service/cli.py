@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 from pathlib import Path
 
+from ..hooks.manager import read_plugin_config
 from .config import RolloutConfig
 from .decoupled import ProducerConfig
 from .pipeline import PipelineConfig
@@ -111,37 +111,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def read_plugin_config(path: Path | None) -> dict:
-    if path is None:
-        return {}
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read the plugin configuration {path}: {exc}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"the plugin configuration {path} must be a JSON object of sections")
-    return config
-
-
 def list_plugins(paths: list[str], blocked: list[str], config_file: Path | None = None) -> int:
     """Print the plugins, their hooks and the tasks; with a config file, also check it as start-up would."""
-    from ..hooks.manager import PluginLoadError, collect_tasks, configure_plugins, make_plugin_manager
-    from ..hooks.specs import PluginConfigError
+    from ..hooks import PluginConfigError, PluginLoadError, PluginSet
 
     try:
-        pm = make_plugin_manager(paths, blocked=blocked)
-        tasks = collect_tasks(pm)
-        if config_file is not None:
-            configure_plugins(pm, read_plugin_config(config_file))
+        config = read_plugin_config(config_file)
+        plugins = PluginSet.load(config, paths, blocked=blocked)
+        tasks = plugins.tasks()
     except (PluginLoadError, PluginConfigError, ValueError) as exc:
         print(f"prorl-rollout: {exc}")
         return 2
-    for name, plugin in pm.list_name_plugin():
-        if plugin is None:
-            print(f"{name}: blocked")
+    for plugin in plugins.describe():
+        if plugin["plugin"] == "blocked":
+            print(f"{plugin['name']}: blocked")
             continue
-        hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
-        print(f"{name}: {getattr(plugin, '__name__', type(plugin).__name__)} hooks={','.join(hooks)}")
+        print(f"{plugin['name']}: {plugin['plugin']} hooks={','.join(plugin['hooks'])}")
     for name, handler in sorted(tasks.items()):
         print(f"task {name}: {type(handler).__module__}.{type(handler).__name__}")
     if config_file is not None:

@@ -33,10 +33,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 
-from ..hooks.specs import AdmissionState, TrajectoryWeight, hookimpl
-from ..models import JobRequest
+from ..hooks.specs import hookimpl
+from ..models import AdmissionState, BatchItem, JobRequest, JobState, Trajectory
 from .pipeline import Job, RolloutPipeline
-from .storage.buffer import BufferedTrajectory, ExperienceBuffer, ExperienceBufferError
+from .storage.buffer import ExperienceBuffer, ExperienceBufferError
 from .storage.prompts import MemoryPromptQueue, PromptQueue
 
 log = logging.getLogger(__name__)
@@ -56,12 +56,6 @@ class ProducerConfig:
     # died): the prompt runs again until its trajectory is delivered or this many runs have failed.
     max_attempts: int = 5
     retry_delay_s: float = 1.0  # before the second run; doubled for each further one (at most RETRY_MAX_S)
-
-
-@dataclass
-class WeightedTrajectory:
-    entry: BufferedTrajectory
-    weight: TrajectoryWeight
 
 
 @dataclass
@@ -93,8 +87,8 @@ class Lease:
 class Producer:
     """Feeds admitted prompts to the pipeline and finished trajectories to the buffer.
 
-    It is also a plugin (it implements `prorl_policy_version_changed`), registered by the service so that a
-    new policy version wakes held-back episodes.
+    It is also a plugin, registered by the service: it observes finished jobs (`prorl_job_finished`), and a
+    new policy version (`prorl_policy_version_changed`) wakes held-back episodes.
     """
 
     def __init__(
@@ -119,7 +113,6 @@ class Producer:
         self._retries: set[asyncio.Task[None]] = set()
         self.stats = ProducerStats()
         self._dead: deque[str] = deque(maxlen=100)
-        pipeline.on_finished.append(self._on_finished)
 
     # -- life cycle -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -135,6 +128,12 @@ class Producer:
     @hookimpl
     def prorl_policy_version_changed(self, version: int) -> None:
         self.wake()
+
+    @hookimpl
+    def prorl_job_finished(self, trajectory: Trajectory, state: JobState) -> None:
+        job = self.pipeline.jobs.get(trajectory.job_id)
+        if job is not None:
+            self._on_finished(job)
 
     def wake(self) -> None:
         self._wakeup.set()
@@ -205,7 +204,7 @@ class Producer:
             held = f"{len(self._finished)} finished trajectories wait for the buffer"
         else:
             state = AdmissionState(self.pipeline.policy_version, self._in_flight_counts, buffered)
-            if any(verdict is False for verdict in self.pipeline.hooks.prorl_admit_episode(state=state)):
+            if not self.pipeline.plugins.admits(state):
                 held = "admission control (a plugin) holds new episodes back"
         self.stats.held_back_reason = held
         self.stats.held_back = held is not None and await self.prompts.size() > 0
@@ -286,30 +285,26 @@ class Producer:
         timeout: float | None,
         current_logprobs: dict[str, list[float]] | None = None,
         lease_s: float | None = None,
-    ) -> list[WeightedTrajectory]:
+    ) -> list[BatchItem]:
         """Up to `size` trajectories with their weights, leased for `lease_s`; the ones weighed 0 are dropped
         (and acknowledged), and the ones no plugin would weigh above 0 are removed before the take."""
-        version = self.pipeline.policy_version
-        thresholds = [v for v in self.pipeline.hooks.prorl_expired_before(current_version=version) if v is not None]
-        if thresholds:
-            self.stats.expired += await self.buffer.expire(max(thresholds))
+        plugins = self.pipeline.plugins
+        expired_before = plugins.expired_before(self.pipeline.policy_version)
+        if expired_before is not None:
+            self.stats.expired += await self.buffer.expire(expired_before)
         entries = await self.buffer.take(size, timeout)
         version = self.pipeline.policy_version
-        kept: list[WeightedTrajectory] = []
+        kept: list[BatchItem] = []
         dropped: list[str] = []
         for entry in entries:
-            logprobs = (current_logprobs or {}).get(entry.id)
-            verdicts = self.pipeline.hooks.prorl_trajectory_weight(
-                trajectory=entry.trajectory, current_version=version, current_logprobs=logprobs
-            )
-            weight = TrajectoryWeight.combine(verdicts, len(entry.trajectory.response_ids))
-            if weight.sample == 0.0:
+            entry.weight = plugins.weigh(entry.trajectory, version, (current_logprobs or {}).get(entry.id))
+            if entry.weight.sample == 0.0:
                 dropped.append(entry.id)
             else:
-                kept.append(WeightedTrajectory(entry, weight))
+                kept.append(entry)
         deadline = time.monotonic() + (self.config.lease_s if lease_s is None else lease_s)
         for item in kept:
-            self._leases[item.entry.id] = Lease(deadline, item.entry.deliveries)
+            self._leases[item.id] = Lease(deadline, item.deliveries)
         self._lease_change.set()
         if dropped:
             await self.buffer.ack(dropped)

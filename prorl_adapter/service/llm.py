@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
 from pydantic import BaseModel, Field, StrictInt, ValidationError
@@ -25,6 +26,9 @@ from pydantic import BaseModel, Field, StrictInt, ValidationError
 from sandbox_runtime.webapp import describe_validation
 
 from ..models import LLMServerInfo, SamplingParams
+
+if TYPE_CHECKING:
+    from ..hooks.plugin_set import PluginSet
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +96,9 @@ class LLMPool:
         health_interval: float = 5.0,
         max_failovers: int = 3,
         unavailable_wait_s: float = 30.0,
+        plugins: PluginSet | None = None,
     ) -> None:
+        self._plugins = plugins  # told of every request (`prorl_llm_request`)
         self._servers: dict[str, LLMServer] = {}
         for url in urls:
             self.add(url)
@@ -225,7 +231,8 @@ class LLMPool:
         if sampling.regex:
             body["structured_outputs"] = {"regex": sampling.regex}
         server.in_flight += 1
-        started = time.perf_counter()
+        started, monotonic = time.perf_counter(), time.monotonic()
+        choice, error = None, None
         try:
             async with self._http.post(server.url + "/v1/completions", json=body) as response:
                 if response.status >= 500:
@@ -233,11 +240,25 @@ class LLMPool:
                 if response.status >= 400:
                     raise LLMRequestError(f"{server.url} refused the request: {(await response.text())[:500]}")
                 body = await response.read()
+            choice = _checked_choice(body)  # a malformed 200 is the server's failure, like a 5xx
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise _ServerError(f"{type(exc).__name__}: {exc}") from exc
+            error = f"{type(exc).__name__}: {exc}"
+            raise _ServerError(error) from exc
+        except (_ServerError, LLMRequestError) as exc:
+            error = str(exc)
+            raise
         finally:
             server.in_flight -= 1
-        choice = _checked_choice(body)  # a malformed 200 is the server's failure, like a 5xx
+            if self._plugins is not None:
+                self._plugins.notify(
+                    "prorl_llm_request",
+                    server=server.url,
+                    started=monotonic,
+                    seconds=time.perf_counter() - started,
+                    prompt_tokens=len(prompt_ids),
+                    response_tokens=len(choice.token_ids) if choice is not None else 0,
+                    error=None if choice is not None else (error or "no answer (the request was cancelled)"),
+                )
         server.requests += 1  # answered ones: `failures` counts the others
         server.consecutive_failures = 0
         return Generation(

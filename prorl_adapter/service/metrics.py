@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..hooks.specs import hookimpl
+from ..models import JobState, Trajectory
+
 _SECONDS = (0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900, 1800)
 
 
 class RolloutMetrics:
+    """The registry, and a plugin: the service registers it so that each finished job is counted."""
+
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("prorl_rollout_http_requests", "HTTP requests", ["route", "status"], registry=r)
@@ -33,6 +38,15 @@ class RolloutMetrics:
         self.degraded = Gauge(
             "prorl_rollout_degraded", "1 while the buffer or the prompt queue cannot be used (see /healthz)", registry=r
         )
+
+    @hookimpl
+    def prorl_job_finished(self, trajectory: Trajectory, state: JobState) -> None:
+        error_class = trajectory.error.error_class if trajectory.error else ""
+        self.jobs.labels(trajectory.task, state.value, error_class).inc()
+        for stage in ("queued_s", "init_s", "run_s", "eval_s"):
+            self.stage_seconds.labels(stage.removesuffix("_s")).observe(getattr(trajectory.timings, stage))
+        if state is JobState.done:
+            self.reward.labels(trajectory.task).observe(trajectory.reward)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -22,20 +22,16 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from sandbox_runtime.client import SandboxAPIError
 
-from ..hooks.rewards import RewardComponentConflict, shape_reward
+from ..hooks.plugin_set import PluginSet, RewardComponentConflict
 from ..models import ErrorClass, JobError, JobRequest, JobState, JobStatus, StageTimings, Trajectory
 from ..tasks import Environment, TaskConfigError, TaskHandler
 from .agent import Episode, PromptTooLong, run_episode
 from .chat import ChatTokenizer
 from .llm import LLMPool, LLMRequestError, LLMUnavailable
 from .sandboxes import SandboxPool, SandboxServerError
-
-if TYPE_CHECKING:
-    import pluggy
 
 log = logging.getLogger(__name__)
 
@@ -104,37 +100,34 @@ class UnknownTask(ValueError):
 class RolloutPipeline:
     def __init__(
         self,
-        pm: pluggy.PluginManager,
+        plugins: PluginSet,
         tasks: dict[str, TaskHandler],
         sandboxes: SandboxPool,
         llm: LLMPool,
         chat: ChatTokenizer,
         config: PipelineConfig | None = None,
     ) -> None:
-        self.hooks = pm.hook
+        self.plugins = plugins
         self.tasks = tasks
         self.sandboxes = sandboxes
         self.llm = llm
         self.chat = chat
         self.config = config or PipelineConfig()
-        self._policy_version = 0
+        self._policy_version = 0  # the version new turns are tagged with, set through the API
         self.jobs: OrderedDict[str, Job] = OrderedDict()
         self.counts = {state: 0 for state in (JobState.done, JobState.failed, JobState.cancelled)}
         self._finish_times: deque[float] = deque(maxlen=10_000)
         self._queues = {name: asyncio.Queue() for name in ("init", "run", "eval")}
         self._workers: list[asyncio.Task] = []
-        self.on_finished: list[Callable[[Job], None]] = []
 
     @property
     def policy_version(self) -> int:
-        """The version new turns are tagged with: the backend's, where a backend plugin knows it."""
-        backend = self.hooks.prorl_backend_policy_version()
-        return self._policy_version if backend is None else backend
+        return self._policy_version
 
     @policy_version.setter
     def policy_version(self, version: int) -> None:
         self._policy_version = version
-        self.hooks.prorl_policy_version_changed(version=version)
+        self.plugins.notify("prorl_policy_version_changed", version=version)
 
     # -- life cycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -267,7 +260,7 @@ class RolloutPipeline:
         Plugins are user code: they run on a thread, so a slow one never stalls the event loop."""
         try:
             job.reward_components, job.reward = await asyncio.to_thread(
-                shape_reward, self.hooks, self._trajectory(job), job.request.instance, job.reward_components
+                self.plugins.shaped_reward, self._trajectory(job), job.request.instance, job.reward_components
             )
         except RewardComponentConflict as exc:
             raise StageFailed("eval", str(exc)) from exc
@@ -311,12 +304,15 @@ class RolloutPipeline:
             )
 
     def _stage_event(self, job: Job, stage: str, event: str, seconds: float) -> None:
-        try:
-            self.hooks.prorl_stage_event(
-                job_id=job.id, task=job.request.task, stage=stage, event=event, seconds=seconds, error=job.error
-            )
-        except Exception:  # an observer's bug must not stall the job it observes
-            log.exception("a prorl_stage_event plugin failed on job %s (%s %s)", job.id, stage, event)
+        self.plugins.notify(
+            "prorl_stage_event",
+            job_id=job.id,
+            task=job.request.task,
+            stage=stage,
+            event=event,
+            seconds=seconds,
+            error=job.error,
+        )
 
     async def _conclude_stage(self, job: Job, state: JobState, task: asyncio.Task, done: set) -> None:
         if not done:
@@ -364,8 +360,7 @@ class RolloutPipeline:
         self.counts[job.state] += 1
         self._finish_times.append(time.monotonic())
         job.finished.set()
-        for callback in self.on_finished:
-            callback(job)
+        self.plugins.notify("prorl_job_finished", trajectory=job.result, state=job.state)
 
     def _trajectory(self, job: Job) -> Trajectory:
         episode = job.episode or Episode(prompt_ids=[])

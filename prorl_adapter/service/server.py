@@ -7,7 +7,6 @@ ProRL Agent's request shape and blocks until the trajectory is ready.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 from aiohttp import web
@@ -23,14 +22,12 @@ from sandbox_runtime.webapp import (
 )
 
 from .. import __version__
-from ..hooks.manager import collect_tasks, configure_plugins, make_plugin_manager
+from ..hooks.plugin_set import PluginSet
 from ..models import (
     AckRequest,
     Batch,
-    BatchItem,
     BatchRequest,
     JobRequest,
-    JobState,
     LLMServerRequest,
     LLMServersRequest,
     PolicyVersion,
@@ -46,8 +43,14 @@ from .metrics import RolloutMetrics
 from .pipeline import Job, RolloutPipeline
 from .sandboxes import SandboxPool
 from .storage import create_buffer, create_prompt_queue
-from .storage.buffer import ExperienceBufferError
+from .storage.buffer import ExperienceBuffer, ExperienceBufferError
+from .storage.prompts import PromptQueue
 
+PLUGINS = web.AppKey("plugins", PluginSet)
+LLM = web.AppKey("llm", LLMPool)
+SANDBOXES = web.AppKey("sandboxes", SandboxPool)
+BUFFER = web.AppKey("buffer", ExperienceBuffer)
+PROMPTS = web.AppKey("prompts", PromptQueue)
 PIPELINE = web.AppKey("pipeline", RolloutPipeline)
 PRODUCER = web.AppKey("producer", Producer)
 METRICS = web.AppKey("metrics", RolloutMetrics)
@@ -142,6 +145,16 @@ async def status(request: web.Request) -> web.Response:
     )
 
 
+async def list_tasks(request: web.Request) -> web.Response:
+    return web.json_response({"tasks": sorted(request.app[PIPELINE].tasks)})
+
+
+async def list_plugins(request: web.Request) -> web.Response:
+    """The loaded plugins with their hooks, and the plugin configuration the service runs with (a trainer-side
+    component checks that it weighs and shapes as the service does)."""
+    return web.json_response({"plugins": request.app[PLUGINS].describe(), "config": request.app[PLUGINS].config})
+
+
 async def list_llm_servers(request: web.Request) -> web.Response:
     return web.json_response({"servers": [s.model_dump() for s in request.app[PIPELINE].llm.servers()]})
 
@@ -206,11 +219,7 @@ async def enqueue_prompts(request: web.Request) -> web.Response:
 async def take_batch(request: web.Request) -> web.Response:
     body: BatchRequest = await parse(request, BatchRequest)
     timeout = MAX_WAIT_S if body.timeout_s is None else min(body.timeout_s, MAX_WAIT_S)
-    taken = await request.app[PRODUCER].take_batch(body.size, timeout, body.current_logprobs, body.lease_s)
-    items = [
-        BatchItem(id=t.entry.id, deliveries=t.entry.deliveries, weight=t.weight, trajectory=t.entry.trajectory)
-        for t in taken
-    ]
+    items = await request.app[PRODUCER].take_batch(body.size, timeout, body.current_logprobs, body.lease_s)
     return json_response(Batch(items=items, policy_version=request.app[PIPELINE].policy_version))
 
 
@@ -232,6 +241,8 @@ async def buffer_status(request: web.Request) -> web.Response:
 
 
 def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.Application:
+    """The service as an aiohttp application; each resource is opened and closed by a `cleanup_ctx` of its own,
+    in the order they depend on each other (closed in reverse)."""
     app_metrics = RolloutMetrics()
     middlewares = [
         errors_as_json(config.max_body_bytes),
@@ -242,34 +253,51 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app[METRICS] = app_metrics
 
-    async def lifecycle(app: web.Application):
-        pm = make_plugin_manager(config.plugins, blocked=config.blocked_plugins)
-        configure_plugins(pm, config.plugin_config)  # a bad plugin config fails here, at start-up
-        llm = LLMPool(config.llm_urls, health_interval=config.llm_health_interval_s)
-        sandboxes = SandboxPool(config.sandbox_urls, token=config.sandbox_token, owner=config.sandbox_owner)
-        await sandboxes.delete_leftovers()
-        pipeline = RolloutPipeline(
-            pm, collect_tasks(pm), sandboxes, llm, chat or ChatTokenizer(config.tokenizer), config.pipeline
+    async def plugins(app: web.Application):
+        # A bad plugin or plugin configuration fails here, at start-up.
+        app[PLUGINS] = PluginSet.load(
+            config.plugin_config, config.plugins, objects=[app_metrics], blocked=config.blocked_plugins
         )
-        pipeline.on_finished.append(lambda job: _record(app_metrics, job))
-        producer = Producer(
-            pipeline, create_buffer(config.buffer_url), create_prompt_queue(config.buffer_url), config.decoupled
-        )
-        pm.register(producer, name="decoupled-producer")  # a new policy version wakes held-back episodes
-        app[PIPELINE], app[PRODUCER] = pipeline, producer
-        await llm.start()
-        await pipeline.start()
-        producer.start()
         yield
-        await producer.stop()
-        with contextlib.suppress(Exception):
-            await pipeline.stop()
-        await producer.buffer.close()
-        await producer.prompts.close()
-        await llm.close()
-        await sandboxes.close()
 
-    app.cleanup_ctx.append(lifecycle)
+    async def llm_pool(app: web.Application):
+        app[LLM] = LLMPool(config.llm_urls, health_interval=config.llm_health_interval_s, plugins=app[PLUGINS])
+        await app[LLM].start()
+        yield
+        await app[LLM].close()
+
+    async def sandbox_pool(app: web.Application):
+        app[SANDBOXES] = SandboxPool(config.sandbox_urls, token=config.sandbox_token, owner=config.sandbox_owner)
+        await app[SANDBOXES].delete_leftovers()
+        yield
+        await app[SANDBOXES].close()
+
+    async def buffer(app: web.Application):
+        app[BUFFER] = create_buffer(config.buffer_url)
+        yield
+        await app[BUFFER].close()
+
+    async def prompt_queue(app: web.Application):
+        app[PROMPTS] = create_prompt_queue(config.buffer_url)
+        yield
+        await app[PROMPTS].close()
+
+    async def pipeline(app: web.Application):
+        tasks = app[PLUGINS].tasks()
+        tokenizer = chat or ChatTokenizer(config.tokenizer)
+        app[PIPELINE] = RolloutPipeline(app[PLUGINS], tasks, app[SANDBOXES], app[LLM], tokenizer, config.pipeline)
+        await app[PIPELINE].start()
+        yield
+        await app[PIPELINE].stop()
+
+    async def producer(app: web.Application):
+        app[PRODUCER] = Producer(app[PIPELINE], app[BUFFER], app[PROMPTS], config.decoupled)
+        app[PLUGINS].register(app[PRODUCER], name="decoupled-producer")  # it observes jobs and versions
+        app[PRODUCER].start()
+        yield
+        await app[PRODUCER].stop()
+
+    app.cleanup_ctx.extend([plugins, llm_pool, sandbox_pool, buffer, prompt_queue, pipeline, producer])
     app.router.add_routes(
         [
             web.get("/healthz", healthz),
@@ -279,6 +307,8 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
             web.get("/v1/jobs/{id}/result", get_result),
             web.delete("/v1/jobs/{id}", cancel_job),
             web.get("/v1/status", status),
+            web.get("/v1/tasks", list_tasks),
+            web.get("/v1/plugins", list_plugins),
             web.get("/v1/llm-servers", list_llm_servers),
             web.post("/v1/llm-servers", add_llm_server),
             web.delete("/v1/llm-servers", remove_llm_server),
@@ -292,15 +322,6 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
         ]
     )
     return app
-
-
-def _record(app_metrics: RolloutMetrics, job: Job) -> None:
-    error_class = job.error.error_class if job.error else ""
-    app_metrics.jobs.labels(job.request.task, job.state.value, error_class).inc()
-    for stage in ("queued_s", "init_s", "run_s", "eval_s"):
-        app_metrics.stage_seconds.labels(stage.removesuffix("_s")).observe(getattr(job.timings, stage))
-    if job.state is JobState.done and job.result is not None:
-        app_metrics.reward.labels(job.request.task).observe(job.result.reward)
 
 
 async def serve(config: RolloutConfig) -> None:

@@ -128,6 +128,14 @@ class RolloutClient:
     async def cancel(self, job_id: str) -> JobStatus:
         return JobStatus.model_validate_json((await self._call("DELETE", f"/v1/jobs/{job_id}")).content)
 
+    async def tasks(self) -> list[str]:
+        """The names of the tasks the service can run."""
+        return (await self._call("GET", "/v1/tasks")).json()["tasks"]
+
+    async def plugins(self) -> dict:
+        """The service's plugins (`plugins`: name and hooks of each) and its plugin configuration (`config`)."""
+        return (await self._call("GET", "/v1/plugins")).json()
+
     async def status(self) -> dict:
         return (await self._call("GET", "/v1/status")).json()
 

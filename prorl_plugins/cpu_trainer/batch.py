@@ -1,7 +1,7 @@
 """Training samples as the padded tensors the CPU trainer's actor and verl's `core_algos` consume.
 
 This is the CPU backend's `prorl_backend_batch`: verl's and SkyRL's backends build their own batch types from
-the same `TrainingSample`s.
+the same `BatchItem`s.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from prorl_adapter.trainer.samples import TrainingSample
+from prorl_adapter.models import BatchItem
 
 from .constrained import FiniteActionMask
 
@@ -38,15 +38,16 @@ class PaddedBatch:
         return int(self.input_ids.shape[0])
 
 
-def pad_samples(
-    samples: Sequence[TrainingSample],
+def pad_items(
+    items: Sequence[BatchItem],
     pad_token_id: int,
     action_mask: FiniteActionMask | None = None,
 ) -> PaddedBatch:
-    if not samples:
+    if not items:
         raise ValueError("no samples to pad")
-    batch, length = len(samples), max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    width = max(len(s.response_ids) for s in samples)
+    trajectories = [i.trajectory for i in items]
+    batch, length = len(items), max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
+    width = max(len(t.response_ids) for t in trajectories)
     input_ids = torch.full((batch, length), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((batch, length), dtype=torch.long)
     positions = torch.zeros((batch, width), dtype=torch.long)
@@ -56,21 +57,22 @@ def pad_samples(
     allowed = None
     if action_mask is not None:
         allowed = torch.ones((batch, width, action_mask.vocab_size), dtype=torch.bool)
-    for row, sample in enumerate(samples):
-        prompt, response = len(sample.prompt_ids), len(sample.response_ids)
-        input_ids[row, : prompt + response] = torch.tensor(sample.prompt_ids + sample.response_ids)
+    for row, (item, t) in enumerate(zip(items, trajectories)):
+        prompt, response = len(t.prompt_ids), len(t.response_ids)
+        input_ids[row, : prompt + response] = torch.tensor(t.prompt_ids + t.response_ids)
         attention_mask[row, : prompt + response] = 1
         positions[row, :response] = torch.arange(prompt, prompt + response)
-        response_ids[row, :response] = torch.tensor(sample.response_ids)
-        floats["mask"][row, :response] = torch.tensor(sample.response_mask, dtype=torch.float32)
-        floats["logprobs"][row, :response] = torch.tensor(sample.response_logprobs)
-        floats["weights"][row, :response] = torch.tensor(sample.loss_weights())
+        response_ids[row, :response] = torch.tensor(t.response_ids)
+        floats["mask"][row, :response] = torch.tensor(t.response_mask, dtype=torch.float32)
+        floats["logprobs"][row, :response] = torch.tensor(t.response_logprobs)
+        floats["weights"][row, :response] = torch.tensor(item.loss_weights())
         if response:
-            floats["rewards"][row, response - 1] = sample.reward
-        versions[row, :response] = torch.tensor([-1 if v is None else v for v in sample.token_versions()])
+            floats["rewards"][row, response - 1] = t.reward
+        versions[row, :response] = torch.tensor([-1 if v is None else v for v in item.token_versions()])
         if action_mask is not None:
-            for start, end in _policy_runs(sample.response_mask):
-                allowed[row, start:end] = action_mask.turn_masks(sample.response_ids[start:end])
+            for turn in t.turns:  # each turn's grammar, over the tokens the policy sampled in it
+                start, end = turn.response_start, min(turn.response_start + turn.response_tokens, response)
+                allowed[row, start:end] = action_mask.turn_masks(t.response_ids[start:end])
     return PaddedBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -81,18 +83,6 @@ def pad_samples(
         loss_weights=floats["weights"],
         token_level_rewards=floats["rewards"],
         token_versions=versions,
-        groups=np.array([s.group for s in samples], dtype=object),
+        groups=np.array([i.group for i in items], dtype=object),
         allowed=allowed,
     )
-
-
-def _policy_runs(mask: Sequence[int]) -> list[tuple[int, int]]:
-    """[start, end) of each run of policy tokens: one per turn."""
-    runs, start = [], None
-    for i, value in enumerate([*mask, 0]):
-        if value and start is None:
-            start = i
-        elif not value and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs

@@ -9,8 +9,9 @@ episode may start. Each step takes a batch of whole GRPO groups from the buffer,
 pushes the weights to every vLLM server, verifies them there, publishes the new policy version and only then
 acknowledges the batch (a trainer that dies mid-step loses nothing: the batch is redelivered).
 
-It is written against the same hooks as the verl and SkyRL backends (`prorl_backend_requests`,
-`prorl_backend_batch`) and is the embedded default for demonstrations and tests, not a replacement for verl.
+Like the verl and SkyRL backends it implements the backend hooks only (`CpuTrainerBackend`) and goes through
+the driver (`RolloutDriver`: enqueue, take whole groups, to_batch, ack). It is the embedded default for
+demonstrations and tests, not a replacement for verl.
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from prorl_adapter.hooks.specs import TrajectoryWeight, hookimpl
-from prorl_adapter.models import BatchItem, JobRequest, Trajectory
-from prorl_adapter.trainer.client import RolloutClient
-from prorl_adapter.trainer.samples import TrainerPlugins, TrainingSample, group_key, job_request
+from prorl_adapter.hooks import PluginSet, hookimpl
+from prorl_adapter.models import BatchItem, JobRequest
+from prorl_adapter.trainer import RolloutClient, RolloutDriver
+from prorl_adapter.trainer.samples import job_request
 from prorl_plugins.tasks.relay import RelayTask, relay_instances, relay_regex, relay_turn_texts
 
 from .actor import TorchActor
-from .batch import PaddedBatch, pad_samples
+from .batch import PaddedBatch, pad_items
 from .constrained import FiniteActionMask
 from .weight_sync import VllmWeightSync
 
@@ -87,7 +88,7 @@ class StepRecord:
 
 
 class CpuTrainerBackend:
-    """The hook implementation: dataset rows to jobs, and taken trajectories to the actor's padded batch."""
+    """The hook implementations: relay rows to jobs, and taken items to the actor's padded batch."""
 
     def __init__(self, settings: TrainSettings, action_mask: FiniteActionMask, pad_id: int):
         self.settings = settings
@@ -95,78 +96,17 @@ class CpuTrainerBackend:
         self.pad_id = pad_id
 
     @hookimpl
-    def prorl_backend_requests(self, batch: Any, config: dict[str, Any]) -> list[JobRequest] | None:
-        if not (isinstance(batch, list) and all(isinstance(row, dict) and "word" in row for row in batch)):
-            return None  # not relay rows: another backend's request
-        rows: list[dict[str, Any]] = batch
-        sampling = {"max_tokens": self.settings.max_tokens_per_turn, "temperature": 1.0}
-        sampling["regex"] = relay_regex()
+    def prorl_backend_requests(self, batch: list[dict[str, Any]], config: dict[str, Any]) -> list[JobRequest]:
+        sampling = {"max_tokens": self.settings.max_tokens_per_turn, "temperature": 1.0, "regex": relay_regex()}
         return [
             job_request("relay", row, group=row["id"], sampling=sampling, max_turns=2, labels={"run": "cpu-grpo"})
-            for row in rows
+            for row in batch
             for _ in range(self.settings.group_size)
         ]
 
     @hookimpl
-    def prorl_backend_batch(
-        self, trajectories: list[Trajectory], weights: list[TrajectoryWeight], batch: Any
-    ) -> PaddedBatch | None:
-        if not (isinstance(batch, list) and all(isinstance(sample, TrainingSample) for sample in batch)):
-            return None
-        samples: list[TrainingSample] = batch
-        return pad_samples(samples, self.pad_id, self.action_mask)
-
-
-class GroupCollector:
-    """Takes batches from the service until it holds `size` samples in complete GRPO groups; samples of an
-    incomplete group wait (unacknowledged) for their siblings. GRPO needs whole groups: a lone sample's
-    advantage would be its raw reward.
-
-    A group can stay incomplete for good: the service does not buffer an episode that failed for an
-    infrastructure reason, and drops (acknowledges) one its staleness plugin weighed 0. Once the service has
-    nothing left to produce, incomplete groups of two or more are released as they are; a lone sample is
-    acknowledged unused."""
-
-    def __init__(self, client: RolloutClient, group_size: int) -> None:
-        self.client = client
-        self.group_size = group_size
-        self._waiting: dict[str, dict[str, BatchItem]] = defaultdict(dict)
-
-    async def take(self, size: int, timeout: float) -> list[BatchItem]:
-        deadline = time.monotonic() + timeout
-        while self._count(self.group_size) < size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"the service delivered no full batch of {size} within {timeout:g} s")
-            batch = await self.client.take_batch(size, timeout=min(remaining, 5.0))
-            for item in batch.items:
-                self._waiting[group_key(item.trajectory)][item.id] = item  # a redelivered item replaces itself
-            if not batch.items and await self._production_finished():
-                if self._count(2) == 0:
-                    raise RuntimeError(f"the service has nothing left to produce: no batch of {size} will come")
-                await self._give_up_on_singletons()
-                return self._pop_groups(size, minimum=2)
-        return self._pop_groups(size, minimum=self.group_size)
-
-    def _count(self, minimum: int) -> int:
-        return sum(len(items) for items in self._waiting.values() if len(items) >= minimum)
-
-    def _pop_groups(self, size: int, minimum: int) -> list[BatchItem]:
-        taken: list[BatchItem] = []
-        for group in [g for g, items in self._waiting.items() if len(items) >= minimum]:
-            if len(taken) >= size:
-                break
-            taken += self._waiting.pop(group).values()
-        return taken
-
-    async def _production_finished(self) -> bool:
-        status = await self.client.buffer()
-        return status["upcoming"] == 0 and status["in_flight"] == 0 and status["ready"] == 0
-
-    async def _give_up_on_singletons(self) -> None:
-        lone = [g for g, items in self._waiting.items() if len(items) == 1]
-        if lone:
-            await self.client.ack([item.id for g in lone for item in self._waiting.pop(g).values()])
+    def prorl_backend_batch(self, items: list[BatchItem]) -> PaddedBatch:
+        return pad_items(items, self.pad_id, self.action_mask)
 
 
 class CpuTrainer:
@@ -180,28 +120,27 @@ class CpuTrainer:
         actions = relay_turn_texts()
         self.action_mask = FiniteActionMask.for_tokenizer(actions, tokenizer, self.actor.vocab_size)
         backend = CpuTrainerBackend(settings, self.action_mask, tokenizer.pad_token_id or 0)
-        self.plugins = TrainerPlugins(settings.plugin_config(), objects=[backend])
+        self.plugins = PluginSet.load(settings.plugin_config(), objects=[backend])
         self.sync = VllmWeightSync(llm_urls)
         # Any text scores the weights; the task's own prompt keeps the probe in the model's usual context.
         self._probe = tokenizer.encode(RelayTask().user_prompt({}))
 
-    def requests(self) -> list[JobRequest]:
-        count = self.settings.steps * self.settings.groups_per_step
-        rows = relay_instances(count, self.settings.seed)
-        return self.plugins.hooks.prorl_backend_requests(batch=rows, config=self.plugins.config)
+    def rows(self) -> list[dict[str, Any]]:
+        """Every prompt of the run: `groups_per_step` relay instances per step."""
+        return relay_instances(self.settings.steps * self.settings.groups_per_step, self.settings.seed)
 
     async def run(self, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
         records: list[StepRecord] = []
         try:
             async with RolloutClient(self.rollout_url) as client:
+                driver = RolloutDriver(client, self.plugins)
                 # Version 0 is the trainer's weights: push them first, so a server that was serving anything
                 # else (a previous run's weights) cannot produce version-0 samples.
                 self._publish_weights()
-                await client.set_policy_version(0)
-                await client.enqueue_prompts(self.requests())
-                collector = GroupCollector(client, self.settings.group_size)
+                await driver.set_policy_version(0)
+                await driver.enqueue(self.rows())
                 for step in range(self.settings.steps):
-                    records.append(await self._step(client, collector, step))
+                    records.append(await self._step(driver, step))
                     if on_step:
                         on_step(records[-1])
         finally:
@@ -213,35 +152,33 @@ class CpuTrainer:
         self.sync.push(self.actor.save(self.run_dir / "weights"))
         return self.sync.verify(self._probe, self.actor.sequence_logprobs(self._probe))
 
-    async def _step(self, client: RolloutClient, collector: GroupCollector, version: int) -> StepRecord:
+    async def _step(self, driver: RolloutDriver, version: int) -> StepRecord:
         started = time.perf_counter()
-        items = await collector.take(self.settings.batch_size, self.settings.take_timeout_s)
+        s = self.settings
+        items = await driver.take(s.batch_size, s.take_timeout_s, group_size=s.group_size)
         training = time.perf_counter()
-        samples = [TrainingSample.from_batch_item(item) for item in items]
-        batch: PaddedBatch = self.plugins.hooks.prorl_backend_batch(
-            trajectories=[s.trajectory for s in samples], weights=[s.weight for s in samples], batch=samples
-        )
-        stats, logprobs = self.actor.update(batch, self.settings.ppo_epochs)
+        batch: PaddedBatch = driver.to_batch(items)
+        stats, logprobs = self.actor.update(batch, s.ppo_epochs)
         probe_gap = self._publish_weights()
-        await client.set_policy_version(version + 1)
-        await client.ack([item.id for item in items])
+        await driver.set_policy_version(version + 1)
+        await driver.ack(items)
         finished = time.perf_counter()
         fresh = (batch.token_versions == version) & batch.response_mask.bool()
         gap = (logprobs - batch.behaviour_logprobs).abs()[fresh]
         components: dict[str, list[float]] = defaultdict(list)
-        for sample in samples:
-            for name, value in sample.reward_components.items():
+        for item in items:
+            for name, value in item.trajectory.reward_components.items():
                 components[name].append(value)
         return StepRecord(
             step=version,
             policy_version=version,
-            reward=statistics.fmean(s.reward for s in samples),
+            reward=statistics.fmean(i.trajectory.reward for i in items),
             reward_components={name: statistics.fmean(values) for name, values in components.items()},
             logprob_gap=float(gap.max()) if gap.numel() else None,
             fresh_tokens=int(fresh.sum()),
             probe_gap=probe_gap,
-            staleness=dict(sorted(Counter(version - s.policy_version_min for s in samples).items())),
-            sample_weight_mean=statistics.fmean(s.weight.sample for s in samples),
+            staleness=dict(sorted(Counter(version - i.trajectory.policy_version_min for i in items).items())),
+            sample_weight_mean=statistics.fmean(i.weight.sample for i in items),
             trainer_busy=(finished - training) / (finished - started),
             seconds=finished - started,
             pg_loss=stats.pg_loss,

@@ -1,11 +1,10 @@
 """`ProRLGenerator`: the SkyRL generator whose episodes run on the rollout service.
 
-Each `generate(GeneratorInput)` call is one coupled round: the trainer's global step is published to the
-service as the policy version, every row becomes one job (`SkyRLBackend.prorl_backend_requests`), the jobs run
-to completion (`RolloutClient.run_many`), the trajectories are weighed by the shared plugins in this process
-(`TrainerPlugins.samples`: staleness, from the same configuration the service reads; reward shaping already
-ran on the service), and the answer is SkyRL's `GeneratorOutput` (`SkyRLBackend.prorl_backend_batch`). All of
-it goes through the hooks, so a plugin registered beside `SkyRLBackend` can take any step over.
+SkyRL's trainer calls `generate(GeneratorInput)` once per step; the generator hands it to the driver
+(`RolloutDriver.generate`), which calls the backend hooks of `SkyRLBackend` (the trainer's step as the policy
+version, rows as jobs, trajectories as SkyRL's `GeneratorOutput`), runs the jobs on the service and weighs the
+trajectories with the shared plugins of this process (staleness, from the same configuration the service reads;
+reward shaping already ran on the service).
 """
 
 from __future__ import annotations
@@ -15,8 +14,8 @@ from typing import Any
 
 from skyrl.train.generators.base import GeneratorInput, GeneratorInterface, GeneratorOutput
 
-from prorl_adapter.trainer.client import RolloutClient
-from prorl_adapter.trainer.samples import TrainerPlugins, TrainingSample
+from prorl_adapter.hooks import PluginSet
+from prorl_adapter.trainer import RolloutClient, RolloutDriver
 
 from . import compat  # noqa: F401  (before the first skyrl import)
 from .hooks import SkyRLBackend
@@ -38,10 +37,10 @@ class ProRLGenerator(GeneratorInterface):
         self.rollout_url = rollout_url
         self.token = token
         self.wait_s = wait_s
-        self.backend = backend or SkyRLBackend()
         self.request_config = dict(request_config or {})
-        self.plugins = TrainerPlugins(plugin_config, import_paths=plugins, objects=[self.backend])
-        self._published: int | None = None  # the last version this generator published to the service
+        self.backend = backend or SkyRLBackend()
+        self.plugins = PluginSet.load(plugin_config, import_paths=plugins, objects=[self.backend])
+        self._published: int | None = None  # the last version published, kept across the per-call drivers
 
     @classmethod
     def from_config(cls, cfg: Any, tokenizer: Any = None) -> ProRLGenerator:
@@ -65,27 +64,11 @@ class ProRLGenerator(GeneratorInterface):
         )
 
     async def generate(self, input_batch: GeneratorInput) -> GeneratorOutput:
-        samples = await self.samples(input_batch)
-        output = self.plugins.hooks.prorl_backend_batch(
-            trajectories=[s.trajectory for s in samples], weights=[s.weight for s in samples], batch=input_batch
-        )
-        if output is None:
-            raise TypeError("no backend plugin turned the trajectories into a SkyRL GeneratorOutput")
-        return output
-
-    async def samples(self, input_batch: GeneratorInput) -> list[TrainingSample]:
-        """The batch's episodes, run on the service and weighed at the trainer's version, in row order."""
-        hooks = self.plugins.hooks
-        requests = hooks.prorl_backend_requests(batch=input_batch, config=self.request_config)
-        if requests is None:
-            raise TypeError("no backend plugin turned the SkyRL GeneratorInput into rollout jobs")
-        version = hooks.prorl_backend_policy_version()
+        # One client per call: SkyRL may call from a different event loop each time.
         async with RolloutClient(self.rollout_url, token=self.token) as client:
-            if version is not None and version != self._published:
-                await client.set_policy_version(version)
-                self._published = version
-                hooks.prorl_policy_version_changed(version=version)
-            trajectories = await client.run_many(requests, wait=self.wait_s)
-        if version is None:  # no batch_metadata: weigh against the newest version the batch was produced at
-            version = max(t.policy_version_max for t in trajectories)
-        return self.plugins.samples(trajectories, version)
+            driver = RolloutDriver(client, self.plugins, self.request_config, wait_s=self.wait_s)
+            driver.published = self._published
+            try:
+                return await driver.generate(input_batch)
+            finally:
+                self._published = driver.published

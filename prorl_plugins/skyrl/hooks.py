@@ -1,6 +1,7 @@
 """The SkyRL backend hook implementation: SkyRL's `GeneratorInput` in, rollout jobs out; finished trajectories
-in, SkyRL's `GeneratorOutput` out. Everything a trainer does the same (weighing, the loss-mask fold, the GRPO
-group) comes from `prorl_adapter.backend`; what is here is only SkyRL's vocabulary.
+in, SkyRL's `GeneratorOutput` out, called by the driver (`prorl_adapter.trainer.RolloutDriver`). Everything a
+trainer does the same (weighing, the loss weights, the GRPO group) is the driver's and `BatchItem`'s; what is
+here is only SkyRL's vocabulary.
 
 How a SkyRL row becomes an episode:
 - `env_classes[i]` (the dataset's `env_class` column, else `environment.env_class`) names the rollout task
@@ -19,14 +20,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from skyrl.train.generators.base import GeneratorInput, GeneratorOutput
 
-from prorl_adapter.hooks.specs import TrajectoryWeight, hookimpl
-from prorl_adapter.models import JobRequest, Trajectory
-from prorl_adapter.trainer.samples import TrainingSample, group_neutral_rewards, job_request
+from prorl_adapter.hooks import hookimpl
+from prorl_adapter.models import BatchItem, JobRequest, TrajectoryWeight
+from prorl_adapter.trainer.samples import group_neutral_rewards, job_request
 
 from . import compat  # noqa: F401  (before the first skyrl import)
 
@@ -58,11 +58,6 @@ STOP_REASONS: Mapping[str, str] = {
     "error": "error",
 }
 _REQUEST_KEYS = ("max_turns", "max_context_tokens", "timeout_s")
-
-
-def is_generator_input(batch: Any) -> bool:
-    """SkyRL's `GeneratorInput` is a TypedDict, a plain dict at run time: recognised by its required keys."""
-    return isinstance(batch, Mapping) and "prompts" in batch and "env_classes" in batch
 
 
 def sampling_settings(params: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -108,50 +103,50 @@ def request_settings(config: Mapping[str, Any]) -> dict[str, Any]:
     return {key: config[key] for key in _REQUEST_KEYS if config.get(key) is not None}
 
 
-def _filled(sample: TrainingSample, filler_token_id: int | None) -> TrainingSample:
+def _filled(item: BatchItem, filler_token_id: int | None) -> BatchItem:
     """SkyRL puts the reward on a response's last token, so a response cannot be empty; an episode that failed
     before the policy spoke gets one filler token (mask 0: never trained on)."""
-    if sample.response_ids:
-        return sample
+    t = item.trajectory
+    if t.response_ids:
+        return item
     if filler_token_id is None:
         raise ValueError(
-            f"episode {sample.id} has an empty response and no filler token id was given (SkyRLBackend's "
+            f"episode {item.id} has an empty response and no filler token id was given (SkyRLBackend's "
             "filler_token_id, the tokenizer's eos token)"
         )
-    weight = TrajectoryWeight(sample.weight.sample, None, list(sample.weight.reasons))
-    return replace(sample, response_ids=[filler_token_id], response_mask=[0], response_logprobs=[0.0], weight=weight)
+    filled = t.model_copy(update={"response_ids": [filler_token_id], "response_mask": [0], "response_logprobs": [0.0]})
+    weight = TrajectoryWeight(item.weight.sample, None, list(item.weight.reasons))
+    return item.model_copy(update={"trajectory": filled, "weight": weight})
 
 
 def generator_output(
-    samples: Sequence[TrainingSample], batch: Mapping[str, Any], filler_token_id: int | None = None
+    items: Sequence[BatchItem], batch: Mapping[str, Any], filler_token_id: int | None = None
 ) -> GeneratorOutput:
-    """Weighed samples, in the order of the `GeneratorInput` rows they answer, in SkyRL's terms.
+    """Weighed items, in the order of the `GeneratorInput` rows they answer, in SkyRL's terms.
 
     Weights: SkyRL has no per-sample loss weight, but its `loss_mask` is a float tensor that multiplies each
-    token's loss, so the weights ride in it (`TrainingSample.weighted_mask`): a dropped sample keeps its row with
+    token's loss, so the weights ride in it (`BatchItem.weighted_mask`): a dropped sample keeps its row with
     an all-zero mask (SkyRL needs one row per prompt) and its group's mean reward, so that SkyRL's GRPO
     baseline, computed over every row, is not pulled by it; a linear staleness weight w scales its policy
     tokens to w.
     """
-    samples = [_filled(s, filler_token_id) for s in samples]
+    items = [_filled(i, filler_token_id) for i in items]
     masks = []
-    for s in samples:
-        mask = s.weighted_mask()
+    for item in items:
+        mask = item.weighted_mask()
         # Plain 0/1 ints where no weight is in play, as SkyRL's own generators emit.
         masks.append([int(m) for m in mask] if all(m in (0.0, 1.0) for m in mask) else mask)
-    trajectories = [s.trajectory for s in samples]
+    trajectories = [i.trajectory for i in items]
     return GeneratorOutput(
-        prompt_token_ids=[s.prompt_ids for s in samples],
-        response_ids=[s.response_ids for s in samples],
-        rewards=group_neutral_rewards(samples),
+        prompt_token_ids=[t.prompt_ids for t in trajectories],
+        response_ids=[t.response_ids for t in trajectories],
+        rewards=group_neutral_rewards(items),
         loss_masks=masks,
-        stop_reasons=[STOP_REASONS[t.finish_reason] if t else "stop" for t in trajectories],
-        rollout_metrics=rollout_metrics(samples),
-        rollout_logprobs=[s.response_logprobs for s in samples],
+        stop_reasons=[STOP_REASONS[t.finish_reason] for t in trajectories],
+        rollout_metrics=rollout_metrics(items),
+        rollout_logprobs=[t.response_logprobs for t in trajectories],
         trajectory_ids=batch.get("trajectory_ids"),
-        trajectory_generation_times=[
-            t.timings.init_s + t.timings.run_s + t.timings.eval_s if t else 0.0 for t in trajectories
-        ],
+        trajectory_generation_times=[t.timings.init_s + t.timings.run_s + t.timings.eval_s for t in trajectories],
         rollout_expert_indices=None,
         is_last_step=None,
         env_metrics=None,
@@ -160,32 +155,36 @@ def generator_output(
     )
 
 
-def rollout_metrics(samples: Sequence[TrainingSample]) -> dict[str, float]:
-    n = max(1, len(samples))
+def rollout_metrics(items: Sequence[BatchItem]) -> dict[str, float]:
+    n = max(1, len(items))
     return {
-        "prorl/num_turns": sum(s.num_turns for s in samples) / n,
-        "prorl/sample_weight": sum(s.weight.sample for s in samples) / n,
-        "prorl/untrainable": float(sum(not s.trainable for s in samples)),
-        "prorl/infra_failures": float(sum(bool(s.trajectory and s.trajectory.filter) for s in samples)),
+        "prorl/num_turns": sum(i.trajectory.num_turns for i in items) / n,
+        "prorl/sample_weight": sum(i.weight.sample for i in items) / n,
+        "prorl/untrainable": float(sum(not i.trainable for i in items)),
+        "prorl/infra_failures": float(sum(i.trajectory.filter for i in items)),
     }
 
 
+def global_step(batch: GeneratorInput) -> int | None:
+    metadata = batch.get("batch_metadata")
+    return None if metadata is None else int(metadata.global_step)
+
+
 class SkyRLBackend:
-    """The hook implementations; its state is the trainer's last global step and the filler token id."""
+    """The hook implementations: SkyRL's `GeneratorInput` in, SkyRL's `GeneratorOutput` out."""
 
     def __init__(self, filler_token_id: int | None = None) -> None:
         self.filler_token_id = filler_token_id
-        self.global_step: int | None = None
 
     @hookimpl
-    def prorl_backend_requests(self, batch: Any, config: dict[str, Any]) -> list[JobRequest] | None:
-        if not is_generator_input(batch):
-            return None
-        batch: GeneratorInput
+    def prorl_backend_policy_version(self, batch: GeneratorInput) -> int | None:
+        step = global_step(batch)
+        return None if step is None else max(0, step - 1)
+
+    @hookimpl
+    def prorl_backend_requests(self, batch: GeneratorInput, config: dict[str, Any]) -> list[JobRequest]:
         settings = request_settings(config)
-        metadata = batch.get("batch_metadata")
-        if metadata is not None:
-            self.global_step = int(metadata.global_step)
+        step = global_step(batch)
         n = len(batch["prompts"])
         extras = batch.get("env_extras") or [None] * n
         ids = batch.get("trajectory_ids") or [None] * n
@@ -197,7 +196,7 @@ class SkyRLBackend:
         sampling = sampling_settings(batch.get("sampling_params"))
         requests = []
         for i, (task, extra, tid) in enumerate(zip(batch["env_classes"], extras, ids)):
-            labels = {STEP_LABEL: str(self.global_step)} if self.global_step is not None else {}
+            labels = {STEP_LABEL: str(step)} if step is not None else {}
             if tid is not None:
                 labels[TRAJECTORY_LABEL] = tid.to_string()
             group = tid.instance_id if tid is not None else f"row-{i}"
@@ -205,18 +204,7 @@ class SkyRLBackend:
         return requests
 
     @hookimpl
-    def prorl_backend_batch(
-        self, trajectories: list[Trajectory], weights: list[TrajectoryWeight], batch: Any
-    ) -> GeneratorOutput | None:
-        if not is_generator_input(batch):
-            return None
-        if not len(trajectories) == len(weights) == len(batch["prompts"]):
-            raise ValueError(
-                f"{len(trajectories)} trajectories and {len(weights)} weights for {len(batch['prompts'])} prompts"
-            )
-        samples = [TrainingSample.from_trajectory(t, w) for t, w in zip(trajectories, weights)]
-        return generator_output(samples, batch, self.filler_token_id)
-
-    @hookimpl
-    def prorl_backend_policy_version(self) -> int | None:
-        return None if self.global_step is None else max(0, self.global_step - 1)
+    def prorl_backend_batch(self, items: list[BatchItem], batch: GeneratorInput) -> GeneratorOutput:
+        if len(items) != len(batch["prompts"]):
+            raise ValueError(f"{len(items)} trajectories for {len(batch['prompts'])} prompts")
+        return generator_output(items, batch, self.filler_token_id)

@@ -1,7 +1,7 @@
 """The built-in task handlers: `shell`, `python_math`, `swe` and `relay`. Registered through the `prorl_adapter`
 entry point `builtin_tasks`, exactly as a third-party plugin would register its own."""
 
-from prorl_adapter.hooks.specs import hookimpl
+from prorl_adapter.hooks import hookimpl
 
 from .python_math import PythonMathTask
 from .relay import RelayTask

@@ -5,7 +5,7 @@ The rollout service `put`s every finished trajectory; the trainer `take`s batche
 loses nothing, because `reclaim(idle_s)` hands entries pending for at least `idle_s` seconds back to the queue
 (the next `take` delivers them again, with a higher delivery count), and `release(ids)` does the same for
 exactly the entries given (the caller knows their lease expired). Delivery is therefore at least once: a
-trainer slower than `idle_s` may see an entry twice, and `BufferedTrajectory.deliveries > 1` says so.
+trainer slower than `idle_s` may see an entry twice, and `BatchItem.deliveries > 1` says so.
 
 Order ("prioritised by recency and policy version"): entries of the newest policy version first, where an
 entry's version is `trajectory.policy_version_min` (the version of its oldest turn, the one staleness is
@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ...models import Trajectory
+from ...models import BatchItem, Trajectory
 
 
 class ExperienceBufferError(Exception):
@@ -62,19 +62,6 @@ class MalformedEntryId(ExperienceBufferError, ValueError):
 
 
 @dataclass(frozen=True)
-class BufferedTrajectory:
-    """One delivered entry: `id` is what `ack` takes; `deliveries` counts deliveries, 1 the first time."""
-
-    id: str
-    trajectory: Trajectory
-    deliveries: int = 1
-
-    @property
-    def version(self) -> int:
-        return self.trajectory.policy_version_min
-
-
-@dataclass(frozen=True)
 class BufferStats:
     """`ready`: waiting to be taken; `pending`: taken, not yet acknowledged; `acked`: acknowledged in total;
     `expired`: removed by `expire` in total."""
@@ -97,7 +84,7 @@ class ExperienceBuffer(abc.ABC):
         """Add one trajectory; returns its entry id."""
 
     @abc.abstractmethod
-    async def take(self, n: int, timeout: float | None = None) -> list[BufferedTrajectory]:
+    async def take(self, n: int, timeout: float | None = None) -> list[BatchItem]:
         """Wait until `n` entries are ready or `timeout` seconds pass, then return up to `n` of them, in
         priority order (newest version first, FIFO within a version). They stay pending until `ack`ed.
         `timeout=None` waits for all `n`; `timeout=0` returns at once with what is ready."""

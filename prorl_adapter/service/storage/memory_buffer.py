@@ -11,10 +11,9 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ...models import Trajectory
+from ...models import BatchItem, Trajectory
 from .buffer import (
     BufferClosed,
-    BufferedTrajectory,
     BufferStats,
     ExperienceBuffer,
     check_n,
@@ -115,7 +114,7 @@ class MemoryBuffer(ExperienceBuffer):
             self._cond.notify_all()
             return entry.id
 
-    async def take(self, n: int, timeout: float | None = None) -> list[BufferedTrajectory]:
+    async def take(self, n: int, timeout: float | None = None) -> list[BatchItem]:
         check_n(n)
         async with self._cond:
             self._check_open()
@@ -131,8 +130,8 @@ class MemoryBuffer(ExperienceBuffer):
             self._check_open()
             return self._pop(n)
 
-    def _pop(self, n: int) -> list[BufferedTrajectory]:
-        out: list[BufferedTrajectory] = []
+    def _pop(self, n: int) -> list[BatchItem]:
+        out: list[BatchItem] = []
         now = self._clock()
         while self._ready and len(out) < n:
             _, _, entry_id = heapq.heappop(self._ready)
@@ -143,7 +142,7 @@ class MemoryBuffer(ExperienceBuffer):
             entry.deliveries += 1
             entry.taken_at = now
             self._pending[entry_id] = entry
-            out.append(BufferedTrajectory(entry.id, entry.trajectory, entry.deliveries))
+            out.append(BatchItem(id=entry.id, trajectory=entry.trajectory, deliveries=entry.deliveries))
         return out
 
     async def ack(self, ids: Iterable[str]) -> int:

@@ -66,9 +66,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ...models import Trajectory
+from ...models import BatchItem, Trajectory
 from .buffer import (
-    BufferedTrajectory,
     BufferStats,
     BufferUnavailable,
     ExperienceBuffer,
@@ -311,12 +310,12 @@ class RedisBuffer(ExperienceBuffer):
             )
         return self._entry_id(version, sid)
 
-    async def take(self, n: int, timeout: float | None = None) -> list[BufferedTrajectory]:
+    async def take(self, n: int, timeout: float | None = None) -> list[BatchItem]:
         check_n(n)
         self._check_open()
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + max(0.0, timeout)
-        got: list[BufferedTrajectory] = []
+        got: list[BatchItem] = []
         while True:
             with self._errors(f"reading {self._events_key}"):
                 last = await self._redis.xrevrange(self._events_key, count=1)
@@ -331,12 +330,12 @@ class RedisBuffer(ExperienceBuffer):
             with self._errors(f"waiting for new entries on {self._events_key}"):
                 await self._redis.xread({self._events_key: mark}, count=1, block=max(1, int(block_s * 1000)))
 
-    async def _read(self, k: int) -> list[BufferedTrajectory]:
+    async def _read(self, k: int) -> list[BatchItem]:
         """Up to k entries, newest version first, without waiting."""
         with self._errors(f"reading {self._versions_key}"):
             registered = await self._redis.zrevrange(self._versions_key, 0, -1)
         versions = {int(v) for v in registered} | {v for v, ids in self._reclaimed.items() if ids}
-        out: list[BufferedTrajectory] = []
+        out: list[BatchItem] = []
         for version in sorted(versions, reverse=True):
             if len(out) >= k:
                 break
@@ -346,7 +345,7 @@ class RedisBuffer(ExperienceBuffer):
                 out += await self._read_new(version, k - len(out))
         return out
 
-    async def _serve_reclaimed(self, version: int, k: int) -> list[BufferedTrajectory]:
+    async def _serve_reclaimed(self, version: int, k: int) -> list[BatchItem]:
         held = self._reclaimed[version]
         sids = sorted(held, key=_sid_key)[:k]
         held.difference_update(sids)
@@ -361,7 +360,7 @@ class RedisBuffer(ExperienceBuffer):
             raise
         return [self._decode(version, sid, fields, int(deliveries)) for sid, fields, deliveries in rows]
 
-    async def _read_new(self, version: int, k: int) -> list[BufferedTrajectory]:
+    async def _read_new(self, version: int, k: int) -> list[BatchItem]:
         stream = self._stream(version)
         what = f"XREADGROUP on {stream}"
         for _ in range(2):
@@ -385,7 +384,7 @@ class RedisBuffer(ExperienceBuffer):
                 out.append(self._decode(version, sid, fields, 1))
         return out
 
-    def _decode(self, version: int, sid: str, fields: Any, deliveries: int) -> BufferedTrajectory:
+    def _decode(self, version: int, sid: str, fields: Any, deliveries: int) -> BatchItem:
         if isinstance(fields, list):  # from a script: a flat list of field, value
             fields = dict(zip(fields[::2], fields[1::2]))
         entry_id = self._entry_id(version, sid)
@@ -396,7 +395,7 @@ class RedisBuffer(ExperienceBuffer):
                 f"entry {entry_id} in {self._stream(version)} on Redis at {self._where} is not a trajectory "
                 f"(written by another version of prorl_adapter?): {exc}"
             ) from None
-        return BufferedTrajectory(entry_id, trajectory, deliveries)
+        return BatchItem(id=entry_id, trajectory=trajectory, deliveries=deliveries)
 
     async def ack(self, ids: Iterable[str]) -> int:
         done = 0

@@ -1,15 +1,12 @@
-"""The core every training backend shares: TrainingSample's weights, version tags and truncation."""
+"""What every training backend derives alike from a weighed trajectory (`BatchItem`): loss weights, per-token
+versions from each turn's span, truncation, the GRPO group; and the trainer-side helpers beside it."""
 
-from prorl_adapter.hooks.specs import TrajectoryWeight
-from prorl_adapter.models import Turn
-from prorl_adapter.trainer.samples import (
-    GROUP_LABEL,
-    TrainingSample,
-    group_key,
-    group_neutral_rewards,
-    job_request,
-    trajectory_from_tensors,
-)
+from prorl_adapter.models import GROUP_LABEL, BatchItem, TrajectoryWeight, Turn
+from prorl_adapter.trainer.samples import group_neutral_rewards, job_request, trajectory_from_tensors
+
+
+def item(trajectory, weight=None):
+    return BatchItem(id=trajectory.job_id, trajectory=trajectory, weight=weight or TrajectoryWeight())
 
 
 def two_turn_trajectory(versions=(3, 4)):
@@ -24,51 +21,62 @@ def two_turn_trajectory(versions=(3, 4)):
         reward=0.75,
     )
     turns = [
-        Turn(index=i, policy_version=v, llm_server="s", response_tokens=n, finish_reason="stop", text="")
-        for i, (v, n) in enumerate(zip(versions, (2, 1)))
+        Turn(
+            index=i,
+            policy_version=v,
+            llm_server="s",
+            response_start=start,
+            response_tokens=n,
+            finish_reason="stop",
+            text="",
+        )
+        for i, (v, start, n) in enumerate(zip(versions, (0, 3), (2, 1)))
     ]
     return trajectory.model_copy(update={"turns": turns, "num_turns": 2})
 
 
-def test_token_versions_follow_the_turns():
-    sample = TrainingSample.from_trajectory(two_turn_trajectory((3, 4)))
+def test_token_versions_follow_the_turn_spans():
+    sample = item(two_turn_trajectory((3, 4)))
     assert sample.token_versions() == [3, 3, None, 4, None]
 
 
 def test_token_versions_without_turns_fall_back_to_the_oldest_version():
-    sample = TrainingSample.from_trajectory(two_turn_trajectory((3, 4)).model_copy(update={"turns": []}))
+    # a trajectory rebuilt from a trainer's tensors (verl's sampler) has no turns
+    sample = item(two_turn_trajectory((3, 4)).model_copy(update={"turns": []}))
     assert sample.token_versions() == [3, 3, None, 3, None]
 
 
 def test_loss_weights_are_sample_times_token_weight():
     weight = TrajectoryWeight(sample=0.5, tokens=[1.0, 2.0, 1.0, 0.5, 1.0])
-    sample = TrainingSample.from_trajectory(two_turn_trajectory(), weight)
+    sample = item(two_turn_trajectory(), weight)
     assert sample.loss_weights() == [0.5, 1.0, 0.5, 0.25, 0.5]
-    assert TrainingSample.from_trajectory(two_turn_trajectory()).loss_weights() == [1.0] * 5
+    assert item(two_turn_trajectory()).loss_weights() == [1.0] * 5
 
 
 def test_truncation_cuts_every_aligned_list_and_keeps_the_reward():
     weight = TrajectoryWeight(sample=0.5, tokens=[1.0, 2.0, 1.0, 0.5, 1.0])
-    sample = TrainingSample.from_trajectory(two_turn_trajectory(), weight).truncated(3)
-    assert sample.response_ids == [5, 6, 7] and sample.response_mask == [1, 1, 0]
-    assert sample.response_logprobs == [-0.5, -0.25, 0.0] and sample.weight.tokens == [1.0, 2.0, 1.0]
-    assert sample.reward == 0.75 and sample.weight.sample == 0.5
+    sample = item(two_turn_trajectory(), weight).truncated(3)
+    t = sample.trajectory
+    assert t.response_ids == [5, 6, 7] and t.response_mask == [1, 1, 0]
+    assert t.response_logprobs == [-0.5, -0.25, 0.0] and sample.weight.tokens == [1.0, 2.0, 1.0]
+    assert t.reward == 0.75 and sample.weight.sample == 0.5
+    assert sample.token_versions() == [3, 3, None]  # the second turn's span lies past the cut
 
 
 def test_group_is_the_label_a_backend_set_else_the_instance():
     request = job_request("relay", {"word": "red"}, group="prompt-7", sampling={"max_tokens": 8})
     assert request.labels[GROUP_LABEL] == "prompt-7" and request.sampling.max_tokens == 8
     trajectory = two_turn_trajectory().model_copy(update={"labels": {GROUP_LABEL: "prompt-7"}})
-    assert group_key(trajectory) == "prompt-7"
+    assert item(trajectory).group == "prompt-7"
     unlabelled = two_turn_trajectory().model_copy(update={"instance_id": "i-1", "task": "relay"})
-    assert group_key(unlabelled) == "relay:i-1"
+    assert item(unlabelled).group == "relay:i-1"
 
 
 def test_untrainable_samples_get_their_groups_trainable_mean():
     def sample(reward, group, weight=1.0, failed=False):
         labels = {GROUP_LABEL: group}
         trajectory = two_turn_trajectory().model_copy(update={"reward": reward, "labels": labels, "filter": failed})
-        return TrainingSample.from_trajectory(trajectory, TrajectoryWeight(sample=weight))
+        return item(trajectory, TrajectoryWeight(sample=weight))
 
     samples = [sample(1.0, "a"), sample(0.0, "a"), sample(1.0, "a", weight=0.0), sample(0.0, "a", failed=True)]
     samples.append(sample(1.0, "b", weight=0.0))  # a group with nothing trainable
