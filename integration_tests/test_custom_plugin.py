@@ -1,6 +1,7 @@
 """The example third-party plugin (examples/custom_plugin) taken the way a user takes it: installed with
-`pip install -e`, listed by `prorl-rollout plugins`, its hooks called through a plugin manager built from the
-entry points, and real countdown episodes through the rollout service (vLLM's tiny model, bwrap sandboxes).
+`pip install -e`, listed by `prorl-rollout plugins`, its hooks called through plugin sets built from the entry
+points (two configurations in one process), and real countdown episodes through the rollout service (vLLM's
+tiny model, bwrap sandboxes).
 
 An installed package's entry points and import hook are seen by new processes, so everything that needs the
 installed plugin runs in a subprocess; the package is uninstalled at the end of the module.
@@ -73,7 +74,7 @@ def test_prorl_rollout_plugins_lists_the_plugin_and_its_task(installed):
     listed = python("-m", "prorl_adapter", "plugins")
     assert listed.returncode == 0, listed.stderr
     lines = listed.stdout.splitlines()
-    hooks = "prorl_configure,prorl_register_tasks,prorl_reward_components,prorl_stage_event"
+    hooks = "prorl_register_tasks,prorl_reward_components,prorl_stage_event"
     assert f"countdown: CountdownPlugin hooks={hooks}" in lines
     assert "task countdown: prorl_plugin_countdown.task.CountdownTask" in lines
     assert "task shell: prorl_plugins.tasks.shell.ShellTask" in lines  # beside the built-in ones
@@ -88,13 +89,13 @@ def test_prorl_rollout_plugins_lists_the_plugin_and_its_task(installed):
 HOOKS_SCRIPT = textwrap.dedent(
     """
     import json
+    from prorl_adapter.hooks import PluginSet
     from prorl_adapter.models import StageTimings, ToolCall, Trajectory, Turn
-    from prorl_adapter.hooks.manager import collect_tasks, make_plugin_manager
 
     def trajectory(task, *commands):
         turns = [
-            Turn(index=i, policy_version=0, llm_server="http://llm", response_tokens=1, finish_reason="stop",
-                 text="", tool_calls=[ToolCall(name="bash", arguments={"command": c})])
+            Turn(index=i, policy_version=0, llm_server="http://llm", response_start=0, response_tokens=1,
+                 finish_reason="stop", text="", tool_calls=[ToolCall(name="bash", arguments={"command": c})])
             for i, c in enumerate(commands)
         ]
         return Trajectory(
@@ -103,16 +104,23 @@ HOOKS_SCRIPT = textwrap.dedent(
             policy_version_min=0, policy_version_max=0, timings=StageTimings(),
         )
 
-    pm = make_plugin_manager()  # the entry points, as `prorl-rollout serve` loads them
-    tasks = collect_tasks(pm)
+    def shaped(plugins, t, instance):
+        components, reward = plugins.shaped_reward(t, instance, t.reward_components)
+        return {"components": components, "reward": reward}
+
+    # The entry points, as `prorl-rollout serve` loads them: one plugin set without configuration, one with.
+    default = PluginSet.load()
+    configured = PluginSet.load({"countdown": {"repeat_penalty": 0.5}})
     looping = trajectory("countdown", "cat puzzle.txt", "ls", "cat puzzle.txt", "cat puzzle.txt")
-    results = {"plugins": [name for name, _ in pm.list_name_plugin()], "task": type(tasks["countdown"]).__name__}
-    results["default"] = pm.hook.prorl_reward_components(trajectory=looping, instance=PUZZLE)
-    results["shell"] = pm.hook.prorl_reward_components(trajectory=trajectory("shell", "ls", "ls"), instance={})
-    pm.hook.prorl_configure(config={"countdown": {"repeat_penalty": 0.5}})
-    results["configured"] = pm.hook.prorl_reward_components(trajectory=looping, instance=PUZZLE)
+    results = {
+        "plugins": {d["name"]: d["plugin"] for d in default.describe()},
+        "task": type(default.tasks()["countdown"]).__name__,
+        "configured": shaped(configured, looping, PUZZLE),
+        "default": shaped(default, looping, PUZZLE),  # the other set's configuration does not reach this one
+        "shell": shaped(default, trajectory("shell", "ls", "ls"), {}),
+    }
     try:
-        pm.hook.prorl_configure(config={"countdown": {"repeat_penalty": -1}})
+        PluginSet.load({"countdown": {"repeat_penalty": -1}})
     except Exception as exc:
         results["bad_config"] = f"{type(exc).__name__}: {exc}"
     print(json.dumps(results))
@@ -120,15 +128,18 @@ HOOKS_SCRIPT = textwrap.dedent(
 )
 
 
-def test_the_plugin_manager_loads_its_task_and_reward_rule(installed):
+def test_plugin_sets_load_its_task_and_reward_rule_each_with_its_own_configuration(installed):
     ran = python("-c", f"PUZZLE = {PUZZLE!r}\n{HOOKS_SCRIPT}")
     assert ran.returncode == 0, ran.stderr
     results = json.loads(ran.stdout)
-    assert "countdown" in results["plugins"] and results["task"] == "CountdownTask"
-    # Two of the four calls repeat an earlier one; each other plugin is inert without configuration (None).
-    assert [r for r in results["default"] if r is not None] == [{"repeats": pytest.approx(-0.1)}]
-    assert [r for r in results["shell"] if r is not None] == []  # no opinion on other tasks
-    assert [r for r in results["configured"] if r is not None] == [{"repeats": -1.0}]
+    assert results["plugins"]["countdown"] == "CountdownPlugin" and results["task"] == "CountdownTask"
+    # Two of the four calls repeat an earlier one; the built-in plugins are inert without configuration.
+    assert results["default"] == {
+        "components": {"outcome": 0.0, "repeats": pytest.approx(-0.1)},
+        "reward": pytest.approx(-0.1),
+    }
+    assert results["configured"] == {"components": {"outcome": 0.0, "repeats": -1.0}, "reward": -1.0}
+    assert results["shell"] == {"components": {"outcome": 0.0}, "reward": 0.0}  # no opinion on other tasks
     assert results["bad_config"] == (
         "PluginConfigError: countdown: countdown.repeat_penalty must be a number >= 0, got -1"
     )

@@ -23,9 +23,9 @@ pytest.importorskip("verl", reason="verl is not installed: pip install -e '.[ver
 from prorl_adapter.dev.localstack import TINY_MODEL
 from prorl_adapter.models import Trajectory
 from prorl_adapter.service.chat import tool_call_regex
-from prorl_plugins.verl.agent_loop import output_extra_fields
+from prorl_plugins.verl.backend import output_extra_fields
 from prorl_plugins.verl.check import compose_verl_config
-from prorl_plugins.verl.config import ProrlVerlConfig, verl_lines
+from prorl_plugins.verl.config import ProrlVerlConfig, block_lines, verl_lines
 
 from .conftest import start_rollout
 
@@ -46,9 +46,11 @@ def rollout(vllm, sandbox_server, tmp_path_factory):
 
 
 def plugin_overrides(service_url: str, reward_source: str = "service") -> list[str]:
+    """The plugin lines. The reward shaping is stated once: in the service's --plugin-config, and in the block
+    too only when verl is to compute it (the agent loop checks that the two agree)."""
     regex = tool_call_regex("bash", "command", ["pwd", "touch done.txt"])  # real tool calls from a random model
     return [
-        *verl_lines(staleness=False, reward_in_verl=reward_source == "verl"),
+        *verl_lines(reward_source=reward_source),
         f"actor_rollout_ref.model.path={TINY_MODEL}",
         "actor_rollout_ref.rollout.name=vllm",
         "actor_rollout_ref.rollout.agent.num_workers=2",
@@ -63,7 +65,7 @@ def plugin_overrides(service_url: str, reward_source: str = "service") -> list[s
         "+prorl.sampling.max_tokens=48",
         f"+prorl.sampling.regex='{regex}'",
         f"+prorl.reward_source={reward_source}",
-        f"+prorl.reward.weights.step_cost={STEP_COST}",
+        *(block_lines("reward", REWARD_SECTION) if reward_source == "verl" else []),
     ]
 
 
@@ -247,6 +249,20 @@ def test_wrong_plugin_lines_fail_with_what_to_fix(ray_cluster, rollout, replica_
             ray_cluster.kill(worker)
 
 
+def test_a_block_that_contradicts_the_service_fails_at_the_first_rollout(ray_cluster, rollout, replica_address):
+    """The service was started with step_cost 0.125; a recipe saying 0.5 would log rewards nobody asked for."""
+    from verl.experimental.agent_loop import AgentLoopManager
+
+    config = compose_verl_config([*plugin_overrides(rollout.url), "+prorl.reward.weights.step_cost=0.5"])
+    manager = AgentLoopManager.create(config=config, llm_client=verl_llm_client(config, replica_address))
+    try:
+        with pytest.raises(Exception, match=r"reward shaping is stated twice, and differently.*step_cost=0.125"):
+            manager.generate_sequences(rows(1, 2))
+    finally:
+        for worker in manager.agent_loop_workers:
+            ray_cluster.kill(worker)
+
+
 # -- staleness on verl's real TransferQueue replay buffer ---------------------------------------------------
 @pytest.fixture(scope="module")
 def transfer_queue(ray_cluster):
@@ -300,6 +316,11 @@ def test_sampler_handles_stale_groups_per_mode(transfer_queue, mode):
 
     from prorl_plugins.verl.sampler import WEIGHTS_FIELD, StalenessReplayBuffer
 
+    # The recipe states staleness once, in the block; the sampler reads it from the config verl builds it from.
+    staleness = {"mode": mode, "max_staleness": 2, "batch_size": 2}
+    lines = [*verl_lines(staleness), *block_lines("staleness", staleness), "+prorl.task=shell"]
+    recipe = compose_verl_config([*lines, "+prorl.service_url=http://127.0.0.1:1"])
+
     tq = transfer_queue
     clear(tq)
     # Training step 5 trains the policy published after step 4; K = 2.
@@ -311,7 +332,7 @@ def test_sampler_handles_stale_groups_per_mode(transfer_queue, mode):
         max_off_policy_threshold=8,
         max_off_policy_strategy="drop",
         refill_fn=refills.append,
-        sampler_kwargs=OmegaConf.create({"staleness": {"mode": mode, "max_staleness": 2, "batch_size": 2}}),
+        sampler_kwargs=recipe.trainer.v1.sampler.sampler_kwargs,  # what verl passes: a node of the whole config
     )
     sampler = StalenessReplayBuffer(**config)
     batch, metrics = sampler.sample(global_steps=5, partition_id="train", batch_size=2)

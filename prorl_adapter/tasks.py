@@ -1,5 +1,5 @@
 """What a task handler is: it owns a task's sandbox set-up (init), the tools its agent gets, and the scoring
-(eval). Handlers are provided by plugins (`prorl_register_tasks`); the built-in ones live in `plugins/tasks`.
+(eval). Handlers are provided by plugins (`prorl_register_tasks`); the built-in ones live in `prorl_plugins/tasks`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Multi-objective reward shaping, shared by every training backend.
 
-Configured from the `reward` section of the plugin configuration (`prorl_configure`)::
+Configured from the `reward` section of the plugin configuration (the constructor of `RewardShaping`)::
 
     {"weights": {"outcome": 1.0, "safety": 1.0, "concision": 0.001, "format": 0.1, "step_cost": 0.01, "user": 1.0},
      "safety": {"patterns": ["...regex...", ...]},   # optional; default: DEFAULT_SAFETY_PATTERNS
@@ -12,7 +12,7 @@ its weight, and only when its weight is non-zero:
 
 - `safety`:    -weight per `bash` command / `python` program that matches a dangerous pattern;
 - `concision`: -weight * max(0, policy tokens - budget_tokens), policy tokens being sum(response_mask);
-- `format`:    -weight per malformed tool call (the parse errors of each turn's text, the agent's own count);
+- `format`:    -weight per malformed tool call (`Turn.tool_call_errors`, as the agent parsed them);
 - `step_cost`: -weight * num_turns;
 - `user`:      weight * f(trajectory, instance).
 
@@ -335,4 +335,3 @@ class RewardShaping:
         if self.config is None:
             return None
         return combine(components, self.config.outcome_weight)
-

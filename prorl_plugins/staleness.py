@@ -252,4 +252,3 @@ class StalenessControl:
                 f"mean {sum(policy) / len(policy):.3g}, {capped} capped at {c.importance_cap:g}"
             )
         return TrajectoryWeight(tokens=tokens, reasons=reasons)
-

@@ -1,5 +1,6 @@
-"""The reward-shaping plugin: each component on hand-built trajectories, the totals through a real plugin
-manager, and every configuration error with its message."""
+"""The reward-shaping plugin: each component on hand-built trajectories, the totals through a real plugin set
+(and through the service, for the agent's own count of malformed calls), and every configuration error with its
+message."""
 
 from __future__ import annotations
 
@@ -8,10 +9,8 @@ from typing import Any
 
 import pytest
 
-from prorl_adapter.hooks.manager import make_plugin_manager
-from prorl_adapter.hooks.specs import PluginConfigError
+from prorl_adapter.hooks import PluginConfigError, PluginSet
 from prorl_adapter.models import StageTimings, ToolCall, Trajectory, Turn
-from prorl_plugins import reward_shaping
 from prorl_plugins.reward_shaping import (
     DEFAULT_SAFETY_PATTERNS,
     RewardShaping,
@@ -25,6 +24,7 @@ from prorl_plugins.reward_shaping import (
     safety_penalty,
     step_cost,
 )
+from tests.fakes import bash_call, finish_call, on_virtual_time, rollout_stack, shell_job
 
 DEFAULTS = tuple(re.compile(pattern) for pattern in DEFAULT_SAFETY_PATTERNS)
 
@@ -38,10 +38,11 @@ def bash(command: str) -> ToolCall:
     return call("bash", command=command)
 
 
-def turn(text: str = "", *calls: ToolCall, index: int = 0) -> Turn:
+def turn(text: str = "", *calls: ToolCall, index: int = 0, errors: tuple[str, ...] = ()) -> Turn:
+    """A turn with the given calls; `errors` are the parse errors the agent recorded for its text."""
     return Turn(
-        index=index, policy_version=0, llm_server="http://llm", response_tokens=1, finish_reason="stop", text=text,
-        tool_calls=list(calls),
+        index=index, policy_version=0, llm_server="http://llm", response_start=0, response_tokens=1,
+        finish_reason="stop", text=text, tool_calls=list(calls), tool_call_errors=list(errors),
     )  # fmt: skip
 
 
@@ -81,18 +82,17 @@ def not_a_number(trajectory: Trajectory, instance: dict[str, Any]) -> str:
 NOT_CALLABLE = 3
 
 
-def manager(*plugins: object):
-    return make_plugin_manager(objects=plugins or [RewardShaping()], load_entry_points=False)
+def plugin_set(section: Any = None) -> PluginSet:
+    """The reward-shaping plugin alone, created by its import path from the `reward` section (None: none)."""
+    config = {} if section is None else {"reward": section}
+    return PluginSet.load(config, import_paths=["prorl_plugins.reward_shaping:RewardShaping"], entry_points=False)
 
 
-def shaped(pm, traj: Trajectory, instance: dict[str, Any] | None = None) -> tuple[dict[str, float], float | None]:
-    """What the pipeline does after eval: merge every plugin's components beside the task's, then combine."""
-    components = dict(traj.reward_components)
-    for extra in pm.hook.prorl_reward_components(trajectory=traj, instance=instance or {}):
-        for name, value in (extra or {}).items():
-            assert name not in components, f"component {name!r} given twice"
-            components[name] = value
-    return components, pm.hook.prorl_combine_reward(trajectory=traj, components=components)
+def shaped(
+    plugins: PluginSet, traj: Trajectory, instance: dict[str, Any] | None = None
+) -> tuple[dict[str, float], float]:
+    """What the pipeline does after eval: every plugin's components beside the task's, then the shaped reward."""
+    return plugins.shaped_reward(traj, instance or {}, traj.reward_components)
 
 
 # -- safety --------------------------------------------------------------------------------------------------
@@ -216,19 +216,36 @@ def test_concision_counts_only_policy_tokens_over_the_budget():
     assert concision_penalty(traj, budget_tokens=0, weight=2.0) == pytest.approx(-30.0)
 
 
-def test_format_counts_each_malformed_call():
-    good = '<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>'
+def test_format_counts_the_parse_errors_the_agent_recorded():
     traj = trajectory(
         [
-            turn(f'{good}<tool_call>{{not json}}</tool_call><tool_call>{{"arguments": {{}}}}</tool_call>'),  # 2
-            turn('<tool_call>{"name": "bash", "arguments": {"command": "ls"}'),  # never closed: 1
-            turn(good),
+            turn(errors=("tool call 1: not JSON", "tool call 2: no name")),
+            turn(errors=("unclosed <tool_call>",)),
+            turn("", bash("ls")),
             turn("The answer is 4."),
         ]
     )
     assert malformed_calls(traj) == 3
     assert format_penalty(traj, weight=0.1) == pytest.approx(-0.3)
-    assert format_penalty(trajectory([turn(good)]), weight=0.1) == 0.0
+    assert format_penalty(trajectory([turn("", bash("ls"))]), weight=0.1) == 0.0
+
+
+def test_format_does_not_parse_the_text_again():
+    # The agent's record is what counts: a turn with no recorded errors costs nothing, whatever its text holds.
+    traj = trajectory([turn("<tool_call>{not json}</tool_call>")])
+    assert malformed_calls(traj) == 0 and format_penalty(traj, weight=0.1) == 0.0
+
+
+@on_virtual_time
+async def test_a_malformed_call_the_agent_meets_costs_the_format_weight_through_the_service():
+    # The service with stand-ins (tests/fakes): the agent records the parse error, the plugin counts it.
+    script = ["<tool_call>{not json}</tool_call>", bash_call("ls"), finish_call("42")]
+    async with rollout_stack(script=script, plugin_config={"reward": {"weights": {"format": 0.1}}}) as stack:
+        traj = await stack.client.run(shell_job(), wait=60)
+    assert traj.error is None and traj.num_turns == 3
+    assert [len(t.tool_call_errors) for t in traj.turns] == [1, 0, 0]
+    assert traj.reward_components["format"] == pytest.approx(-0.1)
+    assert traj.reward == pytest.approx(traj.reward_components["outcome"] - 0.1)
 
 
 def test_step_cost_is_per_turn():
@@ -243,7 +260,7 @@ def test_combine_weights_only_the_outcome():
     assert combine({"safety": -1.0}, outcome_weight=3.0) == pytest.approx(-1.0)
 
 
-# -- through a plugin manager --------------------------------------------------------------------------------
+# -- through a plugin set ---------------------------------------------------------------------------------------
 FULL = {
     "weights": {"outcome": 2.0, "safety": 1.0, "concision": 0.01, "format": 0.1, "step_cost": 0.05, "user": 0.5},
     "concision": {"budget_tokens": 4},
@@ -252,14 +269,13 @@ FULL = {
 
 
 def test_all_components_and_the_shaped_total():
-    pm = manager()
-    pm.hook.prorl_configure(config={"staleness": {"mode": "linear"}, "reward": FULL})
+    plugins = plugin_set(FULL)
     traj = trajectory(
-        [turn("", bash("rm -rf /"), index=0), turn("<tool_call>{oops}</tool_call>", index=1)],
+        [turn("", bash("rm -rf /"), index=0), turn("<tool_call>{oops}</tool_call>", index=1, errors=("not JSON",))],
         mask=[1] * 10 + [0] * 3,
         outcome=1.0,
     )
-    components, reward = shaped(pm, traj, instance={"bonus": 3.0})
+    components, reward = shaped(plugins, traj, instance={"bonus": 3.0})
     assert components == pytest.approx(
         {
             "outcome": 1.0,  # the task's, unweighted
@@ -274,62 +290,59 @@ def test_all_components_and_the_shaped_total():
 
 
 def test_only_weighted_components_are_computed():
-    pm = manager()
-    pm.hook.prorl_configure(config={"reward": {"weights": {"safety": 0, "step_cost": 0.5, "format": 0.0}}})
-    traj = trajectory([turn("<tool_call>{bad}</tool_call>", bash("rm -rf /"))], outcome=0.0)
-    components, reward = shaped(pm, traj)
+    plugins = plugin_set({"weights": {"safety": 0, "step_cost": 0.5, "format": 0.0}})
+    traj = trajectory([turn("<tool_call>{bad}</tool_call>", bash("rm -rf /"), errors=("not JSON",))], outcome=0.0)
+    components, reward = shaped(plugins, traj)
     assert components == {"outcome": 0.0, "step_cost": -0.5}
     assert reward == pytest.approx(-0.5)
 
 
 def test_outcome_weight_defaults_to_one_and_zero_drops_it():
-    pm = manager()
-    pm.hook.prorl_configure(config={"reward": {"weights": {"step_cost": 0.25}}})
-    assert shaped(pm, trajectory(outcome=1.0))[1] == pytest.approx(0.75)
-    pm.hook.prorl_configure(config={"reward": {"weights": {"outcome": 0, "step_cost": 0.25}}})
-    assert shaped(pm, trajectory(outcome=1.0))[1] == pytest.approx(-0.25)
+    assert shaped(plugin_set({"weights": {"step_cost": 0.25}}), trajectory(outcome=1.0))[1] == pytest.approx(0.75)
+    without_outcome = plugin_set({"weights": {"outcome": 0, "step_cost": 0.25}})
+    assert shaped(without_outcome, trajectory(outcome=1.0))[1] == pytest.approx(-0.25)
 
 
 def test_custom_safety_patterns_replace_the_builtin_list():
-    pm = manager()
-    pm.hook.prorl_configure(config={"reward": {"weights": {"safety": 2}, "safety": {"patterns": [r"\bshutdown\b"]}}})
+    plugins = plugin_set({"weights": {"safety": 2}, "safety": {"patterns": [r"\bshutdown\b"]}})
     traj = trajectory([turn("", bash("shutdown -h now"), bash("rm -rf /"))])
-    assert shaped(pm, traj)[0]["safety"] == pytest.approx(-2.0)
+    assert shaped(plugins, traj)[0]["safety"] == pytest.approx(-2.0)
 
 
 def test_inert_without_a_reward_section():
-    plugin = RewardShaping()
-    pm = manager(plugin)
-    pm.hook.prorl_configure(config={"staleness": {"mode": "linear"}})
-    components, reward = shaped(pm, trajectory([turn("", bash("rm -rf /"))]))
-    assert components == {"outcome": 1.0}
-    assert reward is None  # the core falls back to the sum of the components
-    assert plugin.config is None
+    plugins = plugin_set()
+    traj = trajectory([turn("", bash("rm -rf /"))])
+    assert plugins.hooks.prorl_reward_components(trajectory=traj, instance={}) == []
+    assert plugins.hooks.prorl_combine_reward(trajectory=traj, components={"outcome": 1.0}) is None
+    assert shaped(plugins, traj) == ({"outcome": 1.0}, 1.0)  # the core's default: the sum of the components
+    assert plugins.manager.get_plugin("prorl_plugins.reward_shaping:RewardShaping").config is None
 
 
-def test_a_failed_reconfiguration_keeps_the_last_good_config():
-    plugin = RewardShaping()
-    pm = manager(plugin)
-    pm.hook.prorl_configure(config={"reward": {"weights": {"step_cost": 1.0}}})
+def test_a_bad_configuration_fails_its_own_load_and_leaves_other_plugin_sets_alone():
+    good = plugin_set({"weights": {"step_cost": 1.0}})
     with pytest.raises(PluginConfigError):
-        pm.hook.prorl_configure(config={"reward": {"weights": {"step_cost": "lots"}}})
-    assert shaped(pm, trajectory([turn(), turn()], outcome=0.0))[1] == pytest.approx(-2.0)
+        plugin_set({"weights": {"step_cost": "lots"}})
+    assert shaped(good, trajectory([turn(), turn()], outcome=0.0))[1] == pytest.approx(-2.0)
 
 
 def test_user_function_returning_a_non_number_is_reported():
-    pm = manager()
-    pm.hook.prorl_configure(
-        config={"reward": {"weights": {"user": 1}, "user": {"function": "tests.test_reward_shaping:not_a_number"}}}
-    )
+    plugins = plugin_set({"weights": {"user": 1}, "user": {"function": "tests.test_reward_shaping:not_a_number"}})
     with pytest.raises(TypeError, match=r"reward\.user\.function 'tests.test_reward_shaping:not_a_number'.*'lots'"):
-        shaped(pm, trajectory())
+        shaped(plugins, trajectory())
 
 
-def test_the_module_instance_registers_its_hooks():
-    pm = make_plugin_manager(objects=[reward_shaping.plugin], load_entry_points=False)
-    assert isinstance(reward_shaping.plugin, RewardShaping)
-    for hook in ("prorl_configure", "prorl_reward_components", "prorl_combine_reward"):
-        assert [impl.plugin for impl in getattr(pm.hook, hook).get_hookimpls()] == [reward_shaping.plugin]
+def test_the_entry_point_creates_one_instance_per_plugin_set_from_its_section():
+    # Two configurations in one process (the service's and a trainer's reward function, or two tests).
+    steps = PluginSet.load({"reward": {"weights": {"step_cost": 0.5}}})
+    outcome_only = PluginSet.load({"reward": {"weights": {"outcome": 2.0}}})
+    off = PluginSet.load()
+    plugins = [s.manager.get_plugin("reward_shaping") for s in (steps, outcome_only, off)]
+    assert all(type(p) is RewardShaping for p in plugins) and len({id(p) for p in plugins}) == 3
+    for loaded in (steps, outcome_only, off):
+        [described] = [d for d in loaded.describe() if d["name"] == "reward_shaping"]
+        assert described["hooks"] == ["prorl_combine_reward", "prorl_reward_components"]
+    traj = trajectory([turn(), turn()], outcome=1.0)
+    assert [shaped(s, traj)[1] for s in (steps, outcome_only, off)] == pytest.approx([0.0, 2.0, 1.0])
 
 
 # -- configuration errors ------------------------------------------------------------------------------------
@@ -417,9 +430,8 @@ CONFIG_ERRORS = [
 
 @pytest.mark.parametrize(("section", "message"), [c[1:] for c in CONFIG_ERRORS], ids=[c[0] for c in CONFIG_ERRORS])
 def test_config_errors_name_the_key(section, message):
-    pm = manager()
     with pytest.raises(PluginConfigError, match=r"^reward_shaping: " + message):
-        pm.hook.prorl_configure(config={"reward": section})
+        plugin_set(section)
 
 
 def test_a_valid_config_parses():

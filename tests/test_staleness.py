@@ -1,5 +1,5 @@
 """The staleness plugin: its arithmetic (property tests), its configuration errors, its hooks through a real
-plugin manager, and a simulation of decoupled training showing why pacing beats dropping."""
+plugin set, and a simulation of decoupled training showing why pacing beats dropping."""
 
 from __future__ import annotations
 
@@ -12,11 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prorl_adapter.hooks.manager import make_plugin_manager
-from prorl_adapter.hooks.specs import AdmissionState, PluginConfigError, TrajectoryWeight
-from prorl_adapter.models import Trajectory
+from prorl_adapter.hooks import PluginConfigError, PluginSet
+from prorl_adapter.models import AdmissionState, Trajectory, TrajectoryWeight
 from prorl_adapter.trainer.samples import trajectory_from_tensors
-from prorl_plugins import staleness as staleness_module
 from prorl_plugins.staleness import (
     StalenessControl,
     linear_weight,
@@ -43,14 +41,10 @@ def make_trajectory(version: int, mask=(1, 1, 0, 1), behaviour=None, job_id: str
     return trajectory_from_tensors([1, 2], ids, mask, logprobs, version, version, job_id=job_id, task=task)
 
 
-def manager(section: dict | None, *plugins: object):
-    pm = make_plugin_manager(objects=plugins or [StalenessControl()], load_entry_points=False)
-    pm.hook.prorl_configure(config={} if section is None else {"staleness": section})
-    return pm
-
-
-def combined(results: list[TrajectoryWeight]) -> float:
-    return math.prod(r.sample for r in results)
+def plugin_set(section: dict | None) -> PluginSet:
+    """The staleness plugin alone, created by its import path from the `staleness` section (none: no section)."""
+    config = {} if section is None else {"staleness": section}
+    return PluginSet.load(config, import_paths=["prorl_plugins.staleness:StalenessControl"], entry_points=False)
 
 
 # -- arithmetic --------------------------------------------------------------------------------------------
@@ -86,8 +80,7 @@ def test_linear_weight_values():
 
 @given(versions, st.integers(min_value=0, max_value=60), ks)
 def test_drop_mode_drops_iff_staleness_exceeds_k(v, s, k):
-    plugin = StalenessControl()
-    plugin.prorl_configure({"staleness": {"mode": "drop", "max_staleness": k}})
+    plugin = StalenessControl({"mode": "drop", "max_staleness": k})
     verdict = plugin.prorl_trajectory_weight(make_trajectory(v), v + s, None)
     assert verdict.sample == (0.0 if s > k else 1.0)
     assert bool(verdict.reasons) == (s > k)
@@ -97,8 +90,7 @@ def test_drop_mode_drops_iff_staleness_exceeds_k(v, s, k):
 def test_sample_weight_never_grows_with_staleness(v, s1, s2, k):
     lo, hi = sorted((s1, s2))
     for mode in ("drop", "linear"):
-        plugin = StalenessControl()
-        plugin.prorl_configure({"staleness": {"mode": mode, "max_staleness": k}})
+        plugin = StalenessControl({"mode": mode, "max_staleness": k})
         fresher = plugin.prorl_trajectory_weight(make_trajectory(v), v + lo, None).sample
         staler = plugin.prorl_trajectory_weight(make_trajectory(v), v + hi, None).sample
         assert 0.0 <= staler <= fresher <= 1.0
@@ -227,85 +219,102 @@ def test_pacing_holds_while_the_oldest_is_at_its_limit():
 )
 def test_a_bad_key_is_named(section, key):
     with pytest.raises(PluginConfigError, match=rf"staleness\.{key}\b") as info:
-        manager(section)
+        plugin_set(section)
     message = str(info.value)
     assert "must be" in message or "required" in message or "allowed" in message
 
 
 def test_bad_configuration_messages_say_what_is_allowed():
     with pytest.raises(PluginConfigError, match="one of off, drop, linear, pace, importance"):
-        manager({"mode": "sometimes"})
+        plugin_set({"mode": "sometimes"})
     with pytest.raises(PluginConfigError, match="allowed: mode, max_staleness"):
-        manager({"mode": "off", "k": 1})
+        plugin_set({"mode": "off", "k": 1})
     with pytest.raises(PluginConfigError, match="must be a mapping"):
-        manager("drop")
+        plugin_set("drop")
 
 
 def test_off_and_no_section_have_no_opinion():
     for section in (None, {"mode": "off"}):
-        pm = manager(section)
+        plugins = plugin_set(section)
+        hooks = plugins.hooks
         assert (
-            pm.hook.prorl_trajectory_weight(trajectory=make_trajectory(0), current_version=9, current_logprobs=None)
-            == []
+            hooks.prorl_trajectory_weight(trajectory=make_trajectory(0), current_version=9, current_logprobs=None) == []
         )
-        assert pm.hook.prorl_admit_episode(state=admission(9, [0] * 100, [])) == []
+        assert hooks.prorl_admit_episode(state=admission(9, [0] * 100, [])) == []
+        assert plugins.weigh(make_trajectory(0), 9) == TrajectoryWeight()
+        assert plugins.admits(admission(9, [0] * 100, [])) and plugins.expired_before(9) is None
 
 
-# -- the hooks through pluggy ------------------------------------------------------------------------------
-def test_drop_through_the_plugin_manager():
-    pm = manager({"mode": "drop", "max_staleness": 2})
-    hook = pm.hook.prorl_trajectory_weight
-    [kept] = hook(trajectory=make_trajectory(5), current_version=7, current_logprobs=None)
-    [dropped] = hook(trajectory=make_trajectory(4), current_version=7, current_logprobs=None)
+# -- the hooks through a plugin set --------------------------------------------------------------------------
+def test_drop_through_a_plugin_set():
+    plugins = plugin_set({"mode": "drop", "max_staleness": 2})
+    kept = plugins.weigh(make_trajectory(5), current_version=7)
+    dropped = plugins.weigh(make_trajectory(4), current_version=7)
     assert (kept.sample, kept.reasons) == (1.0, [])
     assert dropped.sample == 0.0
     assert dropped.reasons == ["staleness 3 > K=2: dropped"]
 
 
-def test_linear_through_the_plugin_manager():
-    pm = manager({"mode": "linear", "max_staleness": 4})
-    [w] = pm.hook.prorl_trajectory_weight(trajectory=make_trajectory(2), current_version=3, current_logprobs=None)
+def test_linear_through_a_plugin_set():
+    plugins = plugin_set({"mode": "linear", "max_staleness": 4})
+    w = plugins.weigh(make_trajectory(2), current_version=3)
     assert w.sample == 0.75
     assert w.reasons == ["staleness 1 of K=4: linear weight 0.75"]
-    [w] = pm.hook.prorl_trajectory_weight(trajectory=make_trajectory(2), current_version=6, current_logprobs=None)
+    w = plugins.weigh(make_trajectory(2), current_version=6)
     assert w.sample == 0.0
     assert "dropped" in w.reasons[0]
 
 
-def test_importance_through_the_plugin_manager():
-    pm = manager({"mode": "importance", "max_staleness": 2, "importance_cap": 2.0})
-    hook = pm.hook.prorl_trajectory_weight
+def test_importance_through_a_plugin_set():
+    plugins = plugin_set({"mode": "importance", "max_staleness": 2, "importance_cap": 2.0})
     trajectory = make_trajectory(3, mask=[1, 1, 0, 1], behaviour=[-1.0, -2.0, 0.0, -3.0])
-    [w] = hook(trajectory=trajectory, current_version=4, current_logprobs=[-1.5, -0.5, -7.0, -3.0])
+    w = plugins.weigh(trajectory, 4, current_logprobs=[-1.5, -0.5, -7.0, -3.0])
     assert w.sample == 1.0
     assert w.tokens == [math.exp(-0.5), 2.0, 1.0, 1.0]
     assert "1 capped at 2" in w.reasons[0]
     # without the trainer's logprobs: no opinion within K, still dropped above it
-    assert hook(trajectory=trajectory, current_version=4, current_logprobs=None) == []
-    [dropped] = hook(trajectory=trajectory, current_version=6, current_logprobs=None)
-    assert dropped.sample == 0.0
+    assert plugins.hooks.prorl_trajectory_weight(trajectory=trajectory, current_version=4, current_logprobs=None) == []
+    assert plugins.weigh(trajectory, 6).sample == 0.0
     with pytest.raises(ValueError, match="lengths differ"):
-        hook(trajectory=trajectory, current_version=4, current_logprobs=[0.0])
+        plugins.weigh(trajectory, 4, current_logprobs=[0.0])
 
 
-def test_pace_through_the_plugin_manager_admits_and_never_drops():
-    pm = manager({"mode": "pace", "max_staleness": 2, "batch_size": 4})
-    assert pm.hook.prorl_admit_episode(state=admission(5, [3], [5, 5])) == [True]
-    assert pm.hook.prorl_admit_episode(state=admission(5, [3], [5, 5, 5])) == [False]
-    [w] = pm.hook.prorl_trajectory_weight(trajectory=make_trajectory(0), current_version=9, current_logprobs=None)
+def test_pace_through_a_plugin_set_admits_and_never_drops():
+    plugins = plugin_set({"mode": "pace", "max_staleness": 2, "batch_size": 4})
+    assert plugins.admits(admission(5, [3], [5, 5]))
+    assert not plugins.admits(admission(5, [3], [5, 5, 5]))
+    w = plugins.weigh(make_trajectory(0), current_version=9)
     assert w.sample == 1.0
     assert "despite pacing (kept)" in w.reasons[0]
 
 
-def test_the_import_path_registers_the_plugin_object():
-    pm = make_plugin_manager(import_paths=["prorl_plugins.staleness:plugin"], load_entry_points=False)
-    try:
-        pm.hook.prorl_configure(config={"staleness": {"mode": "drop", "max_staleness": 0}})
-        assert staleness_module.plugin.config.mode == "drop"
-        [w] = pm.hook.prorl_trajectory_weight(trajectory=make_trajectory(0), current_version=1, current_logprobs=None)
-        assert w.sample == 0.0
-    finally:
-        staleness_module.plugin.prorl_configure({})
+@pytest.mark.parametrize(
+    ("section", "expired_before"),
+    [
+        ({"mode": "drop", "max_staleness": 2}, 8),  # s > 2 weighs 0: older than 8 at version 10
+        ({"mode": "importance", "max_staleness": 2}, 8),
+        ({"mode": "linear", "max_staleness": 2}, 9),  # s >= 2 weighs 0
+        ({"mode": "linear", "max_staleness": 0}, 10),
+        ({"mode": "pace", "max_staleness": 2, "batch_size": 4}, None),  # pacing never expires anything
+    ],
+)
+def test_what_weighs_zero_expires(section, expired_before):
+    plugins = plugin_set(section)
+    assert plugins.expired_before(10) == expired_before
+    if expired_before is not None:
+        assert plugins.weigh(make_trajectory(expired_before - 1), 10).sample == 0.0
+        assert plugins.weigh(make_trajectory(expired_before), 10).sample > 0.0
+
+
+def test_the_entry_point_creates_one_instance_per_plugin_set_from_its_section():
+    # Two configurations in one process: a service and a trainer-side component, or two tests.
+    dropping = PluginSet.load({"staleness": {"mode": "drop", "max_staleness": 0}})
+    weighing = PluginSet.load({"staleness": {"mode": "linear", "max_staleness": 4}})
+    off = PluginSet.load()
+    plugins = [s.manager.get_plugin("staleness") for s in (dropping, weighing, off)]
+    assert all(type(p) is StalenessControl for p in plugins) and len({id(p) for p in plugins}) == 3
+    assert [p.config.mode for p in plugins] == ["drop", "linear", "off"]
+    assert [s.weigh(make_trajectory(0), 1).sample for s in (dropping, weighing, off)] == [0.0, 0.75, 1.0]
 
 
 # -- a simulation of decoupled training: pacing keeps the slow tasks that dropping loses -----------------
@@ -324,8 +333,8 @@ def simulate(section: dict, workers: int = 16, batch_size: int = 4, duration: in
     """Discrete time. Tasks arrive as an endless stream, every 4th slow (6 time units) and the rest fast (1);
     up to `workers` episodes run at once, each started when every `prorl_admit_episode` agrees. The trainer
     consumes the first `batch_size` finished trajectories whenever it has them, weighs each through
-    `prorl_trajectory_weight`, trains on those with weight > 0 and bumps the policy version."""
-    pm = manager(section)
+    `PluginSet.weigh`, trains on those with weight > 0 and bumps the policy version."""
+    plugins = plugin_set(section)
     lengths = {"fast": 1, "slow": 6}
     result = SimResult()
     running: list[tuple[int, int, str]] = []  # (end time, version, kind)
@@ -337,17 +346,15 @@ def simulate(section: dict, workers: int = 16, batch_size: int = 4, duration: in
         while len(buffer) >= batch_size:
             for _ in range(batch_size):
                 v, kind = buffer.popleft()
-                weights = pm.hook.prorl_trajectory_weight(
-                    trajectory=make_trajectory(v, task=kind), current_version=version, current_logprobs=None
-                )
+                weight = plugins.weigh(make_trajectory(v, task=kind), version)
                 result.staleness.append(staleness(v, version))
-                if combined(weights) > 0:
+                if weight.sample > 0:
                     result.trained.append(kind)
             version += 1
             result.steps += 1
         while len(running) < workers:
             state = admission(version, [v for _, v, _ in running], [v for v, _ in buffer])
-            if False in pm.hook.prorl_admit_episode(state=state):
+            if not plugins.admits(state):
                 break
             kind = "slow" if len(result.submitted) % 4 == 3 else "fast"
             result.submitted.append(kind)

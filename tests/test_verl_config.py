@@ -2,21 +2,34 @@
 
 from __future__ import annotations
 
+import asyncio
+import re
 import shlex
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("verl", reason="verl is not installed: pip install -e '.[verl]'")
 
+from prorl_adapter.hooks import PluginSet
 from prorl_adapter.models import StageTimings, ToolCall, Trajectory, Turn
-from prorl_plugins.reward_shaping import RewardShaping
-from prorl_plugins.verl.agent_loop import output_extra_fields
+from prorl_plugins.staleness import StalenessConfig
+from prorl_plugins.verl.backend import output_extra_fields
 from prorl_plugins.verl.check import compose_verl_config, main
 from prorl_plugins.verl.config import (
     AGENT_LOOP_NAME,
+    ALWAYS,
+    IMPORTANCE,
+    LINEAR,
+    LINES,
+    REWARD_IN_VERL,
+    STALENESS_ON,
+    UNSET,
     ProrlVerlConfig,
     ProrlVerlConfigError,
+    block_lines,
+    check_service,
     check_verl_config,
     verl_lines,
 )
@@ -24,7 +37,8 @@ from prorl_plugins.verl.reward import compute_score
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "verl" / "run_grpo.sh"
 BLOCK = ["+prorl.service_url=http://127.0.0.1:8766", "+prorl.task=python_math"]
-STALENESS = ["+prorl.staleness.mode=linear", "+prorl.staleness.max_staleness=2"]
+STALENESS = block_lines("staleness", {"mode": "linear", "max_staleness": 2})
+PLUGIN = verl_lines()  # the two lines every recipe has
 
 
 def test_agent_loop_is_registered_by_name():
@@ -33,13 +47,41 @@ def test_agent_loop_is_registered_by_name():
     assert _agent_loop_registry[AGENT_LOOP_NAME] == {"_target_": "prorl_plugins.verl.agent_loop.ProrlAgentLoop"}
 
 
-def test_the_plugin_lines_compose_into_verls_config():
-    config = compose_verl_config(verl_lines(staleness=True, reward_in_verl=True) + BLOCK + STALENESS)
+@pytest.mark.parametrize("mode", ["off", "drop", "linear", "pace", "importance"])
+@pytest.mark.parametrize("reward_source", ["service", "verl"])
+def test_the_printed_lines_pass_the_check_they_derive_from(mode, reward_source):
+    section = {"mode": mode, "max_staleness": 2, "batch_size": 8}
+    lines = [*verl_lines(section, reward_source), *BLOCK, *block_lines("staleness", section)]
+    prorl = check_verl_config(compose_verl_config([*lines, f"+prorl.reward_source={reward_source}"]))
+    assert prorl.staleness_config.mode == mode and prorl.reward_source == reward_source
+    config = compose_verl_config(lines)
     assert config.actor_rollout_ref.model.external_lib == "prorl_plugins.verl"
     assert config.actor_rollout_ref.rollout.agent.default_agent_loop == AGENT_LOOP_NAME
-    assert dict(config.trainer.v1.sampler.sampler_kwargs.staleness) == {"mode": "linear", "max_staleness": 2}
-    prorl = check_verl_config(config)
-    assert prorl.staleness_config.max_staleness == 2 and prorl.task == "python_math"
+    assert dict(config.trainer.v1.sampler.sampler_kwargs) == {}  # staleness is stated once, in the block
+
+
+# A recipe that needs each row of the table: its staleness mode and reward source.
+NEEDS = {ALWAYS: ("off", "service"), STALENESS_ON: ("drop", "service"), LINEAR: ("linear", "service")}
+NEEDS |= {IMPORTANCE: ("importance", "service"), REWARD_IN_VERL: ("off", "verl")}
+
+
+@pytest.mark.parametrize("line", LINES, ids=lambda line: f"{line.key}[{line.when}]")
+def test_each_line_of_the_table_is_named_when_wrong(line):
+    mode, reward_source = NEEDS[line.when]
+    section = {"mode": mode, "max_staleness": 2}
+    good = [*verl_lines(section, reward_source), *BLOCK, *block_lines("staleness", section)]
+    good.append(f"+prorl.reward_source={reward_source}")
+    check_verl_config(compose_verl_config(good))
+    expected = line.expected(StalenessConfig.from_section(section))
+    if expected is UNSET:
+        wrong = f"+{line.key}=1"
+    elif isinstance(expected, bool):
+        wrong = f"{line.key}={not expected}"
+    else:
+        wrong = f"{line.key}=wrong_value"
+    overrides = [o for o in good if not o.startswith(f"{line.key}=")] + [wrong]
+    with pytest.raises(ProrlVerlConfigError, match=re.escape(line.key)):
+        check_verl_config(compose_verl_config(overrides))
 
 
 def example_overrides() -> list[str]:
@@ -62,9 +104,63 @@ def test_every_key_of_the_gpu_example_exists_in_verl():
     assert config.algorithm.adv_estimator == "grpo"
 
 
+EXTERNAL_LIB, AGENT_LOOP = PLUGIN
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
+        # the lines around the block, each case naming the line to write
+        (
+            [EXTERNAL_LIB, *BLOCK],  # no agent-loop line: verl's default single_turn_agent would run
+            r"default_agent_loop=single_turn_agent is wrong.*write actor_rollout_ref.rollout.agent."
+            r"default_agent_loop=prorl_agent$",
+        ),
+        (
+            [EXTERNAL_LIB, "actor_rollout_ref.rollout.agent.default_agent_loop=prorl_agnt", *BLOCK],
+            r"default_agent_loop=prorl_agnt is wrong.*write actor_rollout_ref.rollout.agent.default_agent_loop="
+            r"prorl_agent$",
+        ),
+        (  # another loop on purpose, with the block: the block configures prorl_agent, so one of them is wrong
+            [EXTERNAL_LIB, "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent", *BLOCK],
+            r"default_agent_loop=tool_agent is wrong",
+        ),
+        (
+            [AGENT_LOOP, *BLOCK],
+            r"external_lib is not set \(verl imports it.*\); write actor_rollout_ref.model.external_lib="
+            r"prorl_plugins.verl$",
+        ),
+        (
+            [AGENT_LOOP, "actor_rollout_ref.model.external_lib=prorl_plugins.verl.agent", *BLOCK],
+            r"external_lib=prorl_plugins.verl.agent is wrong.*write actor_rollout_ref.model.external_lib=",
+        ),
+        (  # the second statement of staleness that recipes used to need
+            [
+                *PLUGIN,
+                *BLOCK,
+                *STALENESS,
+                *verl_lines({"mode": "linear", "max_staleness": 2})[2:],
+                "+trainer.v1.sampler.sampler_kwargs.staleness=${prorl.staleness}",
+            ],
+            r"sampler_kwargs.staleness is set .*stated once.*drop the line "
+            r"\+trainer.v1.sampler.sampler_kwargs.staleness",
+        ),
+        (
+            [
+                *verl_lines({"mode": "importance", "max_staleness": 2}),
+                *BLOCK,
+                "+prorl.staleness.mode=importance",
+                "+prorl.staleness.max_staleness=2",
+                "+prorl.staleness.importance_cap=3",
+            ],
+            r"rollout_is_threshold=2.0 is wrong.*write algorithm.rollout_correction.rollout_is_threshold=3.0$",
+        ),
+        (
+            [*BLOCK, *STALENESS],  # every missing line at once
+            r"4 verl lines are wrong:\n.*external_lib.*\n.*default_agent_loop.*\n.*custom_sampler.path=pkg://"
+            r"prorl_plugins.verl.sampler\n.*custom_sampler.name=StalenessReplayBuffer$",
+        ),
+        # the block itself
         ([], r"needs a `prorl` block.*\+prorl.service_url="),
         (["+prorl.task=shell"], r"prorl.service_url is missing"),
         (["+prorl.service_url=localhost:8766", "+prorl.task=shell"], r"not an http\(s\) URL"),
@@ -73,31 +169,48 @@ def test_every_key_of_the_gpu_example_exists_in_verl():
         ([*BLOCK, "+prorl.reward.weights.step_cost=-1"], r"reward.weights.step_cost"),
         ([*BLOCK, "+prorl.sampling.temperature=0.5"], r"set actor_rollout_ref.rollout.temperature"),
         (
-            [*verl_lines(), *BLOCK, *STALENESS, "algorithm.filter_groups.enable=True"],
+            [
+                *verl_lines({"mode": "drop", "max_staleness": 2})[:4],
+                *BLOCK,
+                *STALENESS,
+                "algorithm.filter_groups.enable=True",
+            ],
             r"filter_groups \(DAPO\) would silently do nothing",
         ),
-        ([*BLOCK, *STALENESS], r"custom_sampler.path=pkg://prorl_plugins.verl.sampler"),
         (
-            [*verl_lines(), *BLOCK, *STALENESS, "algorithm.rollout_correction.rollout_is=token"],
-            r"would overwrite",
+            [
+                *verl_lines({"mode": "linear", "max_staleness": 2}),
+                *BLOCK,
+                *STALENESS,
+                "algorithm.rollout_correction.rollout_is=token",
+            ],
+            r"would overwrite.*write algorithm.rollout_correction.rollout_is=null",
         ),
         (
-            [*verl_lines(), *BLOCK, "+prorl.staleness.mode=importance", "+prorl.staleness.max_staleness=2"],
+            [*PLUGIN, *BLOCK, "+prorl.staleness.mode=importance", "+prorl.staleness.max_staleness=2"],
             r"algorithm.rollout_correction.rollout_is=token",
         ),
-        ([*BLOCK, "+prorl.reward_source=verl"], r"reward.custom_reward_function.path=pkg://prorl_plugins.verl.reward"),
+        (
+            [*PLUGIN, *BLOCK, "+prorl.reward_source=verl"],
+            r"reward.custom_reward_function.path=pkg://prorl_plugins.verl.reward",
+        ),
     ],
 )
 def test_a_wrong_line_says_what_to_fix(overrides, message):
-    with pytest.raises(ProrlVerlConfigError, match=message):
+    with pytest.raises(ProrlVerlConfigError, match=re.compile(message, re.DOTALL | re.MULTILINE)):
         check_verl_config(compose_verl_config(overrides))
 
 
+def test_external_lib_may_be_a_list_that_names_the_plugin():
+    lines = [AGENT_LOOP, "actor_rollout_ref.model.external_lib=[my_models,prorl_plugins.verl]", *BLOCK]
+    check_verl_config(compose_verl_config(lines))
+
+
 def test_preflight_command(capsys):
-    assert main([*BLOCK, "--no-network"]) == 0
+    assert main([*PLUGIN, *BLOCK, "--no-network"]) == 0
     assert main(["+prorl.task=shell", "--no-network"]) == 2
     assert "service_url is missing" in capsys.readouterr().err
-    assert main(["+prorl.service_url=http://127.0.0.1:1", "+prorl.task=shell"]) == 2  # nothing listens on port 1
+    assert main([*PLUGIN, "+prorl.service_url=http://127.0.0.1:1", "+prorl.task=shell"]) == 2  # nothing on port 1
     assert "does not answer /healthz" in capsys.readouterr().err
     assert main(["+prorl.task=shell", "actor_rollout_ref.rollout.no_such_key=1", "--no-network"]) == 2
     assert "no_such_key" in capsys.readouterr().err
@@ -105,11 +218,11 @@ def test_preflight_command(capsys):
 
 def shell_trajectory() -> Trajectory:
     turns = [
-        Turn(index=0, policy_version=3, llm_server="x", response_tokens=4, finish_reason="stop",
+        Turn(index=0, policy_version=3, llm_server="x", response_start=0, response_tokens=4, finish_reason="stop",
              text='<tool_call>{"name": "bash", "arguments": {"command": "rm -rf /"}}</tool_call>',
              tool_calls=[ToolCall(name="bash", arguments={"command": "rm -rf /"})]),
-        Turn(index=1, policy_version=4, llm_server="x", response_tokens=3, finish_reason="stop",
-             text="<tool_call>oops"),
+        Turn(index=1, policy_version=4, llm_server="x", response_start=4, response_tokens=3, finish_reason="stop",
+             text="<tool_call>oops", tool_call_errors=["unclosed <tool_call>"]),
     ]  # fmt: skip
     return Trajectory(
         job_id="j", task="shell", prompt_ids=[1, 2], response_ids=[5, 6, 7, 8, 9, 10, 11],
@@ -123,12 +236,9 @@ def test_verl_reward_function_equals_the_service_shaping():
     """The number the service's eval stage gives (the shared plugin, as the service runs it) is the number
     verl's custom_reward_function gives from the fields the agent loop hands over."""
     section = {"weights": {"safety": 2.0, "format": 0.5, "step_cost": 0.1, "outcome": 2.0}}
-    shaping = RewardShaping()
-    shaping.prorl_configure({"reward": section})
-    trajectory = shell_trajectory()
-    extra = shaping.prorl_reward_components(trajectory, {})
-    service_components = {**trajectory.reward_components, **extra}
-    service_reward = shaping.prorl_combine_reward(trajectory, service_components)
+    trajectory = shell_trajectory()  # as the task's eval left it: the outcome only
+    service = PluginSet.load(config={"reward": section})  # the service's plugins, as it loads them
+    service_components, service_reward = service.shaped_reward(trajectory, {}, trajectory.reward_components)
     assert service_reward == pytest.approx(2.0 - 2.0 - 0.5 - 0.2)
     shaped = trajectory.model_copy(update={"reward": service_reward, "reward_components": service_components})
 
@@ -152,3 +262,90 @@ def test_the_verl_plugins_entry_point_registers_the_agent_loop():
     (entry_point,) = [e for e in entry_points(group="verl.plugins") if e.name == "prorl"]
     entry_point.load()  # what `import verl` does with the group
     assert _agent_loop_registry["prorl_agent"]["_target_"] == "prorl_plugins.verl.agent_loop.ProrlAgentLoop"
+
+
+# -- the rollout service's side: its tasks and plugin sections, and one sample through the driver -------------
+def block(**settings) -> ProrlVerlConfig:
+    return ProrlVerlConfig.from_block({"service_url": "http://h:1", "task": "shell", **settings})
+
+
+@pytest.mark.parametrize(
+    ("prorl", "tasks", "sections", "message"),
+    [
+        (block(task="no_such_task"), ["python_math", "shell"], {}, r"no_such_task'? is not a task of the rollout "
+         r"service at http://h:1, which has: python_math, shell; write \+prorl.task=<one of them>"),
+        (block(task="python_mth"), ["python_math", "shell"], {}, r"write \+prorl.task=python_math"),
+        (block(staleness={"mode": "linear", "max_staleness": 2}), None, {"staleness": {"mode": "drop",
+         "max_staleness": 2}}, r"staleness is stated twice, and differently: the recipe has prorl.staleness="
+         r"\{'mode': 'linear', 'max_staleness': 2\}, .* started with staleness=\{'mode': 'drop', 'max_staleness': 2\}"
+         r".*\+prorl.staleness.mode=drop \+prorl.staleness.max_staleness=2$"),
+        (block(), None, {"staleness": {"mode": "pace", "max_staleness": 1, "batch_size": 8}},
+         r"the recipe has prorl.staleness=\(not stated\).*\+prorl.staleness.mode=pace"),
+        (block(reward={"weights": {"step_cost": 0.5}}), None, {"reward": {"weights": {"step_cost": 0.25}}},
+         r"the reward shaping is stated twice, and differently.*\+prorl.reward.weights.step_cost=0.25$"),
+        (block(reward_source="verl"), None, {"reward": {"weights": {"format": 0.1}}},
+         r"the recipe has prorl.reward=\(not stated\).*reward_source=verl.*\+prorl.reward.weights.format=0.1$"),
+    ],
+)  # fmt: skip
+def test_what_the_service_says_must_agree_with_the_block(prorl, tasks, sections, message):
+    with pytest.raises(ProrlVerlConfigError, match=re.compile(message, re.DOTALL)):
+        check_service(prorl, tasks, sections)
+
+
+def test_the_service_may_leave_staleness_to_the_recipe_or_say_the_same():
+    linear = {"mode": "linear", "max_staleness": 2}
+    check_service(block(staleness=linear), ["shell"], {})
+    check_service(block(staleness=linear), ["shell"], {"staleness": dict(linear)})
+    check_service(block(staleness=linear), ["shell"], {"staleness": {"mode": "off"}})
+    check_service(block(), ["shell"], {"reward": {"weights": {"format": 0.1}}})  # reward_source=service: its own
+    reward = {"weights": {"format": 0.1}}
+    check_service(block(reward_source="verl", reward=reward), ["shell"], {"reward": {"weights": {"format": 0.1}}})
+
+
+async def test_preflight_asks_the_service_for_its_tasks_and_sections(capsys):
+    from tests.fakes.rigs import rollout_stack
+
+    linear = {"mode": "linear", "max_staleness": 2}
+    lines = [*verl_lines(linear), *block_lines("staleness", linear)]
+    async with rollout_stack(plugin_config={"staleness": {"mode": "drop", "max_staleness": 2}}) as stack:
+        service = [f"+prorl.service_url={stack.url}"]
+        assert await asyncio.to_thread(main, [*PLUGIN, *service, "+prorl.task=no_such_task"]) == 2
+        err = capsys.readouterr().err
+        assert "'no_such_task' is not a task of the rollout service" in err and "python_math, relay, shell" in err
+        assert await asyncio.to_thread(main, [*lines, *service, "+prorl.task=shell"]) == 2
+        assert "staleness is stated twice, and differently" in capsys.readouterr().err
+        drop = {"mode": "drop", "max_staleness": 2}
+        same = [*verl_lines(drop), *block_lines("staleness", drop), *service, "+prorl.task=shell"]
+        assert await asyncio.to_thread(main, same) == 0
+        assert "the service has task shell and its plugin sections agree" in capsys.readouterr().out
+    assert main([*PLUGIN, BLOCK[0], "+prorl.task=no_such_task", "--no-network"]) == 0
+    assert "--no-network: the service, its tasks (is no_such_task one?) and its plugin sections not checked" in (
+        capsys.readouterr().out
+    )
+
+
+async def test_one_verl_sample_through_the_driver():
+    """The backend hooks on the real service: the row's job, the step's version, verl's output."""
+    from prorl_adapter.trainer.driver import RolloutDriver
+    from prorl_plugins.verl.backend import VerlBackend, VerlSample
+    from prorl_plugins.verl.config import plugin_set
+    from tests.fakes.llm import bash_call, finish_call
+    from tests.fakes.rigs import CHECK, rollout_stack
+
+    async with rollout_stack(script=[bash_call("touch /workspace/goal-reached"), finish_call()]) as stack:
+        settings = {"max_turns": 4, "sampling": {"max_tokens": 200}}  # per turn; the response is cut to 16 tokens
+        prorl = ProrlVerlConfig.from_block({"service_url": stack.url, "task": "shell", **settings})
+        driver = RolloutDriver(stack.client, plugin_set({}, objects=[VerlBackend(prorl)]), shared_version=True)
+        rollout = SimpleNamespace(prompt_length=4096, response_length=16, temperature=0.7, top_p=0.9)
+        row = {"extra_info": {"instance": {"goal": "reach the goal", "check": CHECK}}, "uid": "u1", "global_steps": 3}
+        output = await driver.generate(VerlSample(row=row, sampling_params={"temperature": 0.5}, rollout=rollout))
+        trajectory = await stack.client.result(output.extra_fields["prorl_job_id"], wait=0)
+        assert trajectory.labels["group"] == "u1" and trajectory.num_turns == 2
+        assert (await stack.client.status())["policy_version"] == 2  # step 3 runs with the weights after step 2
+        assert trajectory.policy_version_min == 2 and output.extra_fields["min_global_steps"] == 2
+        assert len(trajectory.response_ids) > 16 and len(output.response_ids) == 16  # cut to response_length
+        assert output.response_ids == trajectory.response_ids[:16] and output.prompt_ids == trajectory.prompt_ids
+        assert output.reward_score == trajectory.reward and output.num_turns == 2
+        request = stack.llm.requests[0]
+        assert request["temperature"] == 0.5 and request["top_p"] == 0.9  # the sample's, else verl's rollout config
+        assert request["max_tokens"] == 200

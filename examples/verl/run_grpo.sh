@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GRPO with verl 0.9.1 on GPUs, the multi-turn episodes run by the rollout service (prorl_adapter) in sandboxes.
-# This is verl's stock GRPO recipe (FSDP actor, vLLM rollout, V1 trainer) plus the lines marked "prorl".
+# This is verl's stock GRPO recipe (FSDP actor, vLLM rollout, V1 trainer) plus the prorl lines at the end.
+# Staleness is stated once, in +prorl.staleness; the reward shaping once, in the service's --plugin-config.
 # tests/test_verl_config.py composes these exact overrides with verl's config, so every key exists in 0.9.1.
 #
 #   1. start a sandbox runtime and the rollout service (see README.md in this folder)
@@ -64,11 +65,8 @@ ARGS=(
     +prorl.timeout_s=600
     +prorl.staleness.mode=linear
     +prorl.staleness.max_staleness=2
-    +prorl.reward.weights.format=0.1
-    +prorl.reward.weights.step_cost=0.01
     trainer.v1.sampler.custom_sampler.path=pkg://prorl_plugins.verl.sampler
     trainer.v1.sampler.custom_sampler.name=StalenessReplayBuffer
-    +trainer.v1.sampler.sampler_kwargs.staleness='${prorl.staleness}'
     "$@"
 )
 

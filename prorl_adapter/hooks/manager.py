@@ -77,13 +77,32 @@ def make_plugin_manager(
     blocked: Iterable[str] = (),
     load_entry_points: bool = True,
 ) -> pluggy.PluginManager:
-    """The configured plugins; a configuration section that no loaded plugin reads is an error (a typo, or a
-    plugin that is not installed)."""
+    """The configured plugins. A configuration section that no plugin created here reads is an error (a typo, a
+    plugin that is not installed or is blocked, or one given as an object, which is configured already), and so
+    is one plugin class loaded twice (its verdicts would count twice)."""
     config = dict(config or {})
     pm = pluggy.PluginManager(specs.PROJECT)
     pm.add_hookspecs(specs)
     for name in blocked:
         pm.set_blocked(name)
+    read: set[str] = set()  # the sections given to the plugins created here
+    owners: dict[type, str] = {}  # a class created here -> the name it was loaded under
+
+    def add(plugin: Any, name: str) -> None:
+        created = inspect.isclass(plugin)
+        if created and getattr(plugin, "config_section", None):
+            read.add(plugin.config_section)
+        instance = instantiate(plugin, config, name)
+        cls = type(instance)
+        if cls in owners:  # objects of one class may be several configured instances; a created class may not
+            raise PluginLoadError(
+                f"plugin {cls.__module__}.{cls.__qualname__} is loaded twice: as {owners[cls]!r} and as {name!r}; "
+                "block one of them"
+            )
+        if created:
+            owners[cls] = name
+        pm.register(instance, name=name if not pm.has_plugin(name) else None)
+
     if load_entry_points:
         for entry_point in _entry_points():
             if pm.is_blocked(entry_point.name) or pm.has_plugin(entry_point.name):
@@ -94,30 +113,25 @@ def make_plugin_manager(
                 raise PluginLoadError(
                     f"plugin {entry_point.name!r} ({entry_point.value}) failed to load: {type(exc).__name__}: {exc}"
                 ) from exc
-            pm.register(instantiate(plugin, config, entry_point.name), name=entry_point.name)
+            add(plugin, entry_point.name)
     for path in import_paths:
         if not pm.is_blocked(path):
-            pm.register(instantiate(import_object(path), config, path), name=path)
+            add(import_object(path), path)
     for plugin in objects:
         name = f"{type(plugin).__module__}.{type(plugin).__qualname__}"
         if not pm.is_blocked(name):
-            pm.register(plugin, name=name if not pm.has_plugin(name) else None)
+            add(plugin, name)
     try:
         pm.check_pending()  # an implementation of a hook that does not exist (a typo) is an error
     except pluggy.PluginValidationError as exc:
         raise PluginLoadError(f"a plugin implements a hook that does not exist: {exc}") from exc
-    _check_sections(pm, config)
-    return pm
-
-
-def _check_sections(pm: pluggy.PluginManager, config: Mapping[str, Any]) -> None:
-    read = {getattr(plugin, "config_section", None) for plugin in pm.get_plugins()} - {None}
     unknown = sorted(set(config) - read)
     if unknown:
         raise PluginConfigError(
             f"plugin configuration has unknown section(s) {', '.join(map(repr, unknown))}; "
             f"the loaded plugins read: {', '.join(sorted(read)) or 'none'}"
         )
+    return pm
 
 
 def _entry_points() -> list:

@@ -60,7 +60,13 @@ class PluginSet:
 
     # -- observers: each implementation on its own, so that one failing never stops the others -------------
     def notify(self, hook: str, **kwargs: Any) -> None:
-        for impl in getattr(self.hooks, hook).get_hookimpls():
+        """Call every implementation of the observer `hook`, in pluggy's order (the last registered first).
+        Observers are plain implementations: hook wrappers are not called."""
+        caller = getattr(self.hooks, hook)
+        missing = set(caller.spec.argnames) - set(kwargs)
+        if missing:  # the caller's bug, not the observer's
+            raise TypeError(f"{hook} needs {', '.join(sorted(missing))}")
+        for impl in reversed(caller.get_hookimpls()):
             try:
                 impl.function(*[kwargs[name] for name in impl.argnames])
             except Exception:  # an observer's bug must not stall the job or the trainer it observes

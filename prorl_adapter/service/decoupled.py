@@ -58,6 +58,12 @@ class ProducerConfig:
     retry_delay_s: float = 1.0  # before the second run; doubled for each further one (at most RETRY_MAX_S)
 
 
+class BadTake(ValueError):
+    """A take the service cannot weigh as asked (the API answers 400); its entries are handed back."""
+
+    status = 400
+
+
 @dataclass
 class ProducerStats:
     upcoming: int = 0
@@ -204,8 +210,12 @@ class Producer:
             held = f"{len(self._finished)} finished trajectories wait for the buffer"
         else:
             state = AdmissionState(self.pipeline.policy_version, self._in_flight_counts, buffered)
-            if not self.pipeline.plugins.admits(state):
-                held = "admission control (a plugin) holds new episodes back"
+            try:
+                if not self.pipeline.plugins.admits(state):
+                    held = "admission control (a plugin) holds new episodes back"
+            except Exception as exc:  # a plugin's bug: hold (the pace guarantee stands), say why, ask again later
+                log.exception("an admission plugin failed")
+                held = f"admission control failed ({type(exc).__name__}: {exc}); asked again at the next event"
         self.stats.held_back_reason = held
         self.stats.held_back = held is not None and await self.prompts.size() > 0
         return held is None
@@ -294,14 +304,20 @@ class Producer:
             self.stats.expired += await self.buffer.expire(expired_before)
         entries = await self.buffer.take(size, timeout)
         version = self.pipeline.policy_version
-        kept: list[BatchItem] = []
-        dropped: list[str] = []
-        for entry in entries:
-            entry.weight = plugins.weigh(entry.trajectory, version, (current_logprobs or {}).get(entry.id))
-            if entry.weight.sample == 0.0:
-                dropped.append(entry.id)
-            else:
-                kept.append(entry)
+        try:
+            for entry in entries:
+                logprobs = (current_logprobs or {}).get(entry.id)
+                if logprobs is not None and len(logprobs) != len(entry.trajectory.response_ids):
+                    raise BadTake(
+                        f"current_logprobs[{entry.id!r}] has {len(logprobs)} values for "
+                        f"{len(entry.trajectory.response_ids)} response tokens"
+                    )
+                entry.weight = plugins.weigh(entry.trajectory, version, logprobs)
+        except Exception:  # nothing taken may be lost: hand the entries back before answering
+            await self.buffer.release([entry.id for entry in entries])
+            raise
+        kept = [entry for entry in entries if entry.weight.sample != 0.0]
+        dropped = [entry.id for entry in entries if entry.weight.sample == 0.0]
         deadline = time.monotonic() + (self.config.lease_s if lease_s is None else lease_s)
         for item in kept:
             self._leases[item.id] = Lease(deadline, item.deliveries)

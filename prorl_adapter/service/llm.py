@@ -162,10 +162,10 @@ class LLMPool:
         try:
             async with self._http.get(server.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5.0)) as r:
                 r.raise_for_status()
-                server.model = (await r.json())["data"][0]["id"]
+                server.model = _Models.model_validate_json(await r.read()).data[0].id
             server.healthy = True
             server.consecutive_failures = 0
-        except (TimeoutError, aiohttp.ClientError, KeyError, IndexError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValidationError) as exc:  # any other answer: not serving
             if server.healthy:
                 log.warning("LLM server %s is unhealthy: %s", server.url, exc)
             server.healthy = False
@@ -269,6 +269,16 @@ class LLMPool:
             server=server.url,
             seconds=time.perf_counter() - started,
         )
+
+
+class _Model(BaseModel):
+    id: str
+
+
+class _Models(BaseModel):
+    """What this client needs of /v1/models: the served model's name."""
+
+    data: list[_Model] = Field(min_length=1)
 
 
 class _Logprobs(BaseModel):

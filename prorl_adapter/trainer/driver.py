@@ -76,9 +76,7 @@ class RolloutDriver:
         trajectories = await self.client.run_many(self.requests(batch), wait=self.wait_s)
         if version is None:
             version = max((t.policy_version_max for t in trajectories), default=0)
-        items = [
-            BatchItem(id=t.job_id, weight=self.plugins.weigh(t, version), trajectory=t) for t in trajectories
-        ]
+        items = [BatchItem(id=t.job_id, weight=self.plugins.weigh(t, version), trajectory=t) for t in trajectories]
         return self.to_batch(items, batch)
 
     # -- decoupled: requests into the service's queue, batches out of its buffer ----------------------------

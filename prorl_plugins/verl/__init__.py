@@ -5,9 +5,10 @@ Importing this package registers the `prorl_agent` agent loop with verl's regist
 the run with its message) and through the `verl.plugins` entry point (whose errors verl only logs at debug
 level, hence the explicit line). docs/verl.md has the lines a user adds.
 
-Modules, one job each: `config` (the `prorl` block and the check of the plugin lines), `agent_loop`,
-`sampler` (staleness on verl's V1 replay buffer), `reward` (verl's custom_reward_function), `check` (the
-pre-flight command).
+Modules, one job each: `config` (the `prorl` block, the table of the verl lines a recipe needs, and the checks
+derived from it), `agent_loop` (asks the rollout driver for its one sample), `backend` (the backend hooks: a
+verl sample as a job, its trajectory as verl's output), `sampler` (staleness on verl's V1 replay buffer),
+`reward` (verl's custom_reward_function), `check` (the pre-flight command).
 """
 
 from .agent_loop import ProrlAgentLoop

@@ -3,8 +3,11 @@
     python -m prorl_plugins.verl.check <the same overrides you pass to verl.trainer.main_ppo> [--no-network]
 
 It composes verl's own `ppo_trainer` config with hydra (an override naming a key verl does not have fails
-here, as it would in verl), validates the `prorl` block and the lines around it, and, unless told not to,
-asks the rollout service (and the sandbox runtime, if `prorl.sandbox_url` is set) whether they answer.
+here, as it would in verl) and checks the `prorl` block and the verl lines around it (`config.LINES`). Then,
+unless told not to, it asks the rollout service whether it answers, whether it has `prorl.task`
+(`GET /v1/tasks`) and whether the plugin sections it was started with agree with the block
+(`GET /v1/plugins`), and the sandbox runtime, if `prorl.sandbox_url` is set, whether it answers. Anything
+wrong exits with status 2 and a message naming the line to write.
 """
 
 from __future__ import annotations
@@ -17,7 +20,11 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 
-from .config import BLOCK, ProrlVerlConfigError, check_verl_config
+from prorl_adapter.trainer.client import RolloutAPIError, SyncRolloutClient
+
+from .config import BLOCK, ProrlVerlConfig, ProrlVerlConfigError, check_service, check_verl_config
+
+NO_NETWORK = "--no-network"
 
 
 def verl_config_dir() -> str:
@@ -39,22 +46,41 @@ def ping(url: str, path: str, what: str, key: str) -> None:
         raise ProrlVerlConfigError(f"the {what} at {url} ({key}) does not answer {path}: {exc}") from exc
 
 
+def check_against_service(prorl: ProrlVerlConfig) -> None:
+    """The service answers, has the task, and was started with plugin sections that agree with the block."""
+    ping(prorl.service_url, "/healthz", "rollout service", f"{BLOCK}.service_url")
+    with SyncRolloutClient(prorl.service_url, token=prorl.token, timeout=10.0) as client:
+        try:
+            tasks, plugins = client.tasks(), client.plugins()
+        except (RolloutAPIError, httpx.HTTPError) as exc:
+            raise ProrlVerlConfigError(
+                f"the rollout service at {prorl.service_url} does not tell its tasks and plugin sections "
+                f"(GET /v1/tasks, /v1/plugins): {exc}"
+            ) from exc
+    check_service(prorl, tasks, plugins.get("config") or {})
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    network = "--no-network" not in argv
-    overrides = [a for a in argv if a != "--no-network"]
+    network = NO_NETWORK not in argv
+    overrides = [a for a in argv if a != NO_NETWORK]
     try:
         prorl = check_verl_config(compose_verl_config(overrides))
         if network:
-            ping(prorl.service_url, "/healthz", "rollout service", f"{BLOCK}.service_url")
+            check_against_service(prorl)
             if prorl.sandbox_url:
                 ping(prorl.sandbox_url, "/healthz", "sandbox runtime", f"{BLOCK}.sandbox_url")
     except (ProrlVerlConfigError, HydraException) as exc:
         print(f"prorl verl plugin: {exc}", file=sys.stderr)
         return 2
+    checked = (
+        f"the service has task {prorl.task} and its plugin sections agree"
+        if network
+        else f"{NO_NETWORK}: the service, its tasks (is {prorl.task} one?) and its plugin sections not checked"
+    )
     print(
         f"prorl verl plugin: OK (service {prorl.service_url}, task {prorl.task}, "
-        f"staleness {prorl.staleness_config.mode}, reward from the {prorl.reward_source})"
+        f"staleness {prorl.staleness_config.mode}, reward from the {prorl.reward_source}; {checked})"
     )
     return 0
 

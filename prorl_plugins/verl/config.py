@@ -1,31 +1,36 @@
-"""The `prorl` block of a verl config, and the check that the plugin lines around it agree.
+"""What a verl recipe with the plugin contains, written down once, and the check that derives from it.
 
-A user adds to a working verl GRPO recipe:
+A user adds to a working verl GRPO recipe the `prorl` block, at least
 
-    actor_rollout_ref.model.external_lib=prorl_plugins.verl
-    actor_rollout_ref.rollout.agent.default_agent_loop=prorl_agent
     +prorl.service_url=http://rollout-host:8766 +prorl.task=python_math
 
-and, for staleness control or verl-side reward shaping, the lines `verl_lines()` prints. Everything here fails
-with a `ProrlVerlConfigError` naming the key and what to write instead, at the first rollout of every agent
-loop worker (and in `python -m prorl_plugins.verl.check`, before any GPU is touched).
+and the verl lines around it, which `LINES` holds: one row per verl key, with the value it must have, the
+recipes that need it (every one, or one staleness mode, or `reward_source=verl`) and what goes wrong without
+it. `verl_lines()` prints the lines from that table, and `check_verl_config()` checks a composed verl config
+against the same table, failing with a `ProrlVerlConfigError` that names each wrong line and the line to write
+instead. The check runs in `python -m prorl_plugins.verl.check` before any GPU is touched, in the staleness
+sampler when verl's trainer starts, and at the first rollout of every agent loop worker.
+
+Staleness is stated once, in `prorl.staleness`: the sampler reads it from the verl config it is built from.
+What the rollout service was started with (`--plugin-config`) must not say otherwise: `check_service()`
+compares the service's sections (`GET /v1/plugins`) with the block, and its tasks (`GET /v1/tasks`) with
+`prorl.task`.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from prorl_adapter.hooks.specs import PluginConfigError
+from prorl_adapter.hooks import PluginConfigError, PluginLoadError, PluginSet
 from prorl_adapter.models import SamplingParams
-from prorl_adapter.trainer.samples import TrainerPlugins
-from prorl_plugins.reward_shaping import RewardShaping
-from prorl_plugins.staleness import StalenessConfig, StalenessControl
+from prorl_plugins.staleness import StalenessConfig
 
 AGENT_LOOP_NAME = "prorl_agent"
 PLUGIN_MODULE = "prorl_plugins.verl"
@@ -173,96 +178,224 @@ class ProrlVerlConfig:
             sections["reward"] = self.reward
         return sections
 
-    def plugins(self) -> TrainerPlugins:
-        return shared_plugins(self.plugin_sections())
+    def plugins(self) -> PluginSet:
+        return plugin_set(self.plugin_sections())
 
     @property
     def staleness_config(self) -> StalenessConfig:
         return StalenessConfig.from_section(self.staleness)
 
 
-def shared_plugins(sections: Mapping[str, Any]) -> TrainerPlugins:
-    """The shared staleness and reward plugins, as fresh objects: the entry points' module-level singletons
-    would be reconfigured by every other user in the same process (the sampler and the reward function
-    live in one verl process)."""
+def plugin_set(sections: Mapping[str, Any], objects: tuple[object, ...] = ()) -> PluginSet:
+    """The installed plugins (the entry points the rollout service loads too), each a fresh instance
+    configured with its section of `sections`, plus `objects`: one set per user in a process (the sampler and
+    the reward function live in one verl process, each with its own)."""
     try:
-        return TrainerPlugins(dict(sections), objects=[StalenessControl(), RewardShaping()], load_entry_points=False)
-    except PluginConfigError as exc:
+        return PluginSet.load(config=dict(sections), objects=objects, entry_points=True)
+    except (PluginConfigError, PluginLoadError) as exc:
         raise ProrlVerlConfigError(f"{BLOCK}: {exc}") from exc
 
 
 def _select(config: DictConfig, key: str) -> Any:
-    return OmegaConf.select(config, key, default=None)
+    value = OmegaConf.select(config, key, default=None)
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
+# -- the verl lines around the block: the one table the check and verl_lines() read ------------------------
+UNSET = object()  # a line's value when the recipe must not have the line at all
+EXTERNAL_LIB_KEY = "actor_rollout_ref.model.external_lib"
+
+# Which recipes need a line, decided by the two settings of the block that matter: staleness and reward_source.
+ALWAYS = "always"
+STALENESS_ON = f"{BLOCK}.staleness.mode is not off"
+LINEAR = f"{BLOCK}.staleness.mode=linear"
+IMPORTANCE = f"{BLOCK}.staleness.mode=importance"
+REWARD_IN_VERL = f"{BLOCK}.reward_source=verl"
+_WHEN: dict[str, Callable[[StalenessConfig, str], bool]] = {
+    ALWAYS: lambda staleness, reward_source: True,
+    STALENESS_ON: lambda staleness, reward_source: staleness.mode != "off",
+    LINEAR: lambda staleness, reward_source: staleness.mode == "linear",
+    IMPORTANCE: lambda staleness, reward_source: staleness.mode == "importance",
+    REWARD_IN_VERL: lambda staleness, reward_source: reward_source == "verl",
+}
+
+
+@dataclass(frozen=True)
+class VerlLine:
+    """One verl key a recipe with the `prorl` block must set (`value`), or must leave alone (`UNSET`)."""
+
+    key: str
+    value: Any  # a plain value, a function of the staleness section where it follows from it, or UNSET
+    when: str  # a key of _WHEN: which recipes need the line
+    why: str  # what goes wrong without it
+
+    def expected(self, staleness: StalenessConfig) -> Any:
+        return self.value(staleness) if callable(self.value) else self.value
+
+    def applies(self, staleness: StalenessConfig, reward_source: str) -> bool:
+        return _WHEN[self.when](staleness, reward_source)
+
+    def accepts(self, found: Any, expected: Any) -> bool:
+        if expected is UNSET:
+            return found is None
+        if self.key == EXTERNAL_LIB_KEY and isinstance(found, list):  # verl imports each module of a list
+            return expected in found
+        if isinstance(expected, bool):
+            return found is expected or (found is None and expected is False)
+        return found == expected
+
+    def text(self, expected: Any) -> str:
+        if expected is UNSET:
+            return f"drop the line +{self.key}=..."
+        return f"{self.key}={_verl_value(expected)}"
+
+    def complaint(self, found: Any, expected: Any) -> str:
+        if expected is UNSET:
+            return f"{self.key} is set ({self.why}): {self.text(expected)}"
+        state = " is not set" if found is None else f"={_verl_value(found)} is wrong"
+        return f"{self.key}{state} ({self.why}); write {self.text(expected)}"
+
+
+def _verl_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    return str(value)
+
+
+_SAMPLER_WHY = "the staleness modes are applied by the plugin's replay-buffer sampler"
+_REWARD_WHY = "with reward_source=verl, verl's reward manager scores the episodes with the plugin's function"
+
+LINES: tuple[VerlLine, ...] = (
+    VerlLine(
+        EXTERNAL_LIB_KEY,
+        PLUGIN_MODULE,
+        ALWAYS,
+        f"verl imports it in every agent loop worker, and importing it registers the {AGENT_LOOP_NAME} loop",
+    ),
+    VerlLine(
+        "actor_rollout_ref.rollout.agent.default_agent_loop",
+        AGENT_LOOP_NAME,
+        ALWAYS,
+        f"the `{BLOCK}` block configures the {AGENT_LOOP_NAME} loop, and verl runs the loop named here",
+    ),
+    VerlLine(
+        "trainer.v1.sampler.sampler_kwargs.staleness",
+        UNSET,
+        ALWAYS,
+        f"the sampler reads {BLOCK}.staleness from the config itself: staleness is stated once, there",
+    ),
+    VerlLine("trainer.v1.sampler.custom_sampler.path", SAMPLER_PATH, STALENESS_ON, _SAMPLER_WHY),
+    VerlLine("trainer.v1.sampler.custom_sampler.name", SAMPLER_NAME, STALENESS_ON, _SAMPLER_WHY),
+    VerlLine(
+        "algorithm.filter_groups.enable",
+        False,
+        STALENESS_ON,
+        "verl hands a custom sampler no group-filtering settings, so filter_groups (DAPO) would silently do "
+        f"nothing with the staleness sampler; or write +{BLOCK}.staleness.mode=off",
+    ),
+    VerlLine(
+        "algorithm.rollout_correction.rollout_is",
+        None,
+        LINEAR,
+        "linear writes per-sample loss weights into verl's rollout_is_weights, which verl's rollout correction "
+        f"would overwrite; or use {BLOCK}.staleness.mode=importance",
+    ),
+    VerlLine(
+        "algorithm.rollout_correction.rollout_is",
+        "token",
+        IMPORTANCE,
+        "importance's per-token truncated ratios are computed by verl's rollout correction",
+    ),
+    VerlLine(
+        "algorithm.rollout_correction.rollout_is_threshold",
+        lambda staleness: staleness.importance_cap,
+        IMPORTANCE,
+        f"verl truncates the ratios at this cap, which must be {BLOCK}.staleness.importance_cap (default 2.0)",
+    ),
+    VerlLine(
+        "actor_rollout_ref.rollout.calculate_log_probs",
+        True,
+        IMPORTANCE,
+        "the ratios need the rollout's logprobs",
+    ),
+    VerlLine("reward.custom_reward_function.path", REWARD_PATH, REWARD_IN_VERL, _REWARD_WHY),
+    VerlLine("reward.custom_reward_function.name", REWARD_NAME, REWARD_IN_VERL, _REWARD_WHY),
+)
+
+
+def verl_lines(staleness: Mapping[str, Any] | None = None, reward_source: str = "service") -> list[str]:
+    """The verl lines a recipe with this staleness section and reward source needs (the `prorl` block aside),
+    for the docs, the example and the tests. Lines whose value is verl's default are included too."""
+    config = StalenessConfig.from_section(staleness)
+    lines = []
+    for line in LINES:
+        expected = line.expected(config)
+        if line.applies(config, reward_source) and expected is not UNSET and line.text(expected) not in lines:
+            lines.append(line.text(expected))
+    return lines
 
 
 def check_verl_config(config: DictConfig) -> ProrlVerlConfig:
-    """Validate the `prorl` block and that verl's own keys agree with it: the staleness mode needs the sampler
-    line (and, for `importance`, verl's rollout correction; for `linear`, not verl's IS weights, which would
-    overwrite ours); `reward_source=verl` needs the reward function line."""
+    """Validate the `prorl` block, then every line of `LINES` its settings call for; one error lists every
+    wrong line with the line to write."""
     prorl = ProrlVerlConfig.from_block(_select(config, BLOCK))
-    mode = prorl.staleness_config.mode
-    sampler_path = _select(config, "trainer.v1.sampler.custom_sampler.path")
-    sampler_name = _select(config, "trainer.v1.sampler.custom_sampler.name")
-    if mode != "off" and (sampler_path != SAMPLER_PATH or sampler_name != SAMPLER_NAME):
-        raise ProrlVerlConfigError(
-            f"{BLOCK}.staleness.mode={mode} is applied by the replay-buffer sampler; add "
-            f"trainer.v1.sampler.custom_sampler.path={SAMPLER_PATH} "
-            f"trainer.v1.sampler.custom_sampler.name={SAMPLER_NAME} "
-            f"+trainer.v1.sampler.sampler_kwargs.staleness='${{{BLOCK}.staleness}}'"
-        )
-    if mode != "off":
-        kwargs = _select(config, "trainer.v1.sampler.sampler_kwargs") or {}
-        if "staleness" not in kwargs:
-            raise ProrlVerlConfigError(
-                f"the sampler reads the staleness section from its kwargs; add "
-                f"+trainer.v1.sampler.sampler_kwargs.staleness='${{{BLOCK}.staleness}}'"
-            )
-        if _select(config, "algorithm.filter_groups.enable"):
-            raise ProrlVerlConfigError(
-                "verl hands a custom sampler no group-filtering settings, so algorithm.filter_groups (DAPO) would "
-                f"silently do nothing with the staleness sampler; set algorithm.filter_groups.enable=False or "
-                f"+{BLOCK}.staleness.mode=off"
-            )
-    rollout_is = _select(config, "algorithm.rollout_correction.rollout_is")
-    if mode == "linear" and rollout_is is not None:
-        raise ProrlVerlConfigError(
-            f"{BLOCK}.staleness.mode=linear writes per-sample loss weights into verl's rollout_is_weights, which "
-            f"algorithm.rollout_correction.rollout_is={rollout_is} would overwrite; unset it "
-            f"(algorithm.rollout_correction.rollout_is=null) or use {BLOCK}.staleness.mode=importance"
-        )
-    if mode == "importance" and rollout_is != "token":
-        raise ProrlVerlConfigError(
-            f"{BLOCK}.staleness.mode=importance uses verl's rollout correction for the per-token truncated "
-            f"importance weights; add algorithm.rollout_correction.rollout_is=token "
-            f"algorithm.rollout_correction.rollout_is_threshold={prorl.staleness_config.importance_cap} "
-            "actor_rollout_ref.rollout.calculate_log_probs=True"
-        )
-    if prorl.reward_source == "verl":
-        path = _select(config, "reward.custom_reward_function.path")
-        name = _select(config, "reward.custom_reward_function.name")
-        if path != REWARD_PATH or name != REWARD_NAME:
-            raise ProrlVerlConfigError(
-                f"{BLOCK}.reward_source=verl lets verl's reward manager score episodes; add "
-                f"reward.custom_reward_function.path={REWARD_PATH} reward.custom_reward_function.name={REWARD_NAME}"
-            )
+    staleness = prorl.staleness_config
+    wrong = []
+    for line in LINES:
+        if line.applies(staleness, prorl.reward_source):
+            found, expected = _select(config, line.key), line.expected(staleness)
+            if not line.accepts(found, expected):
+                wrong.append(line.complaint(found, expected))
+    if len(wrong) == 1:
+        raise ProrlVerlConfigError(wrong[0])
+    if wrong:
+        raise ProrlVerlConfigError(f"{len(wrong)} verl lines are wrong:\n  " + "\n  ".join(wrong))
     return prorl
 
 
-def verl_lines(staleness: bool = True, reward_in_verl: bool = False) -> list[str]:
-    """The verl overrides that turn the plugin on, for the README, the example and the tests."""
-    lines = [
-        f"actor_rollout_ref.model.external_lib={PLUGIN_MODULE}",
-        f"actor_rollout_ref.rollout.agent.default_agent_loop={AGENT_LOOP_NAME}",
-    ]
-    if staleness:
-        lines += [
-            f"trainer.v1.sampler.custom_sampler.path={SAMPLER_PATH}",
-            f"trainer.v1.sampler.custom_sampler.name={SAMPLER_NAME}",
-            f"+trainer.v1.sampler.sampler_kwargs.staleness=${{{BLOCK}.staleness}}",
-        ]
-    if reward_in_verl:
-        lines += [
-            f"reward.custom_reward_function.path={REWARD_PATH}",
-            f"reward.custom_reward_function.name={REWARD_NAME}",
-        ]
-    return lines
+# -- what the rollout service says: its tasks and the plugin sections it was started with ------------------
+def block_lines(section: str, value: Any) -> list[str]:
+    """`+prorl.<section>.<key>=<value>` lines that state `value` (a mapping of settings) in the block."""
+    if isinstance(value, Mapping):
+        return [line for key, item in value.items() for line in block_lines(f"{section}.{key}", item)]
+    return [f"+{BLOCK}.{section}={_verl_value(value)}"]
+
+
+def check_service(prorl: ProrlVerlConfig, tasks: list[str] | None, sections: Mapping[str, Any] | None) -> None:
+    """`prorl.task` must be one of the service's `tasks`; the block's plugin sections must agree with the ones
+    the service was started with (`sections`, its `--plugin-config`). None: not asked."""
+    if tasks is not None and prorl.task not in tasks:
+        close = difflib.get_close_matches(prorl.task, tasks, n=1)
+        hint = f"+{BLOCK}.task={close[0]}" if close else f"+{BLOCK}.task=<one of them>"
+        raise ProrlVerlConfigError(
+            f"{BLOCK}.task={prorl.task!r} is not a task of the rollout service at {prorl.service_url}, which has: "
+            f"{', '.join(sorted(tasks)) or 'none'}; write {hint} (or start the service with the task's plugin)"
+        )
+    if sections is None:
+        return
+    service_staleness = StalenessConfig.from_section(sections.get("staleness"))
+    if service_staleness.mode != "off" and service_staleness != prorl.staleness_config:
+        raise ProrlVerlConfigError(
+            f"staleness is stated twice, and differently: the recipe has {BLOCK}.staleness="
+            f"{_stated(prorl.staleness)}, the rollout service at {prorl.service_url} was started with staleness="
+            f"{sections['staleness']} (its --plugin-config). verl applies the recipe's, in its sampler; the "
+            "service's does nothing to verl's episodes. Drop the section from the service's --plugin-config, or "
+            f"write the same in the recipe: {' '.join(block_lines('staleness', sections['staleness']))}"
+        )
+    service_reward = sections.get("reward")
+    if (prorl.reward is not None or prorl.reward_source == "verl") and (prorl.reward or {}) != (service_reward or {}):
+        fix = (
+            f"drop {BLOCK}.reward from the recipe (the service's section shapes the reward), or write the service's"
+            if prorl.reward_source == "service"
+            else "with reward_source=verl, verl's reward function must shape as the service does: write the service's"
+        )
+        lines = " ".join(block_lines("reward", service_reward or {})) or "(it has none: drop prorl.reward)"
+        raise ProrlVerlConfigError(
+            f"the reward shaping is stated twice, and differently: the recipe has {BLOCK}.reward="
+            f"{_stated(prorl.reward)}, the rollout service at {prorl.service_url} was started with reward="
+            f"{_stated(service_reward)} (its --plugin-config), which shapes every episode's reward; {fix}: {lines}"
+        )
+
+
+def _stated(section: Any) -> str:
+    return "(not stated)" if section is None else str(section)

@@ -20,7 +20,7 @@ from typing import Any
 from prorl_adapter.models import Trajectory
 from prorl_plugins.reward_shaping import COMPONENTS
 
-from .config import BLOCK, shared_plugins
+from .config import BLOCK, plugin_set
 
 TRAJECTORY_FIELD = "prorl_trajectory"  # extra_fields key: the service's trajectory, as JSON
 INSTANCE_FIELD = "prorl_instance"  # extra_fields key: the task instance the episode ran
@@ -30,7 +30,7 @@ REWARD_SECTION_FIELD = "prorl_reward_section"  # extra_fields key: the `prorl.re
 @lru_cache(maxsize=8)
 def _plugins(section_json: str):
     section = json.loads(section_json)
-    return shared_plugins({"reward": section} if section is not None else {})
+    return plugin_set({"reward": section} if section is not None else {})
 
 
 def compute_score(
@@ -47,7 +47,10 @@ def compute_score(
     trajectory = Trajectory.model_validate_json(extra_info[TRAJECTORY_FIELD])
     instance = json.loads(extra_info.get(INSTANCE_FIELD) or "{}")
     plugins = _plugins(extra_info.get(REWARD_SECTION_FIELD) or "null")
-    components, reward = plugins.shaped_reward(trajectory, instance)
+    # The recorded components hold the task's outcome and the service's shaping, which is recomputed here.
+    components, reward = plugins.shaped_reward(
+        trajectory, instance, trajectory.reward_components, replace_recorded=True
+    )
     return {"score": reward, **component_columns(components)}
 
 

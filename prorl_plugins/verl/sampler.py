@@ -2,7 +2,10 @@
 
     trainer.v1.sampler.custom_sampler.path=pkg://prorl_plugins.verl.sampler
     trainer.v1.sampler.custom_sampler.name=StalenessReplayBuffer
-    +trainer.v1.sampler.sampler_kwargs.staleness='${prorl.staleness}'
+
+The staleness section is the block's, `prorl.staleness`, stated nowhere else: verl hands a custom sampler only
+`trainer.v1.sampler.sampler_kwargs`, but as a node of the whole composed config, whose root holds the block.
+The sampler checks the whole recipe there (`check_verl_config`), when verl's trainer starts.
 
 verl stores each finished trajectory in TransferQueue with tags `min_global_steps`/`max_global_steps` (our agent
 loop fills them with the service's policy versions) and groups them by prompt uid. When the trainer samples a
@@ -36,10 +39,10 @@ from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDict
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
-from prorl_adapter.hooks.specs import TrajectoryWeight
+from prorl_adapter.models import TrajectoryWeight
 from prorl_adapter.trainer.samples import trajectory_from_tensors
 
-from .config import ProrlVerlConfigError, shared_plugins
+from .config import BLOCK, SAMPLER_NAME, ProrlVerlConfig, ProrlVerlConfigError, check_verl_config, plugin_set
 
 logger = logging.getLogger(__name__)
 
@@ -47,16 +50,21 @@ WEIGHTS_FIELD = "rollout_is_weights"  # the per-token loss factor verl's policy 
 _PLUGIN_MODES = ("drop", "linear", "importance")
 
 
-def _section(sampler_kwargs: Any) -> dict[str, Any] | None:
-    if isinstance(sampler_kwargs, DictConfig):
-        sampler_kwargs = OmegaConf.to_container(sampler_kwargs, resolve=True)
-    section = (sampler_kwargs or {}).get("staleness")
-    if section is None:
+def recipe_block(sampler_kwargs: Any) -> ProrlVerlConfig:
+    """The checked `prorl` block of the verl config that `sampler_kwargs` (verl's
+    `trainer.v1.sampler.sampler_kwargs`) belongs to."""
+    if not isinstance(sampler_kwargs, DictConfig):
         raise ProrlVerlConfigError(
-            "StalenessReplayBuffer reads the staleness section from its kwargs; add "
-            "+trainer.v1.sampler.sampler_kwargs.staleness='${prorl.staleness}'"
+            f"{SAMPLER_NAME} reads {BLOCK}.staleness from the verl config it is built from, and got sampler_kwargs "
+            f"{sampler_kwargs!r} outside of one; let verl build it (trainer.v1.sampler.custom_sampler.*), or pass "
+            "the composed config's trainer.v1.sampler.sampler_kwargs"
         )
-    return dict(section)
+    # verl hands the node `trainer.v1.sampler.sampler_kwargs` of the composed config; OmegaConf's relative select
+    # climbs one level per dot after the first, so five dots reach the root, where the `prorl` block is.
+    root = OmegaConf.select(sampler_kwargs, "." * 5)
+    if not isinstance(root, DictConfig) or OmegaConf.select(root, "trainer.v1.sampler.sampler_kwargs") is None:
+        raise ProrlVerlConfigError(f"{SAMPLER_NAME} must be built by verl from trainer.v1.sampler.custom_sampler.*")
+    return check_verl_config(root)
 
 
 class StalenessReplayBuffer(ReplayBufferAsync):
@@ -64,10 +72,9 @@ class StalenessReplayBuffer(ReplayBufferAsync):
     shared staleness plugin deciding which groups are stale and how much each sample weighs."""
 
     def __init__(self, *args: Any, sampler_kwargs: Any = None, **kwargs: Any) -> None:
-        section = _section(sampler_kwargs)
-        self.plugins = shared_plugins({"staleness": section})
-        self.mode = section.get("mode", "off")
-        k = section.get("max_staleness")
+        prorl = recipe_block(sampler_kwargs)
+        self.plugins = plugin_set({"staleness": prorl.staleness} if prorl.staleness is not None else {})
+        self.mode, k = prorl.staleness_config.mode, prorl.staleness_config.max_staleness
         if self.mode in _PLUGIN_MODES:
             kwargs["max_off_policy_threshold"] = None  # the plugin's rule replaces verl's prompt-step rule
         elif self.mode == "pace":

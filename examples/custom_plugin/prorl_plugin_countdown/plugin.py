@@ -1,9 +1,12 @@
-"""The hook implementations of the countdown plugin, on one object: `plugin`, which the entry point
-`countdown = "prorl_plugin_countdown.plugin:plugin"` registers.
+"""The hook implementations of the countdown plugin, on one class: `CountdownPlugin`, which the entry point
+`countdown = "prorl_plugin_countdown.plugin:CountdownPlugin"` names. The service (and any other plugin set, such
+as a trainer's or a test's) creates one instance of it, giving the constructor the plugin's own section of the
+plugin configuration.
 
+- configuration: `config_section = "countdown"`, e.g. `{"countdown": {"repeat_penalty": 0.05}}` (a number >= 0;
+  default 0.05; 0 turns the rule off). The constructor validates it and raises `PluginConfigError` naming the
+  bad key, so a wrong configuration stops the service at start-up.
 - `prorl_register_tasks`: the `countdown` task handler.
-- `prorl_configure`: reads the plugin's own section of the plugin configuration, e.g.
-  `{"countdown": {"repeat_penalty": 0.05}}` (a number >= 0; default 0.05; 0 turns the rule off).
 - `prorl_reward_components`: the reward rule. A countdown episode gets the component `repeats`:
   -repeat_penalty for each tool call that repeats an earlier one of the episode (same tool, same arguments),
   which discourages an agent that loops. It needs the whole trajectory, which a task's eval does not see.
@@ -15,9 +18,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Mapping
 from typing import Any
 
-from prorl_adapter.hooks.specs import PluginConfigError, hookimpl
+from prorl_adapter.hooks import PluginConfigError, hookimpl
 from prorl_adapter.models import JobError, Trajectory
 
 from .task import CountdownTask
@@ -40,18 +44,12 @@ def repeated_calls(trajectory: Trajectory) -> int:
 
 
 class CountdownPlugin:
-    def __init__(self) -> None:
-        self.repeat_penalty = DEFAULT_REPEAT_PENALTY
+    config_section = SECTION
 
-    @hookimpl
-    def prorl_register_tasks(self) -> list[CountdownTask]:
-        return [CountdownTask()]
-
-    @hookimpl
-    def prorl_configure(self, config: dict[str, Any]) -> list[str]:
-        # Validate everything at start-up, and name the bad key: a wrong config must not surface mid-training.
-        section = config.get(SECTION, {})
-        if not isinstance(section, dict) or set(section) - {"repeat_penalty"}:
+    def __init__(self, section: Mapping[str, Any] | None = None) -> None:
+        # Validate everything here, at start-up, and name the bad key: a wrong config must not surface mid-training.
+        section = {} if section is None else section
+        if not isinstance(section, Mapping) or set(section) - {"repeat_penalty"}:
             raise PluginConfigError(
                 f"countdown: {SECTION} must be a mapping with the key repeat_penalty, got {section!r}"
             )
@@ -59,7 +57,10 @@ class CountdownPlugin:
         if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not 0 <= penalty < math.inf:
             raise PluginConfigError(f"countdown: {SECTION}.repeat_penalty must be a number >= 0, got {penalty!r}")
         self.repeat_penalty = float(penalty)
-        return [SECTION]
+
+    @hookimpl
+    def prorl_register_tasks(self) -> list[CountdownTask]:
+        return [CountdownTask()]
 
     @hookimpl
     def prorl_reward_components(self, trajectory: Trajectory) -> dict[str, float] | None:
@@ -69,9 +70,6 @@ class CountdownPlugin:
 
     @hookimpl
     def prorl_stage_event(self, job_id: str, task: str, stage: str, event: str, error: JobError | None) -> None:
-        # Runs on the service's event loop: log and return, never wait on anything here.
+        # An observer, on the service's event loop: log and return, never wait on anything here.
         if task == CountdownTask.name and event == "failed" and error is not None:
             log.warning("countdown job %s failed in %s (%s): %s", job_id, stage, error.error_class, error.message)
-
-
-plugin = CountdownPlugin()
