@@ -4,20 +4,21 @@ how stale (and how biased) the data it trains on is.
 
     python bench/bench_decoupled.py [--quick] [--steps N] [--seed S] [--out docs/benchmarks.md]
 
-What is REAL: the decoupled machinery itself. `prorl_adapter.decoupled.Producer` (admission through the
-`prorl_admit_episode` hook, finished trajectories put into the buffer, `take_batch` weighing each trajectory
+What is REAL: the decoupled machinery itself. `prorl_adapter.service.decoupled.Producer` (admission through
+the `prorl_admit_episode` hook, finished trajectories put into the buffer, `take_batch` weighing each trajectory
 through `prorl_trajectory_weight` and dropping weight 0), a real `MemoryBuffer` (its newest-version-first
 order, pending until acknowledged), and the staleness plugin (`prorl_plugins.staleness.StalenessControl`,
-configured through `prorl_configure`) in a real pluggy plugin manager (`make_plugin_manager`), with the
-Producer registered as a plugin the way the server registers it, so a new policy version wakes it.
+created with its `staleness` section) in a real `PluginSet`, with the Producer registered as a plugin the way
+the server registers it, so that a finished job reaches it and a new policy version wakes it.
 
 What is SIMULATED: everything slow.
 - `SimulatedPipeline` is the simulation's stand-in for `RolloutPipeline`, which needs vLLM and sandboxes. It
-  has the small surface the Producer uses (`submit`, `policy_version` with the hook on change, `hooks`,
-  `on_finished`) and runs each job on one of `slots` generation slots (the generation capacity: concurrent
-  episodes the LLM servers and sandboxes sustain), FIFO, for the job's drawn duration, then finishes it with
-  a `Trajectory` whose `policy_version_min` is the version when the episode got its slot (its first turn).
-  Slots do not slow down when many are busy (no batching effects in the LLM server).
+  has the small surface the Producer uses (`submit`, `jobs`, `plugins`, `policy_version` with its hook on
+  change, and `prorl_job_finished` when a job ends) and runs each job on one of `slots` generation slots (the
+  generation capacity: concurrent episodes the LLM servers and sandboxes sustain), FIFO, for the job's drawn
+  duration, then finishes it with a `Trajectory` whose `policy_version_min` is the version when the episode
+  got its slot (its first turn). Slots do not slow down when many are busy (no batching effects in the LLM
+  server).
 - The trainer takes B trajectories (taking more when some are dropped, so every step trains on B), trains
   for T seconds, publishes version + 1, then acknowledges (the order `should_pace` assumes, and the order of
   integration_tests/test_decoupled.py). Its prompt loader (`feed`) keeps (K_max + 1) x B + slots prompts
@@ -59,11 +60,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import gc
 import math
-import os
-import platform
 import random
 import selectors
 import sys
@@ -73,18 +71,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from report import replace_section
+from common import command_line, machine, replace_section, utc_now
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from prorl_adapter.hooks.manager import make_plugin_manager  # noqa: E402
-from prorl_adapter.hooks.specs import hookimpl  # noqa: E402
-from prorl_adapter.models import JobRequest, JobState, StageTimings, Trajectory  # noqa: E402
-from prorl_adapter.service.decoupled import Producer, ProducerConfig  # noqa: E402
-from prorl_adapter.service.storage.memory_buffer import MemoryBuffer  # noqa: E402
-from prorl_plugins.staleness import StalenessControl  # noqa: E402
+from prorl_adapter.hooks import PluginSet, hookimpl
+from prorl_adapter.models import JobRequest, JobState, StageTimings, Trajectory
+from prorl_adapter.service.decoupled import Producer, ProducerConfig
+from prorl_adapter.service.storage.memory_buffer import MemoryBuffer
+from prorl_plugins.staleness import StalenessControl
 
 BLOCK_START = "<!-- bench_decoupled:start -->"
 BLOCK_END = "<!-- bench_decoupled:end -->"
@@ -193,10 +186,10 @@ class SimulatedPipeline:
     jobs FIFO, each for its drawn duration, and finish it with a trajectory tagged with the policy version at
     which it got its slot."""
 
-    def __init__(self, pm: Any, stream: Stream, slots: int) -> None:
-        self.hooks = pm.hook
+    def __init__(self, plugins: PluginSet, stream: Stream, slots: int) -> None:
+        self.plugins = plugins
         self.stream = stream
-        self.on_finished: list[Any] = []
+        self.jobs: dict[str, SimJob] = {}
         self._policy_version = 0
         self._queue: asyncio.Queue[SimJob] = asyncio.Queue()
         self._workers = [asyncio.ensure_future(self._slot()) for _ in range(slots)]
@@ -209,10 +202,10 @@ class SimulatedPipeline:
     @policy_version.setter
     def policy_version(self, version: int) -> None:
         self._policy_version = version
-        self.hooks.prorl_policy_version_changed(version=version)
+        self.plugins.notify("prorl_policy_version_changed", version=version)
 
     def submit(self, request: JobRequest) -> tuple[SimJob, bool]:
-        job = SimJob(request.job_id, request, int(request.labels["episode"]))
+        job = self.jobs[request.job_id] = SimJob(request.job_id, request, int(request.labels["episode"]))
         self._queue.put_nowait(job)
         return job, True
 
@@ -226,8 +219,7 @@ class SimulatedPipeline:
             await asyncio.sleep(duration)
             job.result = episode_trajectory(job, version, self.policy_version)
             job.finished.set()
-            for callback in self.on_finished:
-                callback(job)
+            self.plugins.notify("prorl_job_finished", trajectory=job.result, state=job.state)
 
     async def stop(self) -> None:
         for worker in self._workers:
@@ -364,8 +356,7 @@ class RunResult:
 
 
 async def run_coupled(clock: VirtualClock, stream: Stream, setting: Setting) -> RunResult:
-    pm = make_plugin_manager(load_entry_points=False)
-    pipeline = SimulatedPipeline(pm, stream, setting.slots)
+    pipeline = SimulatedPipeline(PluginSet.load(entry_points=False), stream, setting.slots)
     result = RunResult("coupled", setting)
     pending = deque(requests(0, setting.steps * setting.batch))
     for step in range(setting.steps):
@@ -382,11 +373,10 @@ async def run_coupled(clock: VirtualClock, stream: Stream, setting: Setting) -> 
 async def run_decoupled(clock: VirtualClock, stream: Stream, setting: Setting, mode: Mode) -> RunResult:
     section = dict(mode.staleness or {}, batch_size=setting.batch)
     observer = WeighObserver()
-    pm = make_plugin_manager(objects=[StalenessControl(), observer], load_entry_points=False)
-    pm.hook.prorl_configure(config={"staleness": section})
-    pipeline = SimulatedPipeline(pm, stream, setting.slots)
+    plugins = PluginSet.load(objects=[StalenessControl(section), observer], entry_points=False)
+    pipeline = SimulatedPipeline(plugins, stream, setting.slots)
     producer = Producer(pipeline, RecordingBuffer(clock=clock))
-    pm.register(producer, name="decoupled-producer")
+    plugins.register(producer, name="decoupled-producer")
     producer.start()
     loader = asyncio.ensure_future(feed(producer, len(stream.durations), prompts_ahead(setting)))
     result = RunResult(mode.name, setting)
@@ -395,11 +385,12 @@ async def run_decoupled(clock: VirtualClock, stream: Stream, setting: Setting, m
         while len(batch) < setting.batch:
             batch += await producer.take_batch(setting.batch - len(batch), timeout=None)
         result.trained += [
-            (int(w.entry.trajectory.labels["episode"]), step - w.entry.version, w.weight.sample) for w in batch
+            (int(w.trajectory.labels["episode"]), step - w.trajectory.policy_version_min, w.weight.sample)
+            for w in batch
         ]
         await asyncio.sleep(setting.train_s)
         pipeline.policy_version = step + 1
-        await producer.ack([w.entry.id for w in batch])
+        await producer.ack([w.id for w in batch])
     result.wall_s, result.runs = clock(), pipeline.runs
     kept = {i for i, _, _ in result.trained}
     result.dropped = [(i, s) for i, s in observer.seen if i not in kept]
@@ -595,27 +586,11 @@ with zero staleness must behave like lock-step (the same busy fraction).\
 """
 
 
-def machine() -> str:
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor() or "unknown CPU",
-    )
-    return (
-        f"{len(os.sched_getaffinity(0))} CPUs (nproc), {model}, Linux {platform.release()}, "
-        f"Python {platform.python_version()} (the results are virtual time: the machine only sets how long the "
-        "run takes)"
-    )
-
-
 class HeldJobs:
     """A pipeline stand-in whose jobs never finish: what admission alone costs, with nothing else running."""
 
-    def __init__(self, hooks: Any) -> None:
-        self.hooks, self.policy_version, self.on_finished, self.jobs = hooks, 0, [], {}
+    def __init__(self, plugins: PluginSet) -> None:
+        self.plugins, self.policy_version, self.jobs = plugins, 0, {}
 
     def submit(self, request: JobRequest) -> tuple[SimJob, bool]:
         job = self.jobs[request.job_id] = SimJob(request.job_id, request, len(self.jobs))
@@ -625,9 +600,7 @@ class HeldJobs:
 async def admission_cost(queued: int) -> float:
     """Real seconds per admission when `queued` prompts are handed over at once and every one is admitted
     (staleness off): what the Producer pays per admission while the queue and the in-flight set are that long."""
-    pm = make_plugin_manager(objects=[StalenessControl()], load_entry_points=False)
-    pm.hook.prorl_configure(config={"staleness": {"mode": "off"}})
-    pipeline = HeldJobs(pm.hook)
+    pipeline = HeldJobs(PluginSet.load(objects=[StalenessControl({"mode": "off"})], entry_points=False))
     producer = Producer(pipeline, MemoryBuffer(), config=ProducerConfig(max_buffered=10 * queued))
     await producer.enqueue(requests(0, queued))
     started = time.perf_counter()
@@ -660,16 +633,15 @@ def admission_table() -> str:
 
 
 def render_block(stream: Stream, main: list[RunResult], sweeps: list[list[RunResult]], args: Any) -> str:
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    command = " ".join(["python bench/bench_decoupled.py", *args.argv])
+    command = command_line(__file__, args.argv)
     s = main[0].setting
     verdicts = "\n".join(f"- {line}" for line in verdict(sweeps))
     takeaway_lines = "\n".join(f"- {line}" for line in takeaways(stream, main, sweeps[1]))
     admission = admission_table()
     return f"""{BLOCK_START}
-## Decoupled training: coupled vs decoupled, simulated — {now}
+## Decoupled training: coupled vs decoupled, simulated — {utc_now()}
 
-- **Machine:** {machine()}
+- **Machine:** {machine()} (the results are virtual time: the machine only sets how long the run takes)
 - **Command:** `{command}`
 - **Parameters:** {s.slots} generation slots, B = {s.batch} trajectories per step, {s.steps} trainer steps
   per mode in the balanced setting and {sweeps[1][0].setting.steps} in the others, seed {args.seed}.
@@ -709,10 +681,6 @@ admission: 6 s for 40,000, 150 µs each.
 {HOW_TO_READ}
 {BLOCK_END}
 """
-
-
-def write_markdown(path: Path, block: str) -> None:
-    replace_section(path, BLOCK_START, BLOCK_END, block)
 
 
 # -- main -------------------------------------------------------------------------------------------------
@@ -769,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(admission_table())
     if args.out is not None:
-        write_markdown(args.out, render_block(stream, main_results, sweeps, args))
+        replace_section(args.out, BLOCK_START, BLOCK_END, render_block(stream, main_results, sweeps, args))
         print(f"written to {args.out}", file=sys.stderr)
     return 0
 

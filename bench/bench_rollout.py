@@ -19,9 +19,9 @@ that latency. 3 turns per episode; the check (the reward) is that `step` ran 3 t
     serve`, as users run it), waiting for every trajectory (`RolloutClient.run_many`).
 
 Measured per mode: episodes/s; the LLM busy fraction (share of wall time with at least one generation request
-in flight, from every request's start and end as `LLMPool._complete` sees them: a hook in this process for
-(a), and in the rollout service for (b), which is `prorl-rollout serve` started through this script only to
-add that hook); vLLM's own view (requests running or waiting, /metrics sampled every 0.2 s by a separate
+in flight, from every request's start and end as the LLM pool reports them through the `prorl_llm_request`
+hook: a plugin (`LLMRequestLog`) in this process for (a), and in the rollout service for (b), loaded there
+with `--plugin`); vLLM's own view (requests running or waiting, /metrics sampled every 0.2 s by a separate
 process; its e2e latency histogram); mean turns; generation and tool time per turn; and CPU time per turn of
 the orchestrating process (the rollout service's /proc/PID/stat for (b), this process for (a)). Nothing is
 asserted: the machine is shared and noisy, so the ratio (b)/(a) from the same run is the figure to compare
@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
-import datetime
+import json
 import math
-import os
 import random
 import shlex
 import signal
@@ -48,21 +48,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from report import machine as report_machine
-from report import replace_section
+import httpx
+from common import (
+    busy_cpu_seconds,
+    command_line,
+    importable_in_children,
+    machine,
+    replace_section,
+    stat_cpu_seconds,
+    stop,
+    tree_cpu_seconds,
+    utc_now,
+)
 
 from prorl_adapter.dev import localstack
-from prorl_adapter.dev.localstack import TINY_MODEL
-
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import httpx  # noqa: E402
+from prorl_adapter.hooks import PluginSet, hookimpl
 
 BLOCK_START = "<!-- bench_rollout:start -->"
 BLOCK_END = "<!-- bench_rollout:end -->"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 GiB = 1024**3
 
 MAX_TURNS = 3
@@ -72,11 +75,8 @@ EVAL_WORKERS = 32
 LATENCY_MEDIAN_S, LATENCY_SIGMA, LATENCY_MIN_S, LATENCY_MAX_S = 0.3, 0.9, 0.1, 2.0
 SAMPLE_INTERVAL_S = 0.2
 REPEATS_ON_FAILURE = 2  # a run in which episodes failed is reported in the details and run again
+SERVICE_REQUESTS = "rollout-llm-requests.txt"  # the rollout service's LLMRequestLog, in the log folder
 REGEX = r'<tool_call>\{"name": "bash", "arguments": \{"command": "(\.\/step)"\}\}</tool_call>'
-
-
-class BenchError(Exception):
-    """Something the benchmark needs did not work; the message says what."""
 
 
 # -- the episodes ---------------------------------------------------------------------------------------
@@ -183,47 +183,6 @@ def mean(values: list[float]) -> float:
 
 
 # -- CPU accounting from /proc ----------------------------------------------------------------------------
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(ppid, utime+stime+cutime+cstime in seconds) of a live process."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text.rsplit(")", 1)[1].split()
-    # after the comm: state ppid pgrp ... utime(14) stime(15) cutime(16) cstime(17), 1-based in proc(5)
-    return int(fields[1]), sum(int(v) for v in fields[11:15]) / CLK_TCK
-
-
-def tree_cpu_s(root: int) -> float:
-    """CPU of a process and all its descendants, reaped children included (through cutime/cstime)."""
-    table: dict[int, tuple[int, float]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (stat := _stat(int(entry))) is not None:
-            table[int(entry)] = stat
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    total, stack = 0.0, [root]
-    while stack:
-        pid = stack.pop()
-        if pid in table:
-            total += table[pid][1]
-            stack.extend(children.get(pid, []))
-    return total
-
-
-def own_cpu_s(pid: int) -> float:
-    """utime+stime of one process (all its threads), children not included."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def machine_busy_s() -> float:
-    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    idle = values[3] + values[4]  # idle + iowait
-    return (sum(values[:8]) - idle) / CLK_TCK
-
-
 class CpuMeter:
     """Deltas of CPU seconds per component over one measured run."""
 
@@ -281,47 +240,34 @@ def busy_from_intervals(intervals: list[tuple[float, float]], start: float, end:
     return covered / (end - start)
 
 
+class LLMRequestLog:
+    """A plugin: the start and end (time.monotonic) of every request the LLM pool makes, from the
+    `prorl_llm_request` hook. One serves each mode: an object given to the coupled loop's LLMPool here, and
+    `--plugin bench_rollout:LLMRequestLog` in the rollout service, which writes them to its configuration
+    section's `path` when it exits."""
+
+    config_section = "bench_llm_requests"
+
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        self.intervals: list[tuple[float, float]] = []
+        if config is not None:
+            atexit.register(self.write, Path(config["path"]))
+
+    @hookimpl
+    def prorl_llm_request(self, started: float, seconds: float) -> None:
+        self.intervals.append((started, started + seconds))
+
+    def write(self, path: Path) -> None:
+        path.write_text("".join(f"{a:.4f} {b:.4f}\n" for a, b in self.intervals))
+
+    @staticmethod
+    def read(path: Path) -> list[tuple[float, float]]:
+        if not path.exists():
+            return []
+        return [(float(a), float(b)) for a, b in (line.split() for line in path.read_text().splitlines() if line)]
+
+
 # -- (a) coupled: lock-step turns ------------------------------------------------------------------------
-def record_llm_requests(pool_class: Any, sink: list[tuple[float, float]]) -> None:
-    """Wrap `LLMPool._complete` (one HTTP request to vLLM) to record its start and end (time.monotonic).
-
-    The same hook serves both modes: the coupled loop in this process, and the rollout service process.
-    """
-    original = pool_class._complete
-
-    async def _complete(self: Any, server: Any, prompt_ids: list[int], sampling: Any) -> Any:
-        started = time.monotonic()
-        try:
-            return await original(self, server, prompt_ids, sampling)
-        finally:
-            sink.append((started, time.monotonic()))
-
-    pool_class._complete = _complete
-
-
-def serve_instrumented(intervals_path: str, argv: list[str]) -> int:
-    """`prorl-rollout serve ARGV`, unchanged but for the request recorder; the intervals go to a file at exit."""
-    import atexit
-
-    from prorl_adapter.service.cli import main as rollout_main
-    from prorl_adapter.service.llm import LLMPool
-
-    intervals: list[tuple[float, float]] = []
-    record_llm_requests(LLMPool, intervals)
-
-    def dump() -> None:
-        Path(intervals_path).write_text("".join(f"{a:.4f} {b:.4f}\n" for a, b in intervals))
-
-    atexit.register(dump)
-    return rollout_main(argv)
-
-
-def read_intervals(path: Path) -> list[tuple[float, float]]:
-    if not path.exists():
-        return []
-    return [(float(a), float(b)) for a, b in (line.split() for line in path.read_text().splitlines() if line)]
-
-
 @dataclass
 class CoupledEpisode:
     request: Any
@@ -431,7 +377,7 @@ async def coupled_mode(requests: list[Any], env: Environment) -> tuple[list[Epis
     from prorl_adapter.service.sandboxes import SandboxPool
     from prorl_plugins.tasks.shell import ShellTask
 
-    llm = LLMPool([env.vllm_url])
+    llm = LLMPool([env.vllm_url], plugins=PluginSet.load(objects=[env.coupled_requests], entry_points=False))
     sandboxes = SandboxPool([env.sandbox_url])
     await llm.start()
     try:
@@ -477,12 +423,12 @@ class Environment:
     rollout_pid: int
     chat: Any
     log_dir: Path
-    coupled_intervals: list[tuple[float, float]]  # LLM requests of the coupled loop (this process)
+    coupled_requests: LLMRequestLog  # LLM requests of the coupled loop (this process)
     init_workers: int
 
     @property
-    def service_intervals_path(self) -> Path:
-        return self.log_dir / "rollout-llm-requests.txt"
+    def service_requests_path(self) -> Path:  # the rollout service's, written when it exits
+        return self.log_dir / SERVICE_REQUESTS
 
 
 class Services:
@@ -512,15 +458,19 @@ class Services:
             self.sandbox = localstack.start_sandbox_runtime(
                 self.log_dir / "sandbox-state", "bwrap", "--max-sandboxes", "2048", log=self.log_dir / "sandbox.log"
             )
-            # `prorl-rollout serve`, unchanged, started through this script only to add the request recorder.
-            serve = ["serve", "--port", "{port}", "--tokenizer", str(TINY_MODEL), "--sandbox-url", self.sandbox.url]
-            serve += ["--llm-url", vllm_url, "--log-level", "WARNING", "--max-run-workers", str(self.max_run_workers)]
-            serve += ["--max-init-workers", str(self.max_init_workers)]
-            argv = [sys.executable, __file__, "--_serve-instrumented", str(self.log_dir / "rollout-llm-requests.txt")]
-            self.rollout = localstack.start_service(
-                "rollout service", [*argv, *serve], "/healthz", 120, self.log_dir / "rollout-service.log"
+            # The request log as a plugin of the service, with its section of the plugin configuration.
+            plugin_config = self.log_dir / "rollout-plugins.json"
+            section = {"path": str(self.log_dir / SERVICE_REQUESTS)}
+            plugin_config.write_text(json.dumps({LLMRequestLog.config_section: section}))
+            importable_in_children()
+            self.rollout = localstack.start_rollout_service(
+                [self.sandbox.url],
+                [vllm_url],
+                *("--max-run-workers", str(self.max_run_workers), "--max-init-workers", str(self.max_init_workers)),
+                *("--plugin", "bench_rollout:LLMRequestLog", "--plugin-config", str(plugin_config)),
+                log=self.log_dir / "rollout-service.log",
             )
-            chat = ChatTokenizer(str(TINY_MODEL))
+            chat = ChatTokenizer(str(localstack.TINY_MODEL))
         except BaseException:
             self.__exit__()
             raise
@@ -533,17 +483,17 @@ class Services:
             rollout_pid=self.rollout.process.pid,
             chat=chat,
             log_dir=self.log_dir,
-            coupled_intervals=[],
+            coupled_requests=LLMRequestLog(),
             init_workers=self.max_init_workers,
         )
 
     def __exit__(self, *exc: object) -> None:
         if self.rollout is not None:
-            self.rollout.stop()  # a clean exit (SIGTERM): it writes its request intervals
+            stop(self.rollout, timeout=60)  # a clean exit (SIGTERM): it writes its request log
         if self.sandbox is not None:
-            self.sandbox.stop()  # it deletes its sandboxes itself
+            stop(self.sandbox)  # it deletes its sandboxes itself
         if self.vllm is not None:
-            self.vllm.stop(timeout=30)  # vLLM's engine processes are in its group
+            stop(self.vllm, timeout=30)  # vLLM's engine processes are in its group
 
 
 def reset_prefix_cache(url: str) -> None:
@@ -574,14 +524,16 @@ def wait_llm_idle(url: str, timeout: float = 60) -> None:
 # -- one measured run of a mode ---------------------------------------------------------------------------
 def meter_for(env: Environment) -> CpuMeter:
     components: dict[str, Any] = {
-        "rollout service": lambda: own_cpu_s(env.rollout_pid),
+        "rollout service": lambda: stat_cpu_seconds(env.rollout_pid),
         "benchmark process (client / coupled loop)": time.process_time,
-        "sandbox runtime (server, bwrap, bash, sleep)": lambda: tree_cpu_s(env.sandbox_pid),
+        "sandbox runtime (server, bwrap, bash, sleep)": lambda: tree_cpu_seconds(env.sandbox_pid),
     }
     if env.vllm_pid is not None:
-        components["vLLM API server"] = lambda: own_cpu_s(env.vllm_pid)
-        components["vLLM engine core + worker"] = lambda: tree_cpu_s(env.vllm_pid) - own_cpu_s(env.vllm_pid)
-    components["whole machine (all tenants)"] = machine_busy_s
+        components["vLLM API server"] = lambda: stat_cpu_seconds(env.vllm_pid)
+        components["vLLM engine core + worker"] = lambda: (
+            tree_cpu_seconds(env.vllm_pid) - stat_cpu_seconds(env.vllm_pid)
+        )
+    components["whole machine (all tenants)"] = busy_cpu_seconds
     return CpuMeter(components)
 
 
@@ -766,11 +718,12 @@ shared machine (see *whole machine* in the details: other tenants' work shows th
 in-trainer pattern: every turn waits for the slowest generation and then for the slowest tool call of the
 whole batch, so vLLM idles while tools run. *Pipeline* lets each episode move on as soon as its own
 generation or tool call returns. The **LLM busy fraction** is the share of wall time with at least one
-generation request in flight, from the start and end of every request as `LLMPool._complete` sees them
-(one hook, in the benchmark process for (a) and in the rollout service process for (b)); the *engine*
-busy fraction is the same from vLLM's side (`vllm:num_requests_running` + `vllm:num_requests_waiting` > 0,
-sampled every 0.2 s by a separate process). *Engine batch while busy* is the mean number of requests vLLM
-decodes together when it has any: the figure that decides how much work each engine step does.
+generation request in flight, from the start and end of every request as the LLM pool reports them (the
+`prorl_llm_request` hook: one plugin, in the benchmark process for (a) and in the rollout service for (b));
+the *engine* busy fraction is the same from vLLM's side (`vllm:num_requests_running` +
+`vllm:num_requests_waiting` > 0, sampled every 0.2 s by a separate process). *Engine batch while busy* is
+the mean number of requests vLLM decodes together when it has any: the figure that decides how much work
+each engine step does.
 *Inside vLLM* is vLLM's own e2e latency (from the request's arrival in its engine client to its last
 token); the rest of the generation latency is HTTP, vLLM's API server and the client's event loop.
 *Orchestration CPU per turn* is user+sys CPU of the process that schedules the episodes, divided by the
@@ -797,12 +750,11 @@ effect of decoupling generation from tool execution, not of load balancing.\
 """
 
 
-def machine(vllm_url: str) -> str:
+def vllm_version(vllm_url: str) -> str:
     try:
-        version = httpx.get(vllm_url + "/version", timeout=5).json()["version"]
+        return httpx.get(vllm_url + "/version", timeout=5).json()["version"]
     except (httpx.HTTPError, ValueError, KeyError):
-        version = "?"
-    return f"{report_machine()}, vLLM {version} (CPU, --enforce-eager, models/tiny-qwen2), sandboxes: bubblewrap"
+        return "?"
 
 
 def render_block(
@@ -813,8 +765,7 @@ def render_block(
     machine_text: str,
     discarded: list[ModeResult],
 ) -> str:
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    command = "python bench/bench_rollout.py " + " ".join(args.argv)
+    command = command_line(__file__, args.argv)
     bullets = "\n".join(f"- {line}" for line in details(coupled, pipeline, latencies, args, discarded))
     mode = (
         f"{args.episodes} episodes x {MAX_TURNS} turns, max_tokens {MAX_TOKENS} per turn, {args.rounds} "
@@ -824,7 +775,7 @@ def render_block(
         f"under Details and run again (at most {REPEATS_ON_FAILURE} times)"
     )
     return f"""{BLOCK_START}
-## Rollout: coupled lock-step vs the pipeline — {now}
+## Rollout: coupled lock-step vs the pipeline — {utc_now()}
 
 - **Machine:** {machine_text}
 - **Command:** `{command}`
@@ -839,10 +790,6 @@ Details:
 {HOW_TO_READ}
 {BLOCK_END}
 """
-
-
-def write_markdown(path: Path, block: str) -> None:
-    replace_section(path, BLOCK_START, BLOCK_END, block)
 
 
 # -- main -------------------------------------------------------------------------------------------------
@@ -880,8 +827,6 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--_sample-metrics"]:  # internal: the /metrics sampler process
         sampler_main(argv[1], float(argv[2]), argv[3])
         return 0
-    if argv[:1] == ["--_serve-instrumented"]:  # internal: the rollout service with the request recorder
-        return serve_instrumented(argv[1], argv[2:])
     args = parse_args(argv)
     latencies = tool_latencies(args.episodes, args.seed)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
@@ -891,10 +836,8 @@ def main(argv: list[str] | None = None) -> int:
     discarded: list[ModeResult] = []  # runs with failed episodes, repeated
     try:
         with Services(log_dir, args.vllm_url, args.max_run_workers, args.max_init_workers) as env:
-            from prorl_adapter.service.llm import LLMPool
-
-            record_llm_requests(LLMPool, env.coupled_intervals)
-            machine_text = machine(env.vllm_url)
+            where = f"vLLM {vllm_version(env.vllm_url)} (CPU, --enforce-eager, models/tiny-qwen2)"
+            machine_text = machine(where, bubblewrap=True)
             samples_path = log_dir / "llm-samples.txt"
             sampler = subprocess.Popen(
                 [sys.executable, __file__, "--_sample-metrics", env.vllm_url, str(SAMPLE_INTERVAL_S), str(samples_path)]
@@ -934,17 +877,17 @@ def main(argv: list[str] | None = None) -> int:
             (float(t), float(r), float(w))
             for t, r, w in (line.split() for line in samples_path.read_text().splitlines() if line.strip())
         ]
-        service_intervals = read_intervals(env.service_intervals_path)
+        service_intervals = LLMRequestLog.read(env.service_requests_path)
         for result in coupled + pipeline + discarded:
             result.busy_sampled = busy_from_samples(samples, result.start, result.end)
             running = [r for t, r, _ in samples if result.start <= t <= result.end and r > 0]
             result.engine_batch = mean(running)
-            intervals = env.coupled_intervals if result.name == "coupled" else service_intervals
+            intervals = env.coupled_requests.intervals if result.name == "coupled" else service_intervals
             inside = [(a, b) for a, b in intervals if result.start <= a and b <= result.end]
             if inside:
                 result.busy_exact = busy_from_intervals(inside, result.start, result.end)
                 result.request_s = mean([b - a for a, b in inside])
-    except BenchError as exc:
+    except RuntimeError as exc:  # a server that would not start (localstack)
         print(f"bench_rollout: {exc} (logs: {log_dir})", file=sys.stderr)
         return 1
     print()
@@ -953,7 +896,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in details(coupled, pipeline, latencies, args, discarded):
         print(f"- {line}")
     if args.out:
-        write_markdown(args.out, render_block(coupled, pipeline, latencies, args, machine_text, discarded))
+        block = render_block(coupled, pipeline, latencies, args, machine_text, discarded)
+        replace_section(args.out, BLOCK_START, BLOCK_END, block)
         print(f"\nwrote {args.out}")
     print(f"(logs: {log_dir})")
     return 0

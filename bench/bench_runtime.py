@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import datetime
 import json
 import math
 import multiprocessing as mp
@@ -36,23 +35,30 @@ import os
 import queue as queue_module
 import select
 import selectors
-import shlex
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+from common import (
+    BenchError,
+    busy_cpu_seconds,
+    command_line,
+    cpu_seconds,
+    descendants,
+    machine,
+    replace_section,
+    stop,
+    utc_now,
+)
 from ptyprocess import PtyProcess
-from report import machine as report_machine
-from report import replace_section
+
+from prorl_adapter.dev import localstack
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -76,10 +82,6 @@ LATENCY_BLOCKS = 10  # sequential rounds are taken in this many interleaved bloc
 
 BLOCK_START = "<!-- bench_runtime:start -->"
 BLOCK_END = "<!-- bench_runtime:end -->"
-
-
-class BenchError(Exception):
-    """Something the benchmark needs did not work; the message says what."""
 
 
 # -- settings -----------------------------------------------------------------------------------------------
@@ -163,24 +165,6 @@ class Load:
 
 
 # -- /proc --------------------------------------------------------------------------------------------------
-def children(pid: int) -> list[int]:
-    kids: list[int] = []
-    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-        for task in os.scandir(f"/proc/{pid}/task"):
-            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-                kids += [int(p) for p in Path(task.path, "children").read_text().split()]
-    return kids
-
-
-def descendants(pid: int) -> list[int]:
-    found, todo = [], children(pid)
-    while todo:
-        child = todo.pop()
-        found.append(child)
-        todo += children(child)
-    return found
-
-
 def meminfo() -> dict[str, int]:
     values = {}
     for line in Path("/proc/meminfo").read_text().splitlines():
@@ -198,44 +182,6 @@ def smaps_field(pid: int, name: str) -> int:
         if line.startswith(name + ":"):
             return int(line.split()[1]) * 1024
     return 0
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """CPU time of the given processes, every thread, in seconds; processes gone meanwhile count as zero.
-
-    schedstat gives nanoseconds; /proc/PID/stat gives 10 ms ticks, too coarse for hundreds of shells that
-    each run a few milliseconds, so it is only the fallback for kernels without schedstats.
-    """
-    total = 0.0
-    for pid in pids:
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            if not HAVE_SCHEDSTAT:
-                raw = Path(f"/proc/{pid}/stat").read_bytes()
-                fields = raw[raw.rindex(b")") + 2 :].split()
-                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-                continue
-            for task in os.scandir(f"/proc/{pid}/task"):
-                with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-                    total += int(Path(task.path, "schedstat").read_text().split()[0]) / 1e9
-    return total
-
-
-HAVE_SCHEDSTAT = Path("/proc/self/schedstat").exists()
-
-
-def busy_cpu_seconds() -> float:
-    """CPU time the whole machine spent not idle (all CPUs, /proc/stat), in seconds."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle, iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # user..steal; guest is inside user
-
-
-def start_time(pid: int) -> int | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return int(raw[raw.rindex(b")") + 2 :].split()[19])
 
 
 # -- baseline: raw ptyprocess bash --------------------------------------------------------------------------
@@ -349,80 +295,6 @@ def bwrap_pss_per_session(argv: list[str], samples: int) -> float:
             kill_shell(proc)
 
 
-# -- server processes ---------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    """A server subprocess in its own session; `stop` ends it and then anything it left behind."""
-
-    def __init__(self, name: str, argv: list[str], ready_url: str, log: Path, headers: dict | None = None):
-        self.name = name
-        self.log = log
-        with log.open("wb") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            self._wait_ready(ready_url, headers or {})
-        except BaseException:
-            self.stop()
-            raise
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def _wait_ready(self, url: str, headers: dict, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise BenchError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            request = urllib.request.Request(url, headers=headers)
-            with contextlib.suppress(OSError), urllib.request.urlopen(request, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-            time.sleep(0.1)
-        raise BenchError(f"{self.name} not ready after {timeout} s:\n{self.log_tail()}")
-
-    def log_tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
-
-    def stop(self, timeout: float = 120.0) -> None:
-        if self.proc.poll() is not None:
-            return
-        left = [(pid, start_time(pid)) for pid in descendants(self.pid)]
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            print(f"{self.name} did not stop within {timeout} s; killing it")
-            self.proc.kill()
-            self.proc.wait()
-        for pid, started in left:  # only the very processes seen before, never a reused pid
-            if started is not None and start_time(pid) == started:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-
-
-def start_runtime(state_dir: Path, log: Path) -> tuple[Server, str]:
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "sandbox_runtime",
-        "serve",
-        "--port",
-        str(port),
-        "--state-dir",
-        str(state_dir),
-    ]
-    argv += ["--backend", "bwrap", "--max-sandboxes", "1200", "--log-level", "WARNING"]
-    base = f"http://127.0.0.1:{port}"
-    return Server("sandbox runtime", argv, f"{base}/healthz", log), base
-
-
 # -- HTTP client --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Call:
@@ -435,13 +307,8 @@ class Call:
     expect: bytes = b"hi"  # must appear in the response body
 
 
-def json_call(url: str, payload: dict, headers: dict | None = None, expect: bytes = b"hi") -> Call:
-    return Call(
-        url,
-        json.dumps(payload).encode(),
-        {"Content-Type": "application/json", **(headers or {})},
-        expect=expect,
-    )
+def json_call(url: str, payload: dict, expect: bytes = b"hi") -> Call:
+    return Call(url, json.dumps(payload).encode(), {"Content-Type": "application/json"}, expect=expect)
 
 
 def http_session() -> aiohttp.ClientSession:
@@ -833,19 +700,21 @@ async def bench_runtime(settings: Settings, work: Path, base: Baselines, results
     """Start the server and run every phase; sandboxes and server are removed however the phases end."""
     bwrap = bwrap_argv(work)
     measure_idle_baselines(settings, base, bwrap)
-    server, url = start_runtime(work / "state", work / "runtime.log")
+    server = localstack.start_sandbox_runtime(
+        work / "state", "bwrap", "--max-sandboxes", "1200", log=work / "runtime.log"
+    )
     try:
         async with http_session() as http:
-            rt = Runtime(http, url)
+            rt = Runtime(http, server.url)
             try:
-                await _runtime_phases(settings, rt, server.pid, base, results, bwrap)
+                await _runtime_phases(settings, rt, server.process.pid, base, results, bwrap)
             finally:
                 if rt.ids:
                     print(f"cleaning up {len(rt.ids)} sandboxes")
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(rt.delete_many(rt.ids), timeout=120)
     finally:
-        server.stop()
+        stop(server)
 
 
 async def _runtime_phases(
@@ -897,28 +766,25 @@ async def bench_swerex(settings: Settings, work: Path) -> SwerexResults:
         return SwerexResults(skipped=missing)
     import swerex
 
-    token = os.urandom(8).hex()
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    headers = {"X-API-Key": token}
-    # `python -m swerex` is what the `swerex-remote` entry point runs.
-    argv = [sys.executable, "-m", "swerex", "--host", "127.0.0.1", "--port", str(port), "--auth-token", token]
-    server = Server("swe-rex", argv, f"{base}/is_alive", work / "swerex.log", headers)
+    # `python -m swerex` is what the `swerex-remote` entry point runs; an empty token turns its API key check
+    # off, as the runtime runs without one.
+    argv = [sys.executable, "-m", "swerex", "--host", "127.0.0.1", "--port", "{port}", "--auth-token", ""]
+    server = None
     try:
+        server = localstack.start_service("swe-rex", argv, "/is_alive", 60, work / "swerex.log")
         async with http_session() as http:
-            results = await _swerex_phases(settings, http, base, headers, server.pid)
-    except (TimeoutError, BenchError, aiohttp.ClientError) as exc:  # a comparison, not the subject
+            results = await _swerex_phases(settings, http, server.url, server.process.pid)
+    except (BenchError, RuntimeError, TimeoutError, aiohttp.ClientError) as exc:  # a comparison, not the subject
         print(f"swe-rex failed, its figures are left out: {exc}")
         return SwerexResults(skipped=f"it failed during the run ({str(exc)[:200]})")
     finally:
-        server.stop()
+        if server is not None:
+            stop(server)
     results.version = getattr(swerex, "__version__", "?")
     return results
 
 
-async def _swerex_phases(
-    settings: Settings, http: aiohttp.ClientSession, base: str, headers: dict, server_pid: int
-) -> SwerexResults:
+async def _swerex_phases(settings: Settings, http: aiohttp.ClientSession, base: str, server_pid: int) -> SwerexResults:
     from swerex.runtime.abstract import BashAction, CreateBashSessionRequest
 
     sessions = min(settings.levels)
@@ -927,12 +793,12 @@ async def _swerex_phases(
     for i in range(sessions):
         # startup_timeout: its default of 1 s is too short for a loaded machine
         body = CreateBashSessionRequest(session=f"s{i}", startup_timeout=10).model_dump()
-        call = json_call(f"{base}/create_session", body, headers, expect=b"bash")
+        call = json_call(f"{base}/create_session", body, expect=b"bash")
         create_times.append(await timed_call(http, call))
     calls = []
     for i in range(sessions):
         action = BashAction(command="echo hi", session=f"s{i}", check="silent").model_dump()
-        calls.append(json_call(f"{base}/run_in_session", action, headers))
+        calls.append(json_call(f"{base}/run_in_session", action))
     step("swe-rex: sequential echo latency")
     sampler = Sampler(http, calls[0])
     await sampler.run(settings.swerex_rounds)
@@ -1246,17 +1112,6 @@ def markdown_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> str:
-    return f"{report_machine()}, bubblewrap {bwrap_version()}"
-
-
-def bwrap_version() -> str:
-    try:
-        return subprocess.run(["bwrap", "--version"], capture_output=True, text=True, check=True).stdout.split()[-1]
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        return "?"
-
-
 def mode(settings: Settings) -> str:
     s = settings
     return (
@@ -1301,12 +1156,11 @@ BASELINES = """\
 
 
 def markdown(report: Report, command: str) -> str:
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     bullets = "\n".join(f"- {line}" for line in report.details())
     return f"""{BLOCK_START}
-## Sandbox runtime — {now}
+## Sandbox runtime — {utc_now()}
 
-- **Machine:** {machine()}
+- **Machine:** {machine(bubblewrap=True)}
 - **Command:** `{command}`
 - **Mode:** {mode(report.settings)}
 
@@ -1321,10 +1175,6 @@ Details:
 {BASELINES}
 {BLOCK_END}
 """
-
-
-def write_markdown(path: Path, block: str) -> None:
-    replace_section(path, BLOCK_START, BLOCK_END, block)
 
 
 # -- main ---------------------------------------------------------------------------------------------------
@@ -1350,7 +1200,7 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("bwrap") is None:
         print("bubblewrap (bwrap) is not installed: the runtime's bwrap backend cannot run")
         return 2
-    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
+    command = command_line(__file__, sys.argv[1:] if argv is None else argv)
     with tempfile.TemporaryDirectory(prefix="bench-runtime-", ignore_cleanup_errors=True) as tmp:
         work = Path(tmp)
         work.chmod(0o711)  # a root runtime's sandbox uids must traverse to its state dir inside
@@ -1360,7 +1210,7 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(settings, baselines, rt, sx)
     print_report(report)
     if args.out:
-        write_markdown(args.out, markdown(report, command))
+        replace_section(args.out, BLOCK_START, BLOCK_END, markdown(report, command))
         print(f"wrote {args.out}")
     return 0
 
