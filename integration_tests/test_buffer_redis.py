@@ -104,9 +104,13 @@ async def test_produce_consume_ack_nothing_lost_nothing_duplicated(redis_server,
         consumed: list[str] = []
         while batch := await trainer.take(7, timeout=0):
             assert all(b.deliveries == 1 for b in batch)
-            assert all(b.trajectory == make_trajectory(b.trajectory.job_id, b.version) for b in batch)
-            assert all(b.version == produced[b.trajectory.job_id] for b in batch)
-            assert [b.version for b in batch] == sorted((b.version for b in batch), reverse=True)
+            assert all(
+                b.trajectory == make_trajectory(b.trajectory.job_id, b.trajectory.policy_version_min) for b in batch
+            )
+            assert all(b.trajectory.policy_version_min == produced[b.trajectory.job_id] for b in batch)
+            assert [b.trajectory.policy_version_min for b in batch] == sorted(
+                (b.trajectory.policy_version_min for b in batch), reverse=True
+            )
             assert await trainer.ack([b.id for b in batch]) == len(batch)
             consumed += jobs(batch)
         assert len(consumed) == n and set(consumed) == set(produced)
@@ -171,7 +175,9 @@ async def test_crashed_consumer_entries_are_reclaimed_and_consumed_exactly_once(
         recovered = await survivor.take(n, timeout=0)
         assert sorted(b.id for b in recovered) == sorted(b.id for b in lost)
         assert all(b.deliveries == 2 for b in recovered)
-        assert [b.version for b in recovered] == sorted((b.version for b in recovered), reverse=True)
+        assert [b.trajectory.policy_version_min for b in recovered] == sorted(
+            (b.trajectory.policy_version_min for b in recovered), reverse=True
+        )
         assert await survivor.ack([b.id for b in recovered]) == 8
         consumed = jobs(rest) + jobs(recovered)
         assert len(consumed) == n and set(consumed) == {f"j{i}" for i in range(n)}
@@ -235,7 +241,7 @@ async def test_buffered_versions_count_ready_and_pending_until_acked(redis_serve
             await buf.put(make_trajectory(f"v{version}", version))
         assert await buf.buffered_versions() == [1, 2, 2, 4]
         [newest] = await buf.take(1, timeout=0)
-        assert newest.version == 4
+        assert newest.trajectory.policy_version_min == 4
         assert await buf.buffered_versions() == [1, 2, 2, 4]
         await buf.ack([newest.id])
         assert await buf.buffered_versions() == [1, 2, 2]

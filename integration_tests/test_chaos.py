@@ -155,6 +155,11 @@ async def test_every_prompt_is_delivered_through_kill_9_of_every_part(vllm, tmp_
         )
         assert set(trainer.seen) == {str(i) for i in range(PROMPTS)}
     finally:
+        if "prompts delivered" not in figures:  # failed: what the service says is where to look
+            with contextlib.suppress(Exception):
+                async with RolloutClient(rollout.url, timeout=10) as client:
+                    figures["at failure"] = {"status": await client.status(), "buffer": await client.buffer()}
+                    figures["prompts never delivered"] = sorted({str(i) for i in range(PROMPTS)} - set(trainer.seen))
         if restart is not None and not restart.done():
             with contextlib.suppress(Exception):
                 services.append(await restart)

@@ -15,6 +15,7 @@ from prorl_adapter.models import JobError, JobRequest, JobState, StageTimings, T
 from prorl_adapter.service.decoupled import Producer, ProducerConfig
 from prorl_adapter.service.storage.buffer import BufferUnavailable, ExperienceBuffer
 from prorl_adapter.service.storage.memory_buffer import MemoryBuffer
+from prorl_adapter.service.storage.prompts import MemoryPromptQueue
 from prorl_plugins.staleness import StalenessControl
 
 
@@ -256,5 +257,50 @@ async def test_a_prompt_whose_episode_failed_for_the_infrastructure_runs_again_u
         await until(lambda: producer.stats.produced == 1)
         [delivered] = await producer.take_batch(1, timeout=0)
         assert delivered.trajectory.job_id == "p1:2"
+    finally:
+        await producer.stop()
+
+
+class LossyPrompts(MemoryPromptQueue):
+    """A prompt queue with a running record, like Redis's, whose next pop moves a prompt to running and then
+    loses the reply (the connection died mid-call), when `lose_next_reply` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running: dict[str, JobRequest] = {}
+        self.lose_next_reply = False
+
+    async def pop(self) -> JobRequest | None:
+        request = await super().pop()
+        if request is not None:
+            self.running[request.job_id] = request
+        if self.lose_next_reply:
+            self.lose_next_reply = False
+            raise BufferUnavailable("Redis at redis://127.0.0.1:1 is unavailable: the reply was lost (injected)")
+        return request
+
+    async def done(self, job_id: str) -> None:
+        self.running.pop(job_id, None)
+
+    async def recover(self) -> list[JobRequest]:
+        return list(self.running.values())
+
+
+async def test_a_prompt_whose_pop_reply_was_lost_still_runs():
+    prompts_queue = LossyPrompts()
+    plugins = PluginSet.load(objects=[StalenessControl({"mode": "off"})], entry_points=False)
+    episodes = Episodes(plugins)
+    producer = Producer(episodes, MemoryBuffer(), prompts_queue)  # type: ignore[arg-type]
+    plugins.register(producer, name="decoupled-producer")
+    prompts_queue.lose_next_reply = True
+    producer.start()
+    try:
+        await producer.enqueue(prompts(3))
+        await until(lambda: len(episodes.running()) == 3)  # p0's reply was lost: it runs all the same
+        assert {job.id for job in episodes.running()} == {"p0", "p1", "p2"}
+        for job in episodes.running():
+            episodes.finish(job)
+        await until(lambda: producer.stats.produced == 3)
+        assert prompts_queue.running == {}
     finally:
         await producer.stop()

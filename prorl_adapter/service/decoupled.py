@@ -144,19 +144,21 @@ class Producer:
     def wake(self) -> None:
         self._wakeup.set()
 
-    async def _retrying(self, what: str, attempt: Callable[[], Awaitable[None]]) -> None:
-        """Run `attempt()` until it gets through: an unreachable buffer or queue is waited out, with backoff."""
-        delay = 0.5
+    async def _retrying(self, what: str, attempt: Callable[[], Awaitable[None]]) -> bool:
+        """Run `attempt()` until it gets through: an unreachable buffer or queue is waited out, with backoff.
+        Returns whether it failed at least once."""
+        delay, failed = 0.5, False
         while True:
             try:
                 await attempt()
             except ExperienceBufferError as exc:
+                failed = True
                 self._degraded(f"{what}: {exc}; retrying every {min(delay, RETRY_MAX_S):g} s at most")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX_S)
                 continue
             self.stats.degraded = None
-            return
+            return failed
 
     def _degraded(self, message: str) -> None:
         if self.stats.degraded != message:
@@ -170,18 +172,22 @@ class Producer:
         return upcoming
 
     async def _produce_forever(self) -> None:
-        await self._retrying("recovering the prompts an earlier run left running", self._resubmit_recovered)
+        await self._retrying("recovering the prompts an earlier run left running", self._resubmit_running)
+        # Entries taken but never acknowledged before the restart: their leases died with that process.
+        await self._retrying("handing back the entries an earlier run had leased", partial(self.buffer.reclaim, 0.0))
         while True:
             self._wakeup.clear()
-            await self._retrying("admitting prompts", self._admit_while_allowed)
+            if await self._retrying("admitting prompts", self._admit_while_allowed):
+                # A pop whose reply was lost (the queue went away mid-call) moved its prompt to the running
+                # record without this process knowing: take back whatever runs there and not here.
+                await self._retrying("recovering prompts admitted during an outage", self._resubmit_running)
             await self._wakeup.wait()
 
-    async def _resubmit_recovered(self) -> None:
-        """Prompts an earlier incarnation admitted but never delivered run again (admission was granted)."""
+    async def _resubmit_running(self) -> None:
+        """Prompts recorded as running that no episode here is running (an earlier incarnation admitted them,
+        or a reply was lost) run again: admission was granted. Those in flight here are left alone."""
         for request in await self.prompts.recover():
             self._submit(request)
-        # Entries taken but never acknowledged before the restart: their leases died with that process.
-        await self.buffer.reclaim(0.0)
 
     async def _admit_while_allowed(self) -> None:
         while await self._admitted():

@@ -77,7 +77,12 @@ class Pin:
 
 
 class _ServerError(Exception):
-    """The server could not answer (connection refused, reset, timed out, 5xx): another server might."""
+    """The server could not answer (connection refused, reset, timed out, 5xx): another server might.
+    `down`: it certainly serves nothing now (it refused the connection)."""
+
+    def __init__(self, message: str, down: bool = False) -> None:
+        super().__init__(message)
+        self.down = down
 
 
 class LLMPool:
@@ -203,7 +208,9 @@ class LLMPool:
                 attempts += 1
                 server.failures += 1
                 server.consecutive_failures += 1
-                if server.consecutive_failures >= 2:  # one dropped connection is not a dead server
+                # One dropped connection is not a dead server; a refused one is (and a server restarting on its
+                # port may accept a retry into its backlog and leave it waiting until it is up, or for good).
+                if exc.down or server.consecutive_failures >= 2:
                     server.healthy = False
                 log.warning("LLM server %s failed (%s); retrying", server.url, exc)
                 if attempts > self._max_failovers + 1:
@@ -243,7 +250,7 @@ class LLMPool:
             choice = _checked_choice(body)  # a malformed 200 is the server's failure, like a 5xx
         except (TimeoutError, aiohttp.ClientError) as exc:
             error = f"{type(exc).__name__}: {exc}"
-            raise _ServerError(error) from exc
+            raise _ServerError(error, down=isinstance(exc, aiohttp.ClientConnectorError)) from exc
         except (_ServerError, LLMRequestError) as exc:
             error = str(exc)
             raise

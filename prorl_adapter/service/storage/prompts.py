@@ -36,7 +36,8 @@ class PromptQueue(abc.ABC):
 
     @abc.abstractmethod
     async def recover(self) -> list[JobRequest]:
-        """Prompts recorded as running by an earlier incarnation of the service, to run again."""
+        """Every prompt recorded as running (popped, not yet done): what an earlier incarnation of the service
+        left, or one whose pop reply was lost; the producer runs again those it is not running."""
 
     @abc.abstractmethod
     async def size(self) -> int:

@@ -28,7 +28,10 @@ return document
 
 class RedisPromptQueue(PromptQueue):
     def __init__(self, url: str, *, prefix: str = "prorl:prompts", socket_timeout: float = 5.0) -> None:
-        self._connection = RedisConnection(url, socket_timeout=socket_timeout)
+        # No silent retries: a pop whose reply was lost has moved its prompt to `running`; retried, it would move
+        # another, and nobody would know of the first. The error reaches the producer, which takes back what
+        # runs there and not in this process (`recover`), and waits out the outage itself.
+        self._connection = RedisConnection(url, socket_timeout=socket_timeout, retries=0)
         self._upcoming = f"{prefix}:upcoming"
         self._running = f"{prefix}:running"
         self._pop = self._connection.redis.register_script(_POP)
