@@ -121,7 +121,10 @@ async def test_host_processes_and_home_are_invisible(client, runtime):
 
 async def test_delete_leaves_no_process_behind(client, runtime):
     box = await make_box(client, runtime)
-    await client.exec(box.id, "sleep 1001 & setsid sleep 1002 & nohup sleep 1003 >/dev/null 2>&1 &")
+    # The command returns once all three run: `setsid` may fork again before its sleep starts, so the shell
+    # waits for three `sleep`s in its own /proc rather than for the forks alone.
+    started = "until [ $(cat /proc/[0-9]*/comm 2>/dev/null | grep -cx sleep) -ge 3 ]; do :; done"
+    await client.exec(box.id, f"sleep 1001 & setsid sleep 1002 & nohup sleep 1003 >/dev/null 2>&1 & {started}")
     session_pid = (await client.get_sandbox(box.id)).sessions[0].pid
     inits = procs.children(session_pid)
     assert inits, "bwrap's namespace init should be a child of the session's process"
