@@ -20,12 +20,9 @@ from .metrics import Metrics
 from .models import ExecRequest, InputRequest, RunRequest, SandboxSpec, ServerInfo
 from .session import SessionError, key_bytes
 from .webapp import (
-    bearer_auth,
-    count_requests,
-    errors_as_json,
+    json_api,
     json_response,
     parse,
-    refuse_browsers,
     serve_app,
 )
 
@@ -206,13 +203,7 @@ async def get_archive(request: web.Request) -> web.Response:
 
 def create_app(config: ServerConfig) -> web.Application:
     registry = Metrics()
-    middlewares = [
-        errors_as_json(config.max_body_bytes),
-        refuse_browsers(config.token),
-        bearer_auth(config.token),
-        count_requests(registry.requests),
-    ]
-    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
+    app = json_api(config.token, config.max_body_bytes, registry.requests)
     app[CONFIG] = config
     app[METRICS] = registry
     app[MANAGER] = manager = SandboxManager(config, app[METRICS])

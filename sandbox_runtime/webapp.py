@@ -123,6 +123,13 @@ def count_requests(counter: Counter) -> Middleware:
     return middleware
 
 
+def json_api(token: str | None, max_body_bytes: int, requests: Counter) -> web.Application:
+    """An application with both servers' middlewares, outermost first: errors as JSON (and the body bound),
+    browsers refused where there is no token, the bearer token, and every request counted in `requests`."""
+    middlewares = [errors_as_json(max_body_bytes), refuse_browsers(token), bearer_auth(token), count_requests(requests)]
+    return web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
+
+
 async def parse(request: web.Request, model: type[BaseModel], empty_ok: bool = False) -> BaseModel:
     """The request's JSON body as `model`. A body must come as application/json: a browser cannot send that
     cross-site without a CORS preflight, which these servers never grant."""

@@ -12,12 +12,9 @@ import dataclasses
 from aiohttp import web
 
 from sandbox_runtime.webapp import (
-    bearer_auth,
-    count_requests,
-    errors_as_json,
+    json_api,
     json_response,
     parse,
-    refuse_browsers,
     serve_app,
 )
 
@@ -244,13 +241,7 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
     """The service as an aiohttp application; each resource is opened and closed by a `cleanup_ctx` of its own,
     in the order they depend on each other (closed in reverse)."""
     app_metrics = RolloutMetrics()
-    middlewares = [
-        errors_as_json(config.max_body_bytes),
-        refuse_browsers(config.token),
-        bearer_auth(config.token),
-        count_requests(app_metrics.requests),
-    ]
-    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
+    app = json_api(config.token, config.max_body_bytes, app_metrics.requests)
     app[METRICS] = app_metrics
 
     async def plugins(app: web.Application):
