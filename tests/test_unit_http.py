@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import pytest
 
 from prorl_adapter import __version__
+from prorl_adapter.hooks import hookimpl
 from prorl_adapter.trainer.client import RolloutAPIError, RolloutClient
 from tests.fakes import (
     HANG,
@@ -190,6 +192,28 @@ async def test_process_takes_prorl_agents_request_shape_and_blocks_until_done():
 
 
 # -- the policy version and the LLM servers ---------------------------------------------------------------
+class VersionClaimingBackend:
+    """A backend plugin loaded where it does not belong, in the service: it claims version 99 if asked."""
+
+    asked = 0
+
+    @hookimpl
+    def prorl_backend_policy_version(self, batch: Any) -> int:
+        VersionClaimingBackend.asked += 1
+        return 99
+
+
+@on_virtual_time
+async def test_the_service_tags_turns_with_the_api_version_and_never_asks_a_backend():
+    VersionClaimingBackend.asked = 0
+    async with rollout_stack(SCRIPT, plugins=(f"{__name__}:VersionClaimingBackend",)) as stack:
+        await stack.client.set_policy_version(3)
+        trajectory = await stack.client.run(shell_job(), wait=600)
+        assert (await stack.client.status())["policy_version"] == 3
+    assert [turn.policy_version for turn in trajectory.turns] == [3, 3]
+    assert VersionClaimingBackend.asked == 0  # the driver asks backends, in the trainer's process
+
+
 @on_virtual_time
 async def test_the_policy_version_is_set_and_raise_only_never_moves_it_back():
     async with rollout_stack() as stack:

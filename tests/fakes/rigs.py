@@ -69,6 +69,7 @@ async def rollout_stack(
     pipeline: dict[str, Any] | None = None,
     llm_health_interval_s: float = 3600.0,
     sandbox_runtimes: int = 1,
+    plugins: tuple[str, ...] = (),
 ) -> AsyncIterator[Stack]:
     workers = {"max_init_workers": 4, "max_run_workers": 8, "max_eval_workers": 4}
     async with AsyncExitStack() as started:
@@ -79,6 +80,7 @@ async def rollout_stack(
             llm_urls=[llm.url],
             tokenizer="(the CharChat stand-in)",
             token=token,
+            plugins=list(plugins),
             plugin_config=dict(plugin_config or {}),
             decoupled=ProducerConfig(**(decoupled or {})),
             pipeline=PipelineConfig(**{**workers, **(pipeline or {})}),
