@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 SYSTEM_PACKAGES := bwrap:bubblewrap redis-server:redis-server
 
-.PHONY: demo rollout-demo runtime-demo test lint system-packages llm bench
+.PHONY: demo rollout-demo runtime-demo test lint system-packages llm bench openapi
 
 # torch first, pinned: it is the CPU build on disk here, and nothing later may pull a CUDA build instead.
 # verl brings torchcodec, built for another torch: it breaks transformers' model imports, so it goes.
@@ -39,6 +39,10 @@ runtime-demo: system-packages $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+
+openapi: $(VENV)/.installed  # docs/openapi/: both servers' OpenAPI documents and their readable references
+	$(VENV)/bin/prorl-sandbox openapi --out docs/openapi
+	$(VENV)/bin/prorl-rollout openapi --out docs/openapi
 
 test: system-packages lint llm
 	PRORL_REQUIRE_BACKENDS=1 $(PY) -m pytest

@@ -142,15 +142,15 @@ async def test_every_prompt_is_delivered_through_kill_9_of_every_part(vllm, tmp_
 
         async with RolloutClient(rollout.url) as client:
             status, buffer = await client.status(), await client.buffer()
-        assert all(count == 0 for count in status["active"].values()), status["active"]
+        assert all(count == 0 for count in status.active.values()), status.active
         figures.update(
             {
                 "prompts delivered": len(trainer.seen),
                 "deliveries": sum(trainer.seen.values()),
                 "prompts delivered more than once": sum(1 for n in trainer.seen.values() if n > 1),
-                "redelivered after a lease ran out": first_run["redelivered"] + buffer["redelivered"],
-                "episodes run again after an infrastructure failure": first_run["retried"] + buffer["retried"],
-                "episodes filtered (failed 5 times, or cancelled)": first_run["filtered"] + buffer["filtered"],
+                "redelivered after a lease ran out": first_run.redelivered + buffer.redelivered,
+                "episodes run again after an infrastructure failure": first_run.retried + buffer.retried,
+                "episodes filtered (failed 5 times, or cancelled)": first_run.filtered + buffer.filtered,
             }
         )
         assert set(trainer.seen) == {str(i) for i in range(PROMPTS)}
@@ -158,7 +158,8 @@ async def test_every_prompt_is_delivered_through_kill_9_of_every_part(vllm, tmp_
         if "prompts delivered" not in figures:  # failed: what the service says is where to look
             with contextlib.suppress(Exception):
                 async with RolloutClient(rollout.url, timeout=10) as client:
-                    figures["at failure"] = {"status": await client.status(), "buffer": await client.buffer()}
+                    status, buffer = await client.status(), await client.buffer()
+                    figures["at failure"] = {"status": status.model_dump(), "buffer": buffer.model_dump()}
                     figures["prompts never delivered"] = sorted({str(i) for i in range(PROMPTS)} - set(trainer.seen))
         if restart is not None and not restart.done():
             with contextlib.suppress(Exception):

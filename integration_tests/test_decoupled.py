@@ -46,7 +46,7 @@ async def test_pace_keeps_every_trajectory_within_k(vllm, sandbox_server, tmp_pa
         rollout.stop()
     assert len(consumed) == 8  # nothing dropped
     assert all(current - version <= 1 and weight == 1.0 for current, version, weight in consumed)
-    assert status["produced"] == 8 and status["dropped"] == 0 and status["acked"] == 8
+    assert status.produced == 8 and status.dropped == 0 and status.acked == 8
 
 
 async def test_drop_mode_drops_what_is_too_stale(vllm, sandbox_server, tmp_path):
@@ -58,7 +58,7 @@ async def test_drop_mode_drops_what_is_too_stale(vllm, sandbox_server, tmp_path)
             await client.set_policy_version(5)  # the trainer moved on: the other three are now 5 versions old
             await client.ack([item.id for item in first.items])
             deadline = time.monotonic() + 300
-            while (await client.buffer())["produced"] < 4 and time.monotonic() < deadline:
+            while (await client.buffer()).produced < 4 and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)  # until all four are in the buffer
             # Too stale to weigh above 0: removed before the take.
             rest = await client.take_batch(3, timeout=0)
@@ -66,7 +66,7 @@ async def test_drop_mode_drops_what_is_too_stale(vllm, sandbox_server, tmp_path)
     finally:
         rollout.stop()
     assert len(first.items) == 1 and rest.items == []
-    assert status["expired"] == 3 and status["dropped"] == 0 and status["ready"] == 0
+    assert status.expired == 3 and status.dropped == 0 and status.ready == 0
 
 
 async def test_bad_plugin_config_fails_at_start_up(vllm, sandbox_server, tmp_path):

@@ -63,7 +63,7 @@ async def test_a_coupled_toy_batch_comes_back_in_the_toy_type(vllm, sandbox_serv
         async with RolloutClient(rollout.url) as client:
             driver = RolloutDriver(client, plugins(), {"max_turns": 1}, wait_s=300)
             answer = await driver.generate(ToyBatch(commands=["pwd", "ls"], step=3))
-            assert (await client.status())["policy_version"] == 3  # the backend's version, published first
+            assert (await client.status()).policy_version == 3  # the backend's version, published first
     finally:
         rollout.stop()
     assert isinstance(answer, ToyBatch) and len(answer.rows) == 2

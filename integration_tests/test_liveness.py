@@ -107,7 +107,7 @@ async def test_an_8_mb_question_fails_its_job_cleanly(sandbox_server, llm):
             result = await client.run(request, wait=300)
             assert result.error is not None and result.error.error_class == "run" and result.filter
             assert "max_context_tokens is 4096" in result.error.message
-            assert (await client.status())["finished"]["failed"] == 1
+            assert (await client.status()).finished["failed"] == 1
         assert await eventually_none_left(sandbox_server) == []
     finally:
         rollout.stop()

@@ -44,13 +44,13 @@ async def test_episodes_fail_over_when_an_llm_server_dies(vllm, sandbox_servers,
                 jobs = [await client.submit(shell_job("sleep 1", max_turns=3)) for _ in range(6)]
 
                 async def doomed_has_served() -> bool:
-                    servers = {s["url"]: s for s in await client.llm_servers()}
-                    return servers[doomed.url]["requests"] >= 2
+                    servers = {s.url: s for s in await client.llm_servers()}
+                    return servers[doomed.url].requests >= 2
 
                 await wait_for(doomed_has_served)
                 doomed.kill()
                 results = [await client.result(job.job_id, wait=600) for job in jobs]
-                servers = {s["url"]: s for s in await client.llm_servers()}
+                servers = {s.url: s for s in await client.llm_servers()}
         finally:
             rollout.stop()
     finally:
@@ -58,7 +58,7 @@ async def test_episodes_fail_over_when_an_llm_server_dies(vllm, sandbox_servers,
     assert all(r.error is None and not r.filter and r.num_turns == 3 for r in results)
     used = [{t.llm_server for t in r.turns} for r in results]
     assert any(servers_used == {vllm.url, doomed.url} for servers_used in used), used  # failed over mid-episode
-    assert servers[doomed.url]["healthy"] is False  # by a failed request or by the health check, whichever came first
+    assert servers[doomed.url].healthy is False  # by a failed request or by the health check, whichever came first
 
 
 async def test_a_dead_sandbox_server_fails_its_episodes_and_init_retries_elsewhere(vllm, sandbox_servers):

@@ -84,7 +84,7 @@ async def test_generate_answers_skyrl_with_shaped_rewards_and_tool_masks(rollout
     validate_generator_output(4, output)  # SkyRL's own check of a generator's answer
     assert output["trajectory_ids"] == batch["trajectory_ids"]
     async with RolloutClient(rollout.url) as client:
-        assert (await client.status())["policy_version"] == 2  # global step 3 - 1, published before the jobs
+        assert (await client.status()).policy_version == 2  # global step 3 - 1, published before the jobs
     for ids, mask, logprobs, reward, reason in zip(
         output["response_ids"],
         output["loss_masks"],

@@ -11,8 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 
 @dataclass
@@ -53,6 +54,12 @@ class AdmissionState:
 
 
 class _Strict(BaseModel):
+    # Unknown fields and values of the wrong JSON type (`"5"` for a number) are a client's mistakes: a 400.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Query(BaseModel):
+    # Query parameters arrive as strings: converted to the field's type, but no unknown parameter.
     model_config = ConfigDict(extra="forbid")
 
 
@@ -70,6 +77,19 @@ class SamplingParams(_Strict):
 
 class JobRequest(_Strict):
     """Body of POST /v1/jobs: one episode of one task instance."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "task": "shell",
+                    "instance": {"goal": "Create the file /workspace/done", "check": "test -f /workspace/done"},
+                    "sampling": {"temperature": 1.0, "max_tokens": 64},
+                    "max_turns": 4,
+                }
+            ]
+        }
+    )
 
     job_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:-]{1,128}$", description="idempotency key")
     task: str = Field(description="the task handler, e.g. shell, python_math, swe")
@@ -184,7 +204,23 @@ class LLMServerInfo(BaseModel):
     failures: int
 
 
-LLMServerURL = Annotated[str, Field(pattern=r"^https?://[^\s/]+(/\S*)?$", max_length=2048)]
+def _parsable_url(url: str) -> str:
+    """A URL whose host and port parse (the pattern alone lets `http://[::1` through)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - parsing it is the check
+    except ValueError as exc:
+        raise ValueError(f"not a usable URL: {exc}") from None
+    if not parts.hostname:
+        raise ValueError("the URL names no host")
+    return url
+
+
+LLMServerURL = Annotated[
+    str,
+    Field(pattern=r"^https?://[^\s/\x00-\x1f\x7f]+(/[^\s\x00-\x1f\x7f]*)?$", max_length=2048),
+    AfterValidator(_parsable_url),
+]
 
 
 class LLMServerRequest(_Strict):
@@ -198,14 +234,15 @@ class LLMServersRequest(_Strict):
 
 
 class PolicyVersion(_Strict):
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=2**63 - 1)
     # Several trainer workers publish the same steps, in no fixed order: with raise_only a late publisher
     # never moves the version back.
     raise_only: bool = False
 
 
 class ProcessRequest(BaseModel):
-    """ProRL Agent's request shape for POST /process, for users coming from it."""
+    """ProRL Agent's request shape for POST /process, for users coming from it (unknown keys are ignored, as
+    ProRL's server ignores them)."""
 
     instance: dict[str, Any]
     sampling_params: dict[str, Any] = Field(default_factory=dict)
@@ -305,3 +342,102 @@ class BatchItem(BaseModel):
 class Batch(BaseModel):
     items: list[BatchItem]
     policy_version: int
+
+
+# -- replies of the smaller operations and the query parameters of the HTTP API ---------------------------
+class ServiceHealth(BaseModel):
+    ok: bool
+    version: str
+    degraded: str | None = Field(description="what does not work now (e.g. the buffer) and why; null when all does")
+
+
+class ServiceStatus(BaseModel):
+    policy_version: int
+    queues: dict[str, int] = Field(description="jobs waiting for each stage's workers: init, run, eval")
+    active: dict[str, int] = Field(description="unfinished jobs by state")
+    finished: dict[str, int] = Field(description="finished jobs by final state, since the service started")
+    episodes_per_s_last_60s: float
+    workers: dict[str, int] = Field(description="each stage's worker count")
+    llm_servers: list[LLMServerInfo]
+    degraded: str | None
+
+
+class TaskList(BaseModel):
+    tasks: list[str]
+
+
+class PluginInfo(BaseModel):
+    name: str
+    plugin: str = Field(description="the plugin's class or module name; `blocked` for a blocked one")
+    hooks: list[str]
+
+
+class PluginList(BaseModel):
+    plugins: list[PluginInfo]
+    config: dict[str, Any] = Field(description="the plugin configuration the service runs with, by section")
+
+
+class LLMServerList(BaseModel):
+    servers: list[LLMServerInfo]
+
+
+class LLMServerRemoved(BaseModel):
+    url: str
+    removed: bool = Field(description="false when it was not there (removing is idempotent)")
+
+
+class LLMServerQuery(_Query):
+    """Query of DELETE /v1/llm-servers."""
+
+    url: LLMServerURL
+
+
+class WaitQuery(_Query):
+    """Query of GET /v1/jobs/{id}/result: long-poll up to `wait` seconds for the result."""
+
+    wait: float = Field(0.0, ge=0, le=3600, allow_inf_nan=False, description="seconds to wait for the result")
+
+
+class PolicyVersionSet(BaseModel):
+    version: int = Field(description="the version in effect after the call")
+
+
+class PromptsQueued(BaseModel):
+    upcoming: int = Field(description="prompts waiting to be admitted, these included")
+
+
+class Acknowledged(BaseModel):
+    acknowledged: int = Field(description="entries acknowledged by this call (unknown or acknowledged ones: 0)")
+
+
+class ProducerStats(BaseModel):
+    """The decoupled producer's figures (GET /v1/buffer): counts since the service started, or now."""
+
+    upcoming: int = Field(0, description="prompts waiting to be admitted")
+    in_flight: int = Field(0, description="episodes admitted and running")
+    held_back: bool = False
+    held_back_reason: str | None = None
+    produced: int = Field(0, description="trajectories put in the buffer")
+    filtered: int = Field(
+        0, description="episodes that failed (infrastructure) max_attempts times, or were cancelled: not buffered"
+    )
+    retried: int = Field(0, description="failed episodes whose prompt was queued to run again")
+    dropped: int = Field(0, description="trajectories weighed 0 when taken (too stale)")
+    expired: int = Field(0, description="trajectories removed before a take: no plugin would weigh them above 0")
+    leased: int = Field(0, description="entries taken and not yet acknowledged")
+    redelivered: int = Field(0, description="entries whose lease ran out, handed back to be taken again")
+    dead_letters: int = Field(0, description="entries whose lease ran out after max_deliveries: removed")
+    undelivered: int = Field(0, description="finished trajectories waiting for the buffer to come back")
+    degraded: str | None = Field(None, description="why the buffer or the prompt queue cannot be used now")
+    versions_in_flight: list[int] = Field(default_factory=list)
+    recent_dead_letters: list[str] = Field(default_factory=list)
+
+
+class BufferStatus(ProducerStats):
+    """GET /v1/buffer: the buffer's counts (null while it cannot be read: `degraded` says why) and the
+    producer's figures. The producer's `expired` counts removals it made; the buffer's is named `buffer_expired`."""
+
+    ready: int | None = Field(description="entries waiting to be taken")
+    pending: int | None = Field(description="entries taken, not yet acknowledged")
+    acked: int | None = Field(description="entries acknowledged in total")
+    buffer_expired: int | None = Field(description="entries the buffer removed as expired, in total")

@@ -57,11 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--apptainer-binary", default=None, help="path of apptainer or singularity")
     serve.add_argument("--fakeroot", action="store_true", help="start Apptainer instances with --fakeroot")
     serve.add_argument("--log-level", default="INFO")
+    openapi = sub.add_parser("openapi", help="print the API's OpenAPI document, or write it and its reference")
+    openapi.add_argument("--out", type=Path, default=None, help="write runtime.json and runtime.md in this folder")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "openapi":
+        from .openapi import openapi_command
+        from .server import RUNTIME_API
+
+        return openapi_command(RUNTIME_API, args.out)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServerConfig(
         host=args.host,

@@ -9,11 +9,38 @@ async with SandboxClient("http://127.0.0.1:8765") as client:
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import aiohttp
+from pydantic import BaseModel
 
-from .models import ExecResult, RunRequest, RunResult, SandboxInfo, SandboxSpec, ServerInfo
+from .models import (
+    ArchiveWritten,
+    ExecRequest,
+    ExecResult,
+    FileWritten,
+    Health,
+    InputRequest,
+    PathQuery,
+    ProcessesEnded,
+    RunRequest,
+    RunResult,
+    SandboxDeleted,
+    SandboxInfo,
+    SandboxList,
+    SandboxSpec,
+    SandboxWiped,
+    ServerInfo,
+    SessionDeleted,
+)
+
+Reply = TypeVar("Reply", bound=BaseModel)
+
+
+def _given(**fields: Any) -> dict[str, Any]:
+    """The fields a caller gave: a request model refuses null for `argv`, `script`, `text` and `keys`, which a
+    request that does not use them leaves out."""
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 class SandboxAPIError(Exception):
@@ -59,43 +86,60 @@ class SandboxClient:
     async def aclose(self) -> None:
         await self._http.close()
 
-    async def _request(self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any) -> bytes:
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: BaseModel | None = None,
+        query: BaseModel | None = None,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> bytes:
+        """One request, its JSON body and query built from their wire models; the reply's bytes."""
+        if body is not None:
+            kwargs["json"] = body.model_dump(mode="json", exclude_none=True)
+        if query is not None:
+            kwargs["params"] = query.model_dump(mode="json", exclude_none=True)
         if timeout is not None:
             kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout)
         try:
             async with self._http.request(method, self.base_url + path, **kwargs) as response:
-                body = await response.read()
+                content = await response.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise SandboxUnreachable(self.base_url, exc) from exc
         if response.status >= 400:
             try:
-                message = json.loads(body)["error"]
+                message = json.loads(content)["error"]
             except (ValueError, KeyError, TypeError):
-                message = body.decode(errors="replace")
+                message = content.decode(errors="replace")
             raise SandboxAPIError(response.status, message)
-        return body
+        return content
+
+    async def _answer(self, reply: type[Reply], method: str, path: str, **kwargs: Any) -> Reply:
+        """One request whose reply is the wire model `reply`."""
+        return reply.model_validate_json(await self._request(method, path, **kwargs))
 
     # -- server -----------------------------------------------------------------------------------------
     async def health(self) -> bool:
-        return json.loads(await self._request("GET", "/healthz"))["ok"]
+        return (await self._answer(Health, "GET", "/healthz")).ok
 
     async def info(self) -> ServerInfo:
-        return ServerInfo.model_validate_json(await self._request("GET", "/v1/info"))
+        return await self._answer(ServerInfo, "GET", "/v1/info")
 
     # -- sandboxes --------------------------------------------------------------------------------------
     async def create_sandbox(self, **spec: Any) -> SandboxInfo:
-        body = SandboxSpec(**spec).model_dump(mode="json", exclude_none=True)
-        return SandboxInfo.model_validate_json(await self._request("POST", "/v1/sandboxes", json=body))
+        return await self._answer(SandboxInfo, "POST", "/v1/sandboxes", body=SandboxSpec(**spec))
 
     async def list_sandboxes(self) -> list[SandboxInfo]:
-        data = json.loads(await self._request("GET", "/v1/sandboxes"))
-        return [SandboxInfo.model_validate(s) for s in data["sandboxes"]]
+        return (await self._answer(SandboxList, "GET", "/v1/sandboxes")).sandboxes
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxInfo:
-        return SandboxInfo.model_validate_json(await self._request("GET", f"/v1/sandboxes/{sandbox_id}"))
+        return await self._answer(SandboxInfo, "GET", f"/v1/sandboxes/{sandbox_id}")
 
-    async def delete_sandbox(self, sandbox_id: str) -> None:
-        await self._request("DELETE", f"/v1/sandboxes/{sandbox_id}")
+    async def delete_sandbox(self, sandbox_id: str) -> SandboxDeleted:
+        """Delete a sandbox (idempotent: `already_deleted` says it was gone)."""
+        return await self._answer(SandboxDeleted, "DELETE", f"/v1/sandboxes/{sandbox_id}")
 
     # -- commands ---------------------------------------------------------------------------------------
     async def exec(
@@ -106,16 +150,19 @@ class SandboxClient:
         timeout: float | None = None,
         session: str = "default",
         max_output_bytes: int | None = None,
-        on_timeout: str = "kill",
+        on_timeout: Literal["kill", "keep"] = "kill",
     ) -> ExecResult:
-        body: dict[str, Any] = {"command": command, "session": session, "on_timeout": on_timeout}
-        if timeout is not None:
-            body["timeout"] = timeout
-        if max_output_bytes is not None:
-            body["max_output_bytes"] = max_output_bytes
+        body = ExecRequest(
+            command=command,
+            timeout=timeout,
+            session=session,
+            max_output_bytes=max_output_bytes,
+            on_timeout=on_timeout,
+        )
         http_timeout = (timeout or 3600.0) + self._slack
-        response = await self._request("POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body, timeout=http_timeout)
-        return ExecResult.model_validate_json(response)
+        return await self._answer(
+            ExecResult, "POST", f"/v1/sandboxes/{sandbox_id}/exec", body=body, timeout=http_timeout
+        )
 
     async def run(
         self,
@@ -129,21 +176,20 @@ class SandboxClient:
         max_output_bytes: int | None = None,
     ) -> RunResult:
         """A one-shot run: a fresh process whose exit status the server takes from waitpid (what eval uses)."""
-        request = RunRequest(
-            argv=argv, script=script, cwd=cwd, env=env or {}, timeout=timeout, max_output_bytes=max_output_bytes
+        body = RunRequest(
+            **_given(argv=argv, script=script, cwd=cwd, timeout=timeout, max_output_bytes=max_output_bytes),
+            env=env or {},
         )
-        body = request.model_dump(mode="json", exclude_none=True)
         http_timeout = (timeout or 3600.0) + self._slack
-        response = await self._request("POST", f"/v1/sandboxes/{sandbox_id}/run", json=body, timeout=http_timeout)
-        return RunResult.model_validate_json(response)
+        return await self._answer(RunResult, "POST", f"/v1/sandboxes/{sandbox_id}/run", body=body, timeout=http_timeout)
 
     async def end_processes(self, sandbox_id: str) -> list[str]:
         """End every process in the sandbox (sessions, what they started, one-shot runs); returns the sessions."""
-        return json.loads(await self._request("POST", f"/v1/sandboxes/{sandbox_id}/kill"))["sessions_ended"]
+        return (await self._answer(ProcessesEnded, "POST", f"/v1/sandboxes/{sandbox_id}/kill")).sessions_ended
 
-    async def wipe(self, sandbox_id: str) -> None:
+    async def wipe(self, sandbox_id: str) -> SandboxWiped:
         """End every process and empty the workspace and /tmp: the sandbox as it was when created."""
-        await self._request("POST", f"/v1/sandboxes/{sandbox_id}/wipe")
+        return await self._answer(SandboxWiped, "POST", f"/v1/sandboxes/{sandbox_id}/wipe")
 
     async def send_input(
         self,
@@ -154,36 +200,32 @@ class SandboxClient:
         keys: list[str] | str | None = None,
         timeout: float = 1.0,
     ) -> ExecResult:
-        body: dict[str, Any] = {"timeout": timeout}
-        if text is not None:
-            body["text"] = text
-        if keys is not None:
-            body["keys"] = keys
+        """Type `text`, or named `keys` such as C-c, into a session; the output so far."""
+        body = InputRequest(**_given(text=text, keys=keys), timeout=timeout)
         url = f"/v1/sandboxes/{sandbox_id}/sessions/{session}/input"
-        response = await self._request("POST", url, json=body, timeout=timeout + self._slack)
-        return ExecResult.model_validate_json(response)
+        return await self._answer(ExecResult, "POST", url, body=body, timeout=timeout + self._slack)
 
     async def read_output(self, sandbox_id: str, session: str) -> ExecResult:
-        response = await self._request("GET", f"/v1/sandboxes/{sandbox_id}/sessions/{session}/output")
-        return ExecResult.model_validate_json(response)
+        return await self._answer(ExecResult, "GET", f"/v1/sandboxes/{sandbox_id}/sessions/{session}/output")
 
-    async def delete_session(self, sandbox_id: str, session: str) -> None:
-        await self._request("DELETE", f"/v1/sandboxes/{sandbox_id}/sessions/{session}")
+    async def delete_session(self, sandbox_id: str, session: str) -> SessionDeleted:
+        return await self._answer(SessionDeleted, "DELETE", f"/v1/sandboxes/{sandbox_id}/sessions/{session}")
 
     # -- files ------------------------------------------------------------------------------------------
     async def write_file(self, sandbox_id: str, path: str, data: bytes | str) -> int:
+        """Write a file (relative paths: to the workdir); returns the bytes written."""
         content = data.encode() if isinstance(data, str) else data
-        response = await self._request("PUT", f"/v1/sandboxes/{sandbox_id}/files", params={"path": path}, data=content)
-        return json.loads(response)["bytes"]
+        url = f"/v1/sandboxes/{sandbox_id}/files"
+        return (await self._answer(FileWritten, "PUT", url, query=PathQuery(path=path), data=content)).bytes
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
-        return await self._request("GET", f"/v1/sandboxes/{sandbox_id}/files", params={"path": path})
+        return await self._request("GET", f"/v1/sandboxes/{sandbox_id}/files", query=PathQuery(path=path))
 
     async def upload_archive(self, sandbox_id: str, path: str, archive: bytes) -> int:
         """Extract a tar (optionally gzip'd) into directory `path` of the sandbox; returns the member count."""
         url = f"/v1/sandboxes/{sandbox_id}/archive"
-        return json.loads(await self._request("PUT", url, params={"path": path}, data=archive))["members"]
+        return (await self._answer(ArchiveWritten, "PUT", url, query=PathQuery(path=path), data=archive)).members
 
     async def download_archive(self, sandbox_id: str, path: str) -> bytes:
         """A tar.gz of directory `path` of the sandbox."""
-        return await self._request("GET", f"/v1/sandboxes/{sandbox_id}/archive", params={"path": path})
+        return await self._request("GET", f"/v1/sandboxes/{sandbox_id}/archive", query=PathQuery(path=path))

@@ -49,9 +49,10 @@ class FileAccessError(Exception):
 
     ``status`` is 400 for a malformed path, a path outside every mount, a symbolic link, a special
     file or a bad archive; 404 for a missing path; 409 for "is a directory" / "is not a directory"
-    conflicts; 413 when the data is larger than the caller's limit; 403 and 507 for permission
-    and out-of-space errors from the filesystem.  The message is meant to be shown to the agent
-    as is, so it names the in-sandbox path and says what is wrong with it.
+    conflicts and for a program that is running; 413 when the data is larger than the caller's
+    limit; 403 and 507 for permission and out-of-space errors from the filesystem.  The message is
+    meant to be shown to the agent as is, so it names the in-sandbox path and says what is wrong
+    with it.
     """
 
     def __init__(self, status: int, message: str) -> None:
@@ -103,6 +104,10 @@ def _fs_error(err: OSError, display: str) -> FileAccessError:
         return FileAccessError(507, f"{display!r}: no space left in the sandbox ({os.strerror(code)})")
     if code == errno.ENXIO:
         return FileAccessError(400, f"{display!r} is not a regular file")
+    if code == errno.ETXTBSY:
+        return FileAccessError(409, f"{display!r} is a program running in the sandbox; end it before replacing it")
+    if code == errno.EMLINK:
+        return FileAccessError(400, f"{display!r}: too many hard links to one file for the sandbox's filesystem")
     return FileAccessError(500, f"{display!r}: {os.strerror(code) if code else err}")
 
 
@@ -494,6 +499,8 @@ def _dir_usage(dir_fd: int, display: str, depth: int, seen: set[tuple[int, int]]
                 st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
+            except OSError as err:  # a directory the sandbox made untraversable (chmod a-x)
+                raise _fs_error(err, display) from None
             if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
                 if (st.st_dev, st.st_ino) in seen:
                     continue
@@ -511,6 +518,14 @@ def _dir_usage(dir_fd: int, display: str, depth: int, seen: set[tuple[int, int]]
             with _closing_fd(fd):
                 total += _dir_usage(fd, sub, depth + 1, seen)
     return total
+
+
+def _open_mount(host: Path, point: str) -> int:
+    """fd of a mount's host directory; the sandbox may have made it unreadable (``chmod 0 /workspace``)."""
+    try:
+        return os.open(host, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as err:
+        raise _fs_error(err, point) from None
 
 
 class SandboxFiles:
@@ -570,12 +585,12 @@ class SandboxFiles:
 
     def _open_parent(self, t: _Target, create: bool) -> int:
         """fd of the directory holding ``t``'s last component (``t.parts`` must be non-empty)."""
-        with _closing_fd(os.open(t.host_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)) as root:
+        with _closing_fd(_open_mount(t.host_root, t.mount)) as root:
             return _walk(root, t.mount, t.parts[:-1], create, owner=self._owner)
 
     def _open_dir_target(self, t: _Target, create: bool) -> int:
         """fd of the directory ``t`` itself."""
-        with _closing_fd(os.open(t.host_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)) as root:
+        with _closing_fd(_open_mount(t.host_root, t.mount)) as root:
             return _walk(root, t.mount, t.parts, create, owner=self._owner)
 
     def _own_file(self, fd: int, st: os.stat_result, display: str) -> None:
@@ -738,7 +753,7 @@ class SandboxFiles:
         seen: set[tuple[int, int]] = set()
         total = 0
         for point, host in self._mounts.values():
-            with _closing_fd(os.open(host, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)) as fd:
+            with _closing_fd(_open_mount(host, point)) as fd:
                 total += _dir_usage(fd, point, 0, seen)
         return total
 

@@ -19,7 +19,6 @@ import logging
 import os
 import resource
 import secrets
-import shutil
 import stat
 import time
 from collections import OrderedDict, deque
@@ -32,7 +31,7 @@ from .backends.base import Backend, BackendError, SandboxDirs
 from .config import ServerConfig
 from .metrics import Metrics
 from .models import Limits, SandboxSpec
-from .sandbox import Sandbox
+from .sandbox import Sandbox, own_dirs, remove_tree
 from .session import SessionError
 
 log = logging.getLogger(__name__)
@@ -216,16 +215,13 @@ class SandboxManager:
         uid = self._allocate_uid() if self.sandbox_uids is not None else None
         sandbox_id = secrets.token_hex(6)
         dirs = SandboxDirs(sandbox_id, self.boxes_dir / sandbox_id, uid=uid, image_root=image_root)
-        dirs.workspace.mkdir(parents=True)
-        dirs.tmp.mkdir()
-        if uid is None:
-            dirs.tmp.chmod(0o1777)
-        else:  # the sandbox's own uid owns what it may write; its folder is traversable, not listable
-            dirs.root.chmod(0o711)
-            for own in (dirs.workspace, dirs.tmp):
-                os.chown(own, uid, uid)
-                own.chmod(0o700)
-        box = Sandbox(dirs, spec, backend, self.config.default_output_bytes)
+        try:
+            self._make_dirs(dirs)
+            box = Sandbox(dirs, spec, backend, self.config.default_output_bytes)
+        except BaseException:  # nothing of it may stay behind: neither its folder nor its uid
+            await asyncio.to_thread(remove_tree, dirs.root)
+            self._release_uid(uid)
+            raise
         self._sandboxes[sandbox_id] = box
         try:
             box.write_record()
@@ -233,11 +229,19 @@ class SandboxManager:
             await box.session("default")
         except BaseException as exc:
             await self.delete(sandbox_id)
-            if isinstance(exc, SessionError) and spec.image:  # the client's image, not the server, is at fault
+            if isinstance(exc, SessionError) and exc.status >= 500 and spec.image:  # the client's image is at fault
                 raise PolicyError(f"image {spec.image!r} cannot start a shell: {exc}") from exc
             raise
         self.metrics.sandboxes_created.labels(backend.name).inc()
         return box
+
+    @staticmethod
+    def _make_dirs(dirs: SandboxDirs) -> None:
+        dirs.workspace.mkdir(parents=True)
+        dirs.tmp.mkdir()
+        if dirs.uid is not None:  # its folder is traversable, not listable
+            dirs.root.chmod(0o711)
+        own_dirs(dirs)  # the sandbox's own uid owns what it may write
 
     def _limits(self, asked: Limits) -> Limits:
         """What the spec asked for, each at most the server's maximum, the rest the server's defaults."""
@@ -274,7 +278,7 @@ class SandboxManager:
         finally:
             del self._sandboxes[sandbox_id]
             self._remember_deleted(sandbox_id)
-            await asyncio.to_thread(shutil.rmtree, box.dirs.root, ignore_errors=True)
+            await asyncio.to_thread(remove_tree, box.dirs.root)
             self._release_uid(box.dirs.uid)
             self.metrics.sandboxes_deleted.labels(box.backend.name).inc()
             box.deleted.set()
@@ -347,6 +351,6 @@ class SandboxManager:
                 with contextlib.suppress(BackendError, RuntimeError, ValueError):
                     spec = SandboxSpec.model_validate(record["spec"])
                     await self.backend(record["backend"]).destroy(SandboxDirs(root.name, root, uid=uid), spec)
-            await asyncio.to_thread(shutil.rmtree, root, ignore_errors=True)
+            await asyncio.to_thread(remove_tree, root)
             reaped += 1
         return reaped

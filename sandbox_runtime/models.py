@@ -10,42 +10,72 @@ import posixpath
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 ExecStatus = Literal["completed", "timeout", "interrupted", "dead", "running"]
 SessionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
 
 class _Strict(BaseModel):
-    # An unknown field is a client's typo (`timout`): say so rather than silently ignoring it.
-    model_config = ConfigDict(extra="forbid")
+    # An unknown field is a client's typo (`timout`): say so rather than silently ignoring it. A value of the
+    # wrong JSON type (`"5"` for a number, `0` for a boolean) is one too: strict, as the OpenAPI document says.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# The least a sandbox can work with: what its bash needs to start and to run a pipeline of coreutils, a
+# command substitution and a background job, measured with a session and a one-shot run alive (6 MB of address
+# space, 5 open files, 4 processes), with a margin. Below these a sandbox could not even run `ls | wc -l`.
+MIN_MEMORY_MB = 32
+MIN_PIDS = 16
+MIN_OPEN_FILES = 16
 
 
 class Limits(_Strict):
     """Resource limits of a sandbox, enforced with rlimits (cgroups are not delegated here) and, for the file
     API, by the server. A field left out takes the server's default; above the server's maximum is a 400.
-    Both are in GET /v1/info."""
+    Both are in GET /v1/info. The minimums are what a shell needs to run ordinary commands."""
 
-    memory_mb: int | None = Field(None, gt=0, description="address space per process (RLIMIT_AS)")
-    pids: int | None = Field(None, gt=0, description="processes of the sandbox's own host uid (RLIMIT_NPROC)")
+    memory_mb: int | None = Field(None, ge=MIN_MEMORY_MB, description="address space per process (RLIMIT_AS)")
+    pids: int | None = Field(None, ge=MIN_PIDS, description="processes of the sandbox's own host uid (RLIMIT_NPROC)")
     cpu_seconds: int | None = Field(None, gt=0, description="CPU time per process (RLIMIT_CPU)")
     file_size_mb: int | None = Field(
         None, gt=0, description="largest file a process or the file API may write (RLIMIT_FSIZE)"
     )
-    open_files: int | None = Field(None, gt=0, description="open file descriptors per process (RLIMIT_NOFILE)")
+    open_files: int | None = Field(
+        None, ge=MIN_OPEN_FILES, description="open file descriptors per process (RLIMIT_NOFILE)"
+    )
     disk_mb: int | None = Field(
         None, gt=0, description="what the file API may bring into the sandbox in all (archives counted expanded)"
     )
 
 
-# Variables the runtime's shell owns (its completion marker, its prompt) or bash keeps read-only.
-RESERVED_ENV = frozenset({"PROMPT_COMMAND", "PS0", "PS1", "PS2", "PS4", "SHELLOPTS", "BASHOPTS", "BASH_ENV", "ENV"})
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+# Variables the runtime's shell owns (its completion marker, its prompt), bash keeps read-only, or that would end
+# the session behind the runtime's back (TMOUT: bash logs out when idle that long).
+RESERVED_ENV = frozenset(
+    {"PROMPT_COMMAND", "PS0", "PS1", "PS2", "PS4", "SHELLOPTS", "BASHOPTS", "BASH_ENV", "ENV"}
+    | {"UID", "EUID", "PPID", "BASH_VERSINFO", "TMOUT"}
+)
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
+_ENV_NAME = re.compile(ENV_NAME_PATTERN)
+# Shell identifiers as keys, and only those (pydantic writes `patternProperties`, which alone would let any other
+# key through in JSON Schema); the reserved ones are refused by check_env.
+Environment = Annotated[
+    dict[Annotated[str, Field(pattern=ENV_NAME_PATTERN)], Annotated[str, Field(pattern=r"^[^\x00]*$")]],
+    Field(json_schema_extra={"additionalProperties": False}),
+]
+MAX_WORKDIR_BYTES = 1024
 _IMAGE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*(/[A-Za-z0-9_][A-Za-z0-9_.+-]*)*$")
 
 
 class SandboxSpec(_Strict):
     """Body of POST /v1/sandboxes."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [{"limits": {"memory_mb": 2048, "pids": 256}, "ttl_s": 600, "labels": {"job": "a"}}]
+        }
+    )
 
     backend: str | None = None
     image: str | None = Field(
@@ -54,8 +84,8 @@ class SandboxSpec(_Strict):
         description="an image by name, relative to one of the server's --image-dir directories "
         "(bwrap: a root filesystem directory; apptainer: a SIF file); never a host path",
     )
-    env: dict[str, str] = Field(default_factory=dict, description="environment of the sandboxed shell only")
-    workdir: str = "/workspace"
+    env: Environment = Field(default_factory=dict, description="environment of the sandboxed shell only")
+    workdir: str = Field("/workspace", max_length=1024)
     network: Literal["none", "host"] = "none"
     limits: Limits = Field(default_factory=Limits)
     ttl_s: float | None = Field(None, gt=0, description="delete the sandbox this long after creation")
@@ -65,9 +95,15 @@ class SandboxSpec(_Strict):
     @field_validator("workdir")
     @classmethod
     def _absolute_workdir(cls, value: str) -> str:
-        normal = posixpath.normpath(value)
-        if not value.startswith("/") or ".." in value.split("/") or normal in ("/", "//"):
+        normal = "/" + posixpath.normpath(value).lstrip("/")  # normpath keeps a leading '//'
+        if not value.startswith("/") or ".." in value.split("/") or normal == "/":
             raise ValueError("workdir must be an absolute path below / without '..', e.g. /workspace")
+        if any(ord(c) < 0x20 or c == "\x7f" for c in value):
+            raise ValueError("workdir may not contain control characters (NUL, newline, ...)")
+        if len(normal.encode()) > MAX_WORKDIR_BYTES or any(len(p.encode()) > 255 for p in normal.split("/")):
+            raise ValueError(
+                f"workdir is too long: at most {MAX_WORKDIR_BYTES} bytes, each name in it at most 255 bytes"
+            )
         if normal.split("/")[1] in {"proc", "dev", "sys", "tmp", "etc", "usr", "bin", "lib", "lib64", "sbin"}:
             raise ValueError(f"workdir {value!r} would hide a system directory; use e.g. /workspace")
         return normal
@@ -75,7 +111,7 @@ class SandboxSpec(_Strict):
     @field_validator("image")
     @classmethod
     def _image_name(cls, value: str | None) -> str | None:
-        if value is not None and (not _IMAGE_NAME.match(value) or ".." in value.split("/")):
+        if value is not None and (not _IMAGE_NAME.fullmatch(value) or ".." in value.split("/")):
             raise ValueError(
                 f"image {value!r} is not an image name: names are relative to the server's image directories "
                 "(letters, digits, '._+-', '/' between parts; no '..', no absolute path)"
@@ -88,6 +124,13 @@ class SandboxSpec(_Strict):
         return check_env(value)
 
 
+MAX_ENV_ENTRY_BYTES = 128 * 1024  # the kernel's MAX_ARG_STRLEN: one NAME=value string, its NUL included
+# Every NAME=value together. The kernel's ARG_MAX (a quarter of the stack limit: 2 MiB under the usual 8 MiB)
+# bounds a program's environment and arguments together; past it, every program the shell starts fails with
+# E2BIG. Half of it leaves room for the arguments and the runtime's own variables.
+MAX_ENV_BYTES = 1024 * 1024
+
+
 def check_env(value: dict[str, str]) -> dict[str, str]:
     """Environment variables for a sandboxed process: shell identifiers, no NUL, none the runtime owns."""
     for name, text in value.items():
@@ -95,6 +138,17 @@ def check_env(value: dict[str, str]) -> dict[str, str]:
             raise ValueError(f"invalid environment variable {name!r}: names are shell identifiers, values have no NUL")
         if name in RESERVED_ENV or name.startswith("__prorl"):
             raise ValueError(f"environment variable {name!r} is reserved by the runtime's shell")
+        if len(name) + 1 + len(text.encode()) >= MAX_ENV_ENTRY_BYTES:
+            raise ValueError(
+                f"environment variable {name!r} is over {MAX_ENV_ENTRY_BYTES} bytes: the kernel refuses to start a "
+                "program with it (MAX_ARG_STRLEN); pass large data as a file"
+            )
+    total = sum(len(name) + len(text.encode()) + 2 for name, text in value.items())
+    if total > MAX_ENV_BYTES:
+        raise ValueError(
+            f"the environment is {total} bytes in all, over {MAX_ENV_BYTES}: no program could start with it "
+            "beside its arguments (ARG_MAX); pass large data as a file"
+        )
     return value
 
 
@@ -123,6 +177,8 @@ class SandboxInfo(BaseModel):
 class ExecRequest(_Strict):
     """Body of POST /v1/sandboxes/{id}/exec."""
 
+    model_config = ConfigDict(json_schema_extra={"examples": [{"command": "ls -la && cd /tmp", "timeout": 30}]})
+
     command: str = Field(min_length=1)
     timeout: float | None = Field(None, gt=0)
     session: SessionName = "default"
@@ -130,27 +186,59 @@ class ExecRequest(_Strict):
     on_timeout: Literal["kill", "keep"] = "kill"
 
 
+def _no_default(schema: dict) -> None:
+    """For a field that is left out rather than null: no `"default": null` in its schema, which the type
+    (a string, a list) would contradict."""
+    schema.pop("default", None)
+
+
+def _not_null(value: object) -> object:
+    if value is None:
+        raise ValueError("leave the field out instead of sending null")
+    return value
+
+
+def exactly_one_of(*names: str) -> dict:
+    """The JSON Schema of a body that must give exactly one of these fields (the model validator checks it)."""
+    return {"oneOf": [{"required": [name]} for name in names]}
+
+
 class InputRequest(_Strict):
     """Body of POST /v1/sandboxes/{id}/sessions/{name}/input: text to type, or named keys such as C-c."""
 
-    text: str | None = None
-    keys: list[str] | None = None
+    model_config = ConfigDict(json_schema_extra=exactly_one_of("text", "keys"))
+
+    text: Annotated[str | SkipJsonSchema[None], BeforeValidator(_not_null)] = Field(None, json_schema_extra=_no_default)
+    keys: Annotated[list[str] | str | SkipJsonSchema[None], BeforeValidator(_not_null)] = Field(
+        None,
+        description="key names such as C-c, Enter, Up; one name alone may be given as a string",
+        json_schema_extra=_no_default,
+    )
     timeout: float = Field(1.0, gt=0)
 
-    @field_validator("keys", mode="before")
-    @classmethod
-    def _one_key_as_list(cls, value: object) -> object:
-        return [value] if isinstance(value, str) else value
+    @model_validator(mode="after")
+    def _text_or_keys(self) -> InputRequest:
+        if (self.text is None) == (self.keys is None):
+            raise ValueError("give exactly one of `text` or `keys`")
+        if isinstance(self.keys, str):
+            self.keys = [self.keys]
+        return self
 
 
 class RunRequest(_Strict):
     """Body of POST /v1/sandboxes/{id}/run: one process, started fresh, whose exit status the server takes
     from the kernel (waitpid), not from terminal output. What evaluation should run."""
 
-    argv: list[str] | None = Field(None, min_length=1, description="the program and its arguments")
-    script: str | None = Field(None, min_length=1, description="a bash script, run as `bash -c script`")
+    model_config = ConfigDict(json_schema_extra=exactly_one_of("argv", "script"))
+
+    argv: Annotated[list[str] | SkipJsonSchema[None], BeforeValidator(_not_null)] = Field(
+        None, min_length=1, description="the program and its arguments", json_schema_extra=_no_default
+    )
+    script: Annotated[str | SkipJsonSchema[None], BeforeValidator(_not_null)] = Field(
+        None, min_length=1, description="a bash script, run as `bash -c script`", json_schema_extra=_no_default
+    )
     cwd: str | None = Field(None, description="working directory inside the sandbox (default: the workdir)")
-    env: dict[str, str] = Field(default_factory=dict, description="added to the sandbox's environment")
+    env: Environment = Field(default_factory=dict, description="added to the sandbox's environment")
     timeout: float | None = Field(None, gt=0)
     max_output_bytes: int | None = Field(None, gt=0)
 
@@ -218,3 +306,50 @@ class ServerInfo(BaseModel):
     max_timeout_s: float
     max_output_bytes: int
     max_body_bytes: int
+
+
+# -- replies of the smaller operations ------------------------------------------------------------------
+class Health(BaseModel):
+    ok: bool
+
+
+class SandboxList(BaseModel):
+    sandboxes: list[SandboxInfo]
+
+
+class SandboxDeleted(BaseModel):
+    id: str
+    deleted: Literal[True] = True
+    already_deleted: bool = Field(description="the sandbox was gone already (deleting is idempotent)")
+
+
+class ProcessesEnded(BaseModel):
+    id: str
+    sessions_ended: list[str] = Field(description="the shell sessions that were ended")
+
+
+class SandboxWiped(ProcessesEnded):
+    wiped: Literal[True] = True
+
+
+class SessionDeleted(BaseModel):
+    id: str
+    session: str
+    deleted: Literal[True] = True
+
+
+class FileWritten(BaseModel):
+    path: str
+    bytes: int
+
+
+class ArchiveWritten(BaseModel):
+    path: str
+    members: int = Field(description="files, directories and links extracted")
+
+
+class PathQuery(BaseModel):
+    """Query of the file and archive operations."""
+
+    model_config = ConfigDict(extra="forbid")
+    path: str = Field(min_length=1, max_length=4096, description="a path inside the sandbox (relative: to the workdir)")

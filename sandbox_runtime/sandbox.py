@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
+import logging
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -16,7 +15,13 @@ from .models import RunRequest, RunResult, SandboxInfo, SandboxSpec, SessionInfo
 from .oneshot import run_once, run_script
 from .session import SessionError, ShellSession
 
+log = logging.getLogger(__name__)
+
 RECORD = "record.json"
+# What bash prints when its memory limit keeps it from starting (xmalloc failing while it reads its environment).
+# The other limits cannot: bash opens no file and starts no process before its first command, and their
+# minimums (models.Limits) leave room for that command.
+OUT_OF_MEMORY = "cannot allocate"
 
 
 class Sandbox:
@@ -28,6 +33,7 @@ class Sandbox:
         self.created_at = time.time()
         self.last_used = time.monotonic()
         self.closing = False
+        self.started = False  # a shell of it started once: with this spec, the sandbox works
         self.deleted = asyncio.Event()
         self._output_limit = output_limit
         self._sessions: dict[str, ShellSession] = {}
@@ -60,13 +66,39 @@ class Sandbox:
         if old is not None:
             await old.close()
         session = ShellSession(name, self.backend.launch(self.dirs, self.spec), self._output_limit)
-        await session.start()
+        try:
+            await session.start()
+        except SessionError as exc:
+            raise self._start_failure(exc) from None
+        self.started = True
         if self.closing:  # deleted while the shell was starting
             await session.close()
             raise SessionError(f"sandbox {self.id} is being deleted", status=404)
         self._sessions[name] = session
         self.write_record()
         return session
+
+    def _start_failure(self, failure: SessionError) -> SessionError:
+        """What to answer when a shell did not start. The spec's memory limit that cannot hold the shell with
+        its env is the client's to fix (400, naming the limit). A sandbox whose shells started before worked
+        with this spec: what runs in it changed it (a workdir made unreadable, say), which a wipe undoes (409).
+        Anything else is the server's (as it came), unless the sandbox is being deleted meanwhile."""
+        if self.closing:
+            return SessionError(f"sandbox {self.id} is being deleted", status=404)
+        memory = self.spec.limits.memory_mb
+        if memory is not None and OUT_OF_MEMORY in str(failure):
+            return SessionError(
+                f"limits.memory_mb={memory} is too low for the sandbox's shell with this env: raise it, or send a "
+                f"smaller env ({failure})",
+                400,
+            )
+        if self.started and failure.status >= 500:
+            return SessionError(
+                f"the sandbox's shell no longer starts ({failure}): what ran in it may have changed it (a workdir "
+                f"made unreadable, say); wipe it (POST /v1/sandboxes/{self.id}/wipe) or delete it",
+                409,
+            )
+        return failure
 
     def existing_session(self, name: str) -> ShellSession:
         session = self._sessions.get(name)
@@ -119,8 +151,10 @@ class Sandbox:
         return sorted(sessions)
 
     async def wipe(self) -> list[str]:
-        """End every process, then empty the workspace and /tmp: the sandbox is as it was when created."""
+        """End every process, then give the workspace and /tmp their owner and mode back and empty them: the
+        sandbox is as it was when created."""
         ended = await self.end_processes()
+        own_dirs(self.dirs)
         for directory in (self.dirs.workspace, self.dirs.tmp):
             await asyncio.to_thread(empty_directory, directory)
         return ended
@@ -181,20 +215,88 @@ class Sandbox:
         return None
 
 
+def own_dirs(dirs: SandboxDirs) -> None:
+    """Give a sandbox's workspace and /tmp the owner and mode of a new sandbox: under a root server its own uid's,
+    both 0700 (nobody else's); else the server's, a workspace of 0700 and a /tmp of 1777."""
+    if dirs.uid is None:
+        dirs.workspace.chmod(0o700)
+        dirs.tmp.chmod(0o1777)
+        return
+    for own in (dirs.workspace, dirs.tmp):
+        os.chown(own, dirs.uid, dirs.uid)
+        own.chmod(0o700)
+
+
 def empty_directory(directory: Path) -> None:
-    """Remove everything inside `directory`, never following a link (shutil.rmtree works on fds here), also
-    entries whose owner made them unwritable (an unprivileged server owns its sandboxes' files: it makes each
-    directory writable again and retries). Call it only once every process that could write there is gone."""
+    """Remove everything inside `directory`, never following a link, at any depth: one directory open at a time
+    and a stack of names, not recursion (an agent's tree may be deeper than Python's recursion limit and than
+    PATH_MAX). What its owner made unwritable or unreadable is made accessible again (an unprivileged server owns
+    its sandboxes' files). Call it only once every process that could write there is gone: the walk climbs back
+    through '..'."""
+    fd = os.open(directory, _DIR_FLAGS)
+    below: list[str] = []  # the directories from `directory` down to the one open on fd
+    try:
+        while True:
+            sub = _unlink_all_but_directories(fd)
+            if sub is not None:
+                child = _open_accessible(fd, sub)
+                os.close(fd)
+                fd = child
+                below.append(sub)
+            elif below:
+                parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = parent
+                _writable_retry(fd, os.rmdir, below.pop())
+            else:
+                return
+    finally:
+        os.close(fd)
 
-    def writable_again(func, path, _exc_info):
-        with contextlib.suppress(OSError):
-            os.chmod(os.path.dirname(path), 0o700)
-        with contextlib.suppress(FileNotFoundError):
-            func(path)
 
-    for entry in os.scandir(directory):
-        if entry.is_dir(follow_symlinks=False):
-            shutil.rmtree(entry.path, onerror=writable_again)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.path)
+def remove_tree(directory: Path) -> None:
+    """`directory` and everything in it, as empty_directory does; what cannot be removed stays (logged), for the
+    next server on the state dir to reap."""
+    try:
+        empty_directory(directory)
+        directory.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not remove %s: %s", directory, exc)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _unlink_all_but_directories(fd: int) -> str | None:
+    """Unlink the entries of the directory open on `fd` up to its first subdirectory, whose name is returned;
+    None once only subdirectories were left (and there were none)."""
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                return entry.name
+            _writable_retry(fd, os.unlink, entry.name)
+    return None
+
+
+def _writable_retry(fd: int, remove, name: str) -> None:
+    """`remove(name, dir_fd=fd)`; if the directory was made unwritable, make it writable (0700) and retry."""
+    try:
+        remove(name, dir_fd=fd)
+    except FileNotFoundError:
+        pass
+    except PermissionError:
+        os.fchmod(fd, 0o700)
+        remove(name, dir_fd=fd)
+
+
+def _open_accessible(fd: int, name: str) -> int:
+    """Open subdirectory `name` of `fd` without following a link. If `fd` was made untraversable or `name`
+    unreadable, both are given 0700 first."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=fd)
+    except PermissionError:
+        os.fchmod(fd, 0o700)
+        os.chmod(name, 0o700, dir_fd=fd)  # a directory (scandir said so, and nothing runs to swap it)
+        return os.open(name, _DIR_FLAGS, dir_fd=fd)

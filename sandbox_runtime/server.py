@@ -1,7 +1,9 @@
 """The HTTP adapter: `create_app(config)` maps the /v1 API onto a SandboxManager.
 
-Handlers only parse, call the manager or a sandbox, and shape the response; auth, JSON errors and metrics
-live in middlewares. Every error reaches the client as `{"error": message, "status": code}`.
+`RUNTIME_API` describes every operation once (its models, replies, errors and links): it routes the requests and
+writes the OpenAPI document served at /openapi.json. Handlers get their body and query already validated, call
+the manager or a sandbox, and shape the reply; auth, JSON errors and metrics live in middlewares. Every error
+reaches the client as an ErrorBody, `{"error": message, "status": code}`.
 """
 
 from __future__ import annotations
@@ -17,14 +19,28 @@ from .config import ServerConfig
 from .files import FileAccessError
 from .manager import SandboxManager
 from .metrics import Metrics
-from .models import ExecRequest, InputRequest, RunRequest, SandboxSpec, ServerInfo
-from .session import SessionError, key_bytes
-from .webapp import (
-    json_api,
-    json_response,
-    parse,
-    serve_app,
+from .models import (
+    ArchiveWritten,
+    ExecRequest,
+    ExecResult,
+    FileWritten,
+    Health,
+    InputRequest,
+    PathQuery,
+    ProcessesEnded,
+    RunRequest,
+    RunResult,
+    SandboxDeleted,
+    SandboxInfo,
+    SandboxList,
+    SandboxSpec,
+    SandboxWiped,
+    ServerInfo,
+    SessionDeleted,
 )
+from .openapi import API, Link, Operation, Reply, operations_under
+from .session import SessionError, key_bytes
+from .webapp import json_api, json_response, serve_app
 
 log = logging.getLogger(__name__)
 
@@ -33,23 +49,16 @@ CONFIG = web.AppKey("config", ServerConfig)
 METRICS = web.AppKey("metrics", Metrics)
 
 
-def path_param(request: web.Request) -> str:
-    path = request.query.get("path")
-    if not path:
-        raise web.HTTPBadRequest(text="query parameter `path` is required")
-    return path
-
-
 # -- handlers -------------------------------------------------------------------------------------------
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"ok": True})
+    return json_response(Health(ok=True))
 
 
 async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=request.app[METRICS].render(), content_type="text/plain")
 
 
-async def info(request: web.Request) -> web.Response:
+async def server_info(request: web.Request) -> web.Response:
     config, manager = request.app[CONFIG], request.app[MANAGER]
     return json_response(
         ServerInfo(
@@ -72,15 +81,14 @@ async def info(request: web.Request) -> web.Response:
     )
 
 
-async def create_sandbox(request: web.Request) -> web.Response:
-    spec: SandboxSpec = await parse(request, SandboxSpec, empty_ok=True)
-    box = await request.app[MANAGER].create(spec)
+async def create_sandbox(request: web.Request, body: SandboxSpec) -> web.Response:
+    box = await request.app[MANAGER].create(body)
     return json_response(box.info(), status=201)
 
 
 async def list_sandboxes(request: web.Request) -> web.Response:
-    boxes = [b.info().model_dump(mode="json") for b in request.app[MANAGER].all() if not b.closing]
-    return web.json_response({"sandboxes": boxes})
+    boxes = [b.info() for b in request.app[MANAGER].all() if not b.closing]
+    return json_response(SandboxList(sandboxes=boxes))
 
 
 async def get_sandbox(request: web.Request) -> web.Response:
@@ -90,7 +98,7 @@ async def get_sandbox(request: web.Request) -> web.Response:
 async def delete_sandbox(request: web.Request) -> web.Response:
     sandbox_id = request.match_info["id"]
     deleted = await request.app[MANAGER].delete(sandbox_id)
-    return web.json_response({"id": sandbox_id, "deleted": True, "already_deleted": not deleted})
+    return json_response(SandboxDeleted(id=sandbox_id, already_deleted=not deleted))
 
 
 def checked_timeout_and_output(
@@ -106,44 +114,39 @@ def checked_timeout_and_output(
     return timeout, max_output or config.default_output_bytes
 
 
-async def exec_command(request: web.Request) -> web.Response:
+async def exec_command(request: web.Request, body: ExecRequest) -> web.Response:
     config = request.app[CONFIG]
     box = request.app[MANAGER].get(request.match_info["id"])
-    req: ExecRequest = await parse(request, ExecRequest)
-    timeout, _ = checked_timeout_and_output(config, req.timeout, req.max_output_bytes)
-    session = await box.session(req.session)
-    result = await session.run(req.command, timeout, req.max_output_bytes, keep=req.on_timeout == "keep")
+    timeout, _ = checked_timeout_and_output(config, body.timeout, body.max_output_bytes)
+    session = await box.session(body.session)
+    result = await session.run(body.command, timeout, body.max_output_bytes, keep=body.on_timeout == "keep")
     request.app[METRICS].exec_seconds.labels(result.status).observe(result.duration_s)
     return json_response(result)
 
 
-async def run_once(request: web.Request) -> web.Response:
+async def run_once(request: web.Request, body: RunRequest) -> web.Response:
     box = request.app[MANAGER].get(request.match_info["id"])
-    req: RunRequest = await parse(request, RunRequest)
-    timeout, max_output = checked_timeout_and_output(request.app[CONFIG], req.timeout, req.max_output_bytes)
-    return json_response(await box.run(req, timeout, max_output))
+    timeout, max_output = checked_timeout_and_output(request.app[CONFIG], body.timeout, body.max_output_bytes)
+    return json_response(await box.run(body, timeout, max_output))
 
 
 async def end_processes(request: web.Request) -> web.Response:
     box = request.app[MANAGER].get(request.match_info["id"])
-    return web.json_response({"id": box.id, "sessions_ended": await box.end_processes()})
+    return json_response(ProcessesEnded(id=box.id, sessions_ended=await box.end_processes()))
 
 
-async def wipe(request: web.Request) -> web.Response:
+async def wipe_sandbox(request: web.Request) -> web.Response:
     box = request.app[MANAGER].get(request.match_info["id"])
-    return web.json_response({"id": box.id, "sessions_ended": await box.wipe(), "wiped": True})
+    return json_response(SandboxWiped(id=box.id, sessions_ended=await box.wipe()))
 
 
-async def session_input(request: web.Request) -> web.Response:
+async def session_input(request: web.Request, body: InputRequest) -> web.Response:
     box = request.app[MANAGER].get(request.match_info["id"])
-    req: InputRequest = await parse(request, InputRequest)
-    if (req.text is None) == (req.keys is None):
-        raise web.HTTPBadRequest(text="give exactly one of `text` or `keys`")
     try:
-        data = req.text.encode() if req.text is not None else b"".join(key_bytes(k) for k in req.keys)
+        data = body.text.encode() if body.text is not None else b"".join(key_bytes(k) for k in body.keys)
     except ValueError as exc:
         raise web.HTTPBadRequest(text=str(exc)) from None
-    timeout = min(req.timeout, request.app[CONFIG].max_timeout_s)
+    timeout = min(body.timeout, request.app[CONFIG].max_timeout_s)
     return json_response(await box.existing_session(request.match_info["name"]).send(data, timeout))
 
 
@@ -157,53 +160,234 @@ async def delete_session(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     if not await box.close_session(name):
         raise SessionError(f"sandbox {box.id} has no session {name!r}", status=404)
-    return web.json_response({"id": box.id, "session": name, "deleted": True})
+    return json_response(SessionDeleted(id=box.id, session=name))
 
 
 def mb(value: int | None) -> int | None:
     return None if value is None else value << 20
 
 
-async def put_file(request: web.Request) -> web.Response:
+async def write_file(request: web.Request, query: PathQuery) -> web.Response:
     box = request.app[MANAGER].get(request.match_info["id"])
-    path = path_param(request)
     data = await request.read()
     disk = await asyncio.to_thread(box.files.usage)
     budget = mb(box.spec.limits.disk_mb)
     if budget is not None and disk + len(data) > budget:
-        raise FileAccessError(413, f"{path!r}: over the sandbox's disk budget of {budget} bytes (limits.disk_mb)")
-    written = await asyncio.to_thread(box.files.write, path, data, mb(box.spec.limits.file_size_mb))
-    return web.json_response({"path": path, "bytes": written}, status=201)
+        raise FileAccessError(413, f"{query.path!r}: over the sandbox's disk budget of {budget} bytes (limits.disk_mb)")
+    written = await asyncio.to_thread(box.files.write, query.path, data, mb(box.spec.limits.file_size_mb))
+    return json_response(FileWritten(path=query.path, bytes=written), status=201)
 
 
-async def get_file(request: web.Request) -> web.Response:
+async def read_file(request: web.Request, query: PathQuery) -> web.Response:
     box = request.app[MANAGER].get(request.match_info["id"])
-    data = await asyncio.to_thread(box.files.read, path_param(request), request.app[CONFIG].max_body_bytes)
+    data = await asyncio.to_thread(box.files.read, query.path, request.app[CONFIG].max_body_bytes)
     return web.Response(body=data, content_type="application/octet-stream")
 
 
-async def put_archive(request: web.Request) -> web.Response:
+async def upload_archive(request: web.Request, query: PathQuery) -> web.Response:
     box = request.app[MANAGER].get(request.match_info["id"])
-    path = path_param(request)
     archive = await request.read()
     budget = mb(box.spec.limits.disk_mb)
     room = None if budget is None else max(budget - await asyncio.to_thread(box.files.usage), 0)
-    count = await asyncio.to_thread(box.files.unpack, path, archive, mb(box.spec.limits.file_size_mb), room)
-    return web.json_response({"path": path, "members": count}, status=201)
+    count = await asyncio.to_thread(box.files.unpack, query.path, archive, mb(box.spec.limits.file_size_mb), room)
+    return json_response(ArchiveWritten(path=query.path, members=count), status=201)
 
 
-async def get_archive(request: web.Request) -> web.Response:
+async def download_archive(request: web.Request, query: PathQuery) -> web.Response:
     box = request.app[MANAGER].get(request.match_info["id"])
     limit = request.app[CONFIG].max_body_bytes
     # Sparse files compress to nothing: bound what is read, not only what is sent.
     content_limit = max(limit, mb(box.spec.limits.disk_mb) or 0)
-    data = await asyncio.to_thread(box.files.pack, path_param(request), limit, content_limit)
+    data = await asyncio.to_thread(box.files.pack, query.path, limit, content_limit)
     return web.Response(body=data, content_type="application/gzip")
+
+
+# -- the API, described once: routes and the OpenAPI document ---------------------------------------------
+SANDBOX = "/v1/sandboxes/{id}"
+SESSION = SANDBOX + "/sessions/{name}"
+SANDBOX_ID = {"id": {"type": "string", "description": "the id POST /v1/sandboxes answered with"}}
+SESSION_PARAMETERS = {
+    **SANDBOX_ID,
+    "name": {"type": "string", "description": "a session name, as given to exec (`default` unless named)"},
+}
+NO_SANDBOX = {404: "no such sandbox (or it is being deleted)"}
+BUSY = {409: "the session is busy with another command (or could not start)"}
+FILE_ERRORS = {
+    400: "the path is not valid, leaves the sandbox, or names something that is not a regular file or directory",
+    403: "the path is outside the workspace and /tmp, or not readable or writable there",
+    404: "no such sandbox, or no such file",
+    409: "a directory where a file is meant (or the reverse), or a program running in the sandbox that would be "
+    "replaced",
+    507: "no space left where the sandbox's files are kept",
+}
+IN_SANDBOX = {"exec_command", "run_once", "end_processes", "wipe_sandbox", "get_sandbox", "delete_sandbox"}
+SANDBOX_LINKS = {
+    name: Link(name, {"id": "$response.body#/id"})
+    for name in (*sorted(IN_SANDBOX), "write_file", "read_file", "upload_archive", "download_archive")
+}
+
+
+sandbox_op = operations_under(SANDBOX, SANDBOX_ID, NO_SANDBOX, "sandboxes")
+
+
+RUNTIME_API = API(
+    name="runtime",
+    program="prorl-sandbox",
+    title="prorl-sandbox: the sandbox runtime",
+    version=__version__,
+    description="Sandboxes with persistent PTY shells, one-shot runs and a file API, isolated by a backend "
+    "(bubblewrap, Apptainer). Every error is an ErrorBody; see docs/runtime.md for the model behind the calls.",
+    default_port=8765,
+    operations=(
+        Operation("GET", "/healthz", healthz, "Liveness", (Reply(200, "serving", Health),), public=True, tag="server"),
+        Operation(
+            "GET",
+            "/metrics",
+            metrics,
+            "Prometheus metrics",
+            (Reply(200, "Prometheus text exposition format", media_type="text/plain"),),
+            tag="server",
+        ),
+        Operation(
+            "GET", "/v1/info", server_info, "Backends, limits and policy", (Reply(200, "", ServerInfo),), tag="server"
+        ),
+        Operation(
+            "POST",
+            "/v1/sandboxes",
+            create_sandbox,
+            "Create a sandbox",
+            (Reply(201, "created, its shell started", SandboxInfo, links=SANDBOX_LINKS),),
+            errors={
+                400: "the spec is not valid, or the server's policy refuses it (a limit above the maximum, an unknown "
+                "image, a backend that is not installed): the message says which",
+                403: "a backend the operator did not allow (`local`)",
+                429: "the server holds its maximum number of sandboxes; delete some first",
+            },
+            body=SandboxSpec,
+            body_required=False,
+            tag="sandboxes",
+        ),
+        Operation(
+            "GET", "/v1/sandboxes", list_sandboxes, "List sandboxes", (Reply(200, "", SandboxList),), tag="sandboxes"
+        ),
+        sandbox_op("GET", "", get_sandbox, "Describe a sandbox", (Reply(200, "", SandboxInfo),)),
+        sandbox_op(
+            "DELETE",
+            "",
+            delete_sandbox,
+            "Delete a sandbox: every process ends, its files are removed (idempotent)",
+            (Reply(200, "deleted, or gone already", SandboxDeleted),),
+            errors={},
+        ),
+        sandbox_op(
+            "POST",
+            "/exec",
+            exec_command,
+            "Run a command in a persistent shell session",
+            (Reply(200, "the command's output, exit code and the shell's cwd", ExecResult),),
+            errors=BUSY,
+            body=ExecRequest,
+        ),
+        sandbox_op(
+            "POST",
+            "/run",
+            run_once,
+            "Run one fresh process; its exit status comes from waitpid",
+            (Reply(200, "", RunResult),),
+            body=RunRequest,
+        ),
+        sandbox_op(
+            "POST", "/kill", end_processes, "End every process of the sandbox", (Reply(200, "", ProcessesEnded),)
+        ),
+        sandbox_op(
+            "POST",
+            "/wipe",
+            wipe_sandbox,
+            "End every process, then empty the workspace and /tmp",
+            (Reply(200, "", SandboxWiped),),
+        ),
+        Operation(
+            "POST",
+            SESSION + "/input",
+            session_input,
+            "Type text or keys (e.g. C-c) into a session",
+            (Reply(200, "the output so far", ExecResult),),
+            errors={404: "no such sandbox or session", 409: "the session runs no command to send input to"},
+            body=InputRequest,
+            path_parameters=SESSION_PARAMETERS,
+            tag="sessions",
+        ),
+        Operation(
+            "GET",
+            SESSION + "/output",
+            session_output,
+            "What a session printed since the last read",
+            (Reply(200, "", ExecResult),),
+            errors={404: "no such sandbox or session"},
+            path_parameters=SESSION_PARAMETERS,
+            tag="sessions",
+        ),
+        Operation(
+            "DELETE",
+            SESSION,
+            delete_session,
+            "End a session",
+            (Reply(200, "", SessionDeleted),),
+            errors={404: "no such sandbox or session"},
+            path_parameters=SESSION_PARAMETERS,
+            tag="sessions",
+        ),
+        sandbox_op(
+            "PUT",
+            "/files",
+            write_file,
+            "Write a file (the body is its content)",
+            (Reply(201, "written", FileWritten),),
+            errors={**FILE_ERRORS, 413: "over the body limit, limits.file_size_mb or limits.disk_mb"},
+            query=PathQuery,
+            raw_body="application/octet-stream",
+            body_required=False,  # an empty file
+        ),
+        sandbox_op(
+            "GET",
+            "/files",
+            read_file,
+            "Read a file",
+            (Reply(200, "the file's content", media_type="application/octet-stream"),),
+            errors={**FILE_ERRORS, 413: "the file is larger than the server's body limit"},
+            query=PathQuery,
+        ),
+        sandbox_op(
+            "PUT",
+            "/archive",
+            upload_archive,
+            "Extract a tar (optionally gzip'd) into a directory",
+            (Reply(201, "extracted", ArchiveWritten),),
+            errors={
+                **FILE_ERRORS,
+                400: "the path is not valid, or the body is not a tar archive, or holds a member that would leave "
+                "the directory",
+                413: "over the body limit, limits.file_size_mb or limits.disk_mb",
+            },
+            query=PathQuery,
+            raw_body="application/x-tar",
+        ),
+        sandbox_op(
+            "GET",
+            "/archive",
+            download_archive,
+            "A directory as a tar.gz",
+            (Reply(200, "the archive", media_type="application/gzip"),),
+            errors={**FILE_ERRORS, 413: "the archive is larger than the server's body limit"},
+            query=PathQuery,
+        ),
+    ),
+)
 
 
 def create_app(config: ServerConfig) -> web.Application:
     registry = Metrics()
-    app = json_api(config.token, config.max_body_bytes, registry.requests)
+    app = json_api(RUNTIME_API, config.token, config.max_body_bytes, registry.requests)
     app[CONFIG] = config
     app[METRICS] = registry
     app[MANAGER] = manager = SandboxManager(config, app[METRICS])
@@ -215,30 +399,6 @@ def create_app(config: ServerConfig) -> web.Application:
         await manager.stop()
 
     app.cleanup_ctx.append(manager_lifecycle)
-    sandbox = "/v1/sandboxes/{id}"
-    session = sandbox + "/sessions/{name}"
-    app.router.add_routes(
-        [
-            web.get("/healthz", healthz),
-            web.get("/metrics", metrics),
-            web.get("/v1/info", info),
-            web.post("/v1/sandboxes", create_sandbox),
-            web.get("/v1/sandboxes", list_sandboxes),
-            web.get(sandbox, get_sandbox),
-            web.delete(sandbox, delete_sandbox),
-            web.post(sandbox + "/exec", exec_command),
-            web.post(sandbox + "/run", run_once),
-            web.post(sandbox + "/kill", end_processes),
-            web.post(sandbox + "/wipe", wipe),
-            web.post(session + "/input", session_input),
-            web.get(session + "/output", session_output),
-            web.delete(session, delete_session),
-            web.put(sandbox + "/files", put_file),
-            web.get(sandbox + "/files", get_file),
-            web.put(sandbox + "/archive", put_archive),
-            web.get(sandbox + "/archive", get_archive),
-        ]
-    )
     return app
 
 

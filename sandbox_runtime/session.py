@@ -56,7 +56,7 @@ KEYS.update({"Right": b"\x1b[C", "Left": b"\x1b[D", "Space": b" "})
 def key_bytes(key: str) -> bytes:
     if key in KEYS:
         return KEYS[key]
-    if len(key) == 3 and key[:2] == "C-" and key[2].isalpha():
+    if len(key) == 3 and key[:2] == "C-" and key[2].isascii() and key[2].isalpha():
         return bytes([ord(key[2].lower()) - ord("a") + 1])
     raise ValueError(f"unknown key {key!r}: use C-a..C-z or one of {', '.join(KEYS)}")
 

@@ -8,7 +8,7 @@ import asyncio
 import hmac
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -17,27 +17,21 @@ from prometheus_client import Counter
 from pydantic import BaseModel, ValidationError
 
 from .config import is_loopback
+from .openapi import API, ErrorBody, describe_validation
 
 log = logging.getLogger(__name__)
 
+MAX_REQUEST_LINE = 64 * 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
 
-def json_response(model: BaseModel, status: int = 200) -> web.Response:
-    return web.Response(body=model.model_dump_json(), status=status, content_type="application/json")
+def json_response(model: BaseModel, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
+    return web.Response(body=model.model_dump_json(), status=status, content_type="application/json", headers=headers)
 
 
-def error_response(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message, "status": status}, status=status)
-
-
-def describe_validation(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors(include_url=False):
-        where = ".".join(str(p) for p in err["loc"])
-        parts.append(f"{where}: {err['msg']}" if where else err["msg"])
-    return "; ".join(parts)
+def error_response(status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:
+    return json_response(ErrorBody(error=message, status=status), status=status, headers=headers)
 
 
 def errors_as_json(max_body_bytes: int) -> Middleware:
@@ -56,7 +50,9 @@ def errors_as_json(max_body_bytes: int) -> Middleware:
             message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
             if isinstance(exc, web.HTTPRequestEntityTooLarge):
                 message = f"request body too large (limit {max_body_bytes} bytes)"
-            return error_response(exc.status, message)
+            # A 405 keeps its Allow header: it tells the caller which methods the path has.
+            allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+            return error_response(exc.status, message, allow)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -69,7 +65,7 @@ def errors_as_json(max_body_bytes: int) -> Middleware:
     return middleware
 
 
-def bearer_auth(token: str | None, open_paths: frozenset[str] = frozenset({"/healthz"})) -> Middleware:
+def bearer_auth(token: str | None, open_paths: frozenset[str]) -> Middleware:
     expected = f"Bearer {token}".encode()
 
     @web.middleware
@@ -85,8 +81,12 @@ def bearer_auth(token: str | None, open_paths: frozenset[str] = frozenset({"/hea
 
 
 def is_loopback_host(host: str) -> bool:
-    """Whether a Host header (or an Origin's host) names this machine's loopback: localhost, 127/8, ::1."""
-    return is_loopback(urlsplit(f"//{host}").hostname or "")
+    """Whether a Host header (or an Origin's host) names this machine's loopback: localhost, 127/8, ::1. A
+    value that is no host at all (`[::1`, `[zz]`) names none."""
+    try:
+        return is_loopback(urlsplit(f"//{host}").hostname or "")
+    except ValueError:
+        return False
 
 
 def refuse_browsers(token: str | None) -> Middleware:
@@ -103,8 +103,13 @@ def refuse_browsers(token: str | None) -> Middleware:
             if not is_loopback_host(host):
                 return error_response(403, f"Host {host!r} is not a loopback name; this token-less server refuses it")
             origin = request.headers.get("Origin")
-            if origin is not None and urlsplit(origin).netloc != host:
-                return error_response(403, f"cross-origin request from {origin!r} refused")
+            if origin is not None:
+                try:
+                    same = urlsplit(origin).netloc == host
+                except ValueError:  # not a URL (`http://[::1`): no page of this server sent it
+                    same = False
+                if not same:
+                    return error_response(403, f"cross-origin request from {origin!r} refused")
         return await handler(request)
 
     return middleware
@@ -123,26 +128,19 @@ def count_requests(counter: Counter) -> Middleware:
     return middleware
 
 
-def json_api(token: str | None, max_body_bytes: int, requests: Counter) -> web.Application:
-    """An application with both servers' middlewares, outermost first: errors as JSON (and the body bound),
-    browsers refused where there is no token, the bearer token, and every request counted in `requests`."""
-    middlewares = [errors_as_json(max_body_bytes), refuse_browsers(token), bearer_auth(token), count_requests(requests)]
-    return web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
-
-
-async def parse(request: web.Request, model: type[BaseModel], empty_ok: bool = False) -> BaseModel:
-    """The request's JSON body as `model`. A body must come as application/json: a browser cannot send that
-    cross-site without a CORS preflight, which these servers never grant."""
-    body = await request.read()
-    if not body:
-        if empty_ok:
-            return model()
-        raise web.HTTPBadRequest(text=f"a JSON body is required ({model.__name__})")
-    if request.content_type != "application/json":
-        raise web.HTTPUnsupportedMediaType(
-            text=f"the body must be JSON with Content-Type: application/json, not {request.content_type!r}"
-        )
-    return model.model_validate_json(body)
+def json_api(api: API, token: str | None, max_body_bytes: int, requests: Counter) -> web.Application:
+    """The application serving `api` (and its OpenAPI document) with both servers' middlewares, outermost
+    first: errors as JSON (and the body bound), browsers refused where there is no token, the bearer token
+    (but on `api`'s public paths), and every request counted in `requests`."""
+    middlewares = [
+        errors_as_json(max_body_bytes),
+        refuse_browsers(token),
+        bearer_auth(token, api.public_paths),
+        count_requests(requests),
+    ]
+    app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
+    app.router.add_routes(api.routes())
+    return app
 
 
 async def serve_app(app: web.Application, host: str, port: int, name: str) -> None:
@@ -150,7 +148,9 @@ async def serve_app(app: web.Application, host: str, port: int, name: str) -> No
 
     The listen backlog is large: at hundreds of concurrent clients, the default 128 costs 1 s SYN retries.
     """
-    runner = web.AppRunner(app, access_log=None)
+    # A request line may carry a query parameter of up to 4096 characters (a file path), percent-encoded: far
+    # more than aiohttp's default 8190 bytes, whose refusal is a plain-text 400 from below the middlewares.
+    runner = web.AppRunner(app, access_log=None, max_line_size=MAX_REQUEST_LINE)
     await runner.setup()
     await web.TCPSite(runner, host, port, backlog=4096).start()
     log.info("%s listening on http://%s:%d", name, host, port)

@@ -41,11 +41,11 @@ async def test_prompts_become_weighed_batches_that_are_gone_once_acknowledged():
             assert item.weight.reasons
 
         buffer = await stack.client.buffer()
-        assert (buffer["pending"], buffer["ready"], buffer["produced"], buffer["leased"]) == (2, 0, 2, 2)
+        assert (buffer.pending, buffer.ready, buffer.produced, buffer.leased) == (2, 0, 2, 2)
         assert await stack.client.ack([item.id for item in batch.items]) == 2
         assert await stack.client.ack([item.id for item in batch.items]) == 0  # once only
         buffer = await stack.client.buffer()
-        assert (buffer["pending"], buffer["acked"], buffer["leased"], buffer["in_flight"]) == (0, 2, 0, 0)
+        assert (buffer.pending, buffer.acked, buffer.leased, buffer.in_flight) == (0, 2, 0, 0)
         assert (await stack.client.take_batch(2, timeout=0)).items == []
 
 
@@ -71,12 +71,12 @@ async def test_an_unacknowledged_batch_is_delivered_again_when_its_lease_runs_ou
         # The trainer died holding it: 30 virtual seconds later it is handed out again.
         [again] = (await stack.client.take_batch(1, timeout=600, lease_s=30)).items
         assert (again.id, first.deliveries, again.deliveries) == (first.id, 1, 2)
-        assert (await stack.client.buffer())["redelivered"] == 1
+        assert (await stack.client.buffer()).redelivered == 1
 
         # Its second lease runs out as well: after max_deliveries it is removed, not handed out forever.
         assert (await stack.client.take_batch(1, timeout=120)).items == []
         buffer = await stack.client.buffer()
-        assert (buffer["dead_letters"], buffer["recent_dead_letters"], buffer["ready"]) == (1, [first.id], 0)
+        assert (buffer.dead_letters, buffer.recent_dead_letters, buffer.ready) == (1, [first.id], 0)
 
 
 @on_virtual_time
@@ -87,8 +87,8 @@ async def test_pace_mode_holds_admission_until_the_trainer_moves_on():
         first = await stack.client.take_batch(2, timeout=600, lease_s=600)
         assert len(first.items) == 2
         buffer = await stack.client.buffer()
-        assert (buffer["upcoming"], buffer["held_back"]) == (2, True)
-        assert "admission control" in buffer["held_back_reason"]
+        assert (buffer.upcoming, buffer.held_back) == (2, True)
+        assert "admission control" in buffer.held_back_reason
         assert len(await jobs_started(stack)) == 2  # K = 0: one batch at a time
 
         await stack.client.set_policy_version(1)
@@ -120,7 +120,7 @@ async def test_prompts_of_an_unknown_task_are_refused_and_nothing_is_queued():
         assert response.status == 400 and "nope" in (await response.json())["error"]
         empty = await stack.http.post("/v1/prompts", json={"requests": []})
         assert empty.status == 400
-        assert (await stack.client.buffer())["upcoming"] == 0
+        assert (await stack.client.buffer()).upcoming == 0
 
 
 async def a_lease_run_out(stack: Stack) -> str:

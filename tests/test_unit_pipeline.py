@@ -117,7 +117,7 @@ async def test_a_job_out_of_time_in_any_stage_fails_with_timeout_and_releases_it
         assert "120" in trajectory.error.message
         await no_sandbox_left(stack)
         status = await stack.client.status()
-        assert status["finished"]["failed"] == 1 and sum(status["active"].values()) == 0
+        assert status.finished["failed"] == 1 and sum(status.active.values()) == 0
 
 
 @on_virtual_time
@@ -158,13 +158,13 @@ async def test_status_counts_jobs_by_state_while_they_run_and_once_they_finish()
         job = await stack.client.submit(shell_job())
         await stack.llm.until(lambda: stack.llm.held == 1)
         running = await stack.client.status()
-        assert running["active"]["running"] == 1 and sum(running["active"].values()) == 1
+        assert running.active["running"] == 1 and sum(running.active.values()) == 1
         await stack.client.cancel(job.job_id)
 
         status = await stack.client.status()
-    assert status["finished"] == {"done": 1, "failed": 1, "cancelled": 1}
-    assert sum(status["active"].values()) == 0 and sum(status["queues"].values()) == 0
-    assert [server["url"] for server in status["llm_servers"]] == [stack.llm.url]
+    assert status.finished == {"done": 1, "failed": 1, "cancelled": 1}
+    assert sum(status.active.values()) == 0 and sum(status.queues.values()) == 0
+    assert [server.url for server in status.llm_servers] == [stack.llm.url]
 
 
 @on_virtual_time

@@ -341,7 +341,7 @@ async def test_one_verl_sample_through_the_driver():
         output = await driver.generate(VerlSample(row=row, sampling_params={"temperature": 0.5}, rollout=rollout))
         trajectory = await stack.client.result(output.extra_fields["prorl_job_id"], wait=0)
         assert trajectory.labels["group"] == "u1" and trajectory.num_turns == 2
-        assert (await stack.client.status())["policy_version"] == 2  # step 3 runs with the weights after step 2
+        assert (await stack.client.status()).policy_version == 2  # step 3 runs with the weights after step 2
         assert trajectory.policy_version_min == 2 and output.extra_fields["min_global_steps"] == 2
         assert len(trajectory.response_ids) > 16 and len(output.response_ids) == 16  # cut to response_length
         assert output.response_ids == trajectory.response_ids[:16] and output.prompt_ids == trajectory.prompt_ids

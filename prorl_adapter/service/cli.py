@@ -1,4 +1,5 @@
-"""`prorl-rollout serve` runs the rollout service; `prorl-rollout plugins` lists what is loaded."""
+"""`prorl-rollout serve` runs the rollout service; `prorl-rollout plugins` lists what is loaded;
+`prorl-rollout openapi` prints (or writes) the API's OpenAPI document."""
 
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.add_argument("--plugin", action="append", default=[])
     plugins.add_argument("--block-plugin", action="append", default=[])
     plugins.add_argument("--plugin-config", type=Path, default=None, help="check this plugin configuration too")
+    openapi = sub.add_parser("openapi", help="print the API's OpenAPI document, or write it and its reference")
+    openapi.add_argument("--out", type=Path, default=None, help="write rollout.json and rollout.md in this folder")
     return parser
 
 
@@ -74,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "plugins":
         return list_plugins(args.plugin, args.block_plugin, args.plugin_config)
+    if args.command == "openapi":
+        from sandbox_runtime.openapi import openapi_command
+
+        from .server import ROLLOUT_API
+
+        return openapi_command(ROLLOUT_API, args.out)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = RolloutConfig(
         sandbox_urls=args.sandbox_url,

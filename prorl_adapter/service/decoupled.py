@@ -30,11 +30,11 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 from ..hooks.specs import hookimpl
-from ..models import AdmissionState, BatchItem, JobRequest, JobState, Trajectory
+from ..models import AdmissionState, BatchItem, JobRequest, JobState, ProducerStats, Trajectory
 from .pipeline import Job, RolloutPipeline
 from .storage.buffer import ExperienceBuffer, ExperienceBufferError
 from .storage.prompts import MemoryPromptQueue, PromptQueue
@@ -62,26 +62,6 @@ class BadTake(ValueError):
     """A take the service cannot weigh as asked (the API answers 400); its entries are handed back."""
 
     status = 400
-
-
-@dataclass
-class ProducerStats:
-    upcoming: int = 0
-    in_flight: int = 0
-    held_back: bool = False
-    held_back_reason: str | None = None
-    produced: int = 0
-    filtered: int = 0  # episodes that failed (infrastructure) max_attempts times, or were cancelled: not buffered
-    retried: int = 0  # failed episodes whose prompt was queued to run again
-    dropped: int = 0  # trajectories weighed 0 when taken (too stale)
-    expired: int = 0  # trajectories removed before a take: no plugin would weigh them above 0
-    leased: int = 0  # entries taken and not yet acknowledged
-    redelivered: int = 0  # entries whose lease ran out, handed back to be taken again
-    dead_letters: int = 0  # entries whose lease ran out after max_deliveries: removed
-    undelivered: int = 0  # finished trajectories waiting for the buffer to come back
-    degraded: str | None = None  # why the buffer or the prompt queue cannot be used now, and what is done
-    versions_in_flight: list[int] = field(default_factory=list)
-    recent_dead_letters: list[str] = field(default_factory=list)
 
 
 @dataclass

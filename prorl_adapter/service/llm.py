@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 from pydantic import BaseModel, Field, StrictInt, ValidationError
 
-from sandbox_runtime.webapp import describe_validation
+from sandbox_runtime.openapi import describe_validation
 
 from ..models import LLMServerInfo, SamplingParams
 

@@ -97,6 +97,12 @@ class UnknownTask(ValueError):
     status = 400
 
 
+class JobConflict(ValueError):
+    """A job id already taken by a different request: the id is an idempotency key, not a name to reuse."""
+
+    status = 409
+
+
 class RolloutPipeline:
     def __init__(
         self,
@@ -152,9 +158,13 @@ class RolloutPipeline:
 
     # -- the API ----------------------------------------------------------------------------------------
     def submit(self, request: JobRequest) -> tuple[Job, bool]:
-        """Queue a job; with a known job_id, return that job instead (idempotent). (job, created)"""
+        """Queue a job; with a known job_id and the same request, return that job instead (idempotent): a
+        client that retries a submission whose answer it lost gets the job it made. (job, created)"""
         if request.job_id and request.job_id in self.jobs:
-            return self.jobs[request.job_id], False
+            job = self.jobs[request.job_id]
+            if job.request != request:
+                raise JobConflict(f"job id {request.job_id!r} is taken by a different request; use a new id")
+            return job, False
         handler = self.tasks.get(request.task)
         if handler is None:
             raise UnknownTask(f"unknown task {request.task!r}; known: {', '.join(sorted(self.tasks))}")

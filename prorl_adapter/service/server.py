@@ -1,5 +1,8 @@
 """The rollout service's HTTP API: `create_app(config)` maps /v1 onto a RolloutPipeline.
 
+`ROLLOUT_API` describes every operation once: it routes the requests and writes the OpenAPI document served at
+/openapi.json (sandbox_runtime.openapi).
+
 A trainer submits jobs (202 + job id), long-polls their results, cancels what it no longer needs, tells the
 service the current policy version, and manages the LLM servers it generates with. `POST /process` takes
 ProRL Agent's request shape and blocks until the trajectory is ready.
@@ -7,30 +10,40 @@ ProRL Agent's request shape and blocks until the trajectory is ready.
 
 from __future__ import annotations
 
-import dataclasses
-
 from aiohttp import web
 
-from sandbox_runtime.webapp import (
-    json_api,
-    json_response,
-    parse,
-    serve_app,
-)
+from sandbox_runtime.openapi import API, Link, Operation, Reply, operations_under
+from sandbox_runtime.webapp import json_api, json_response, serve_app
 
 from .. import __version__
 from ..hooks.plugin_set import PluginSet
 from ..models import (
+    Acknowledged,
     AckRequest,
     Batch,
     BatchRequest,
+    BufferStatus,
     JobRequest,
+    JobStatus,
+    LLMServerInfo,
+    LLMServerList,
+    LLMServerQuery,
+    LLMServerRemoved,
     LLMServerRequest,
     LLMServersRequest,
+    PluginInfo,
+    PluginList,
     PolicyVersion,
+    PolicyVersionSet,
     ProcessRequest,
+    PromptsQueued,
     PromptsRequest,
     SamplingParams,
+    ServiceHealth,
+    ServiceStatus,
+    TaskList,
+    Trajectory,
+    WaitQuery,
 )
 from .chat import ChatTokenizer
 from .config import RolloutConfig
@@ -79,22 +92,12 @@ def job_of(request: web.Request) -> Job:
     return job
 
 
-def wait_param(request: web.Request) -> float:
-    try:
-        wait = float(request.query.get("wait", "0"))
-    except ValueError:
-        raise web.HTTPBadRequest(text="`wait` must be a number of seconds") from None
-    if not 0 <= wait <= MAX_WAIT_S:
-        raise web.HTTPBadRequest(text=f"`wait` must be between 0 and {MAX_WAIT_S:g} seconds")
-    return wait
-
-
 # -- handlers -------------------------------------------------------------------------------------------
 async def healthz(request: web.Request) -> web.Response:
     """200 while the service serves jobs; `degraded` says what does not work now (the buffer, say) and why."""
     producer = request.app.get(PRODUCER)
     degraded = producer.stats.degraded if producer is not None else None
-    return web.json_response({"ok": True, "version": __version__, "degraded": degraded})
+    return json_response(ServiceHealth(ok=True, version=__version__, degraded=degraded))
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -109,8 +112,8 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=app_metrics.render(), content_type="text/plain")
 
 
-async def submit_job(request: web.Request) -> web.Response:
-    job, created = request.app[PIPELINE].submit(await parse(request, JobRequest))
+async def submit_job(request: web.Request, body: JobRequest) -> web.Response:
+    job, created = request.app[PIPELINE].submit(body)
     return json_response(job.status(), status=202 if created else 200)
 
 
@@ -118,9 +121,8 @@ async def get_job(request: web.Request) -> web.Response:
     return json_response(job_of(request).status())
 
 
-async def get_result(request: web.Request) -> web.Response:
-    job = job_of(request)
-    job = await request.app[PIPELINE].wait(job.id, wait_param(request))
+async def get_result(request: web.Request, query: WaitQuery) -> web.Response:
+    job = await request.app[PIPELINE].wait(job_of(request).id, query.wait)
     if job.result is None:
         return json_response(job.status(), status=202)
     return json_response(job.result)
@@ -131,70 +133,60 @@ async def cancel_job(request: web.Request) -> web.Response:
     return json_response(job.status())
 
 
-async def status(request: web.Request) -> web.Response:
+async def service_status(request: web.Request) -> web.Response:
     pipeline, producer = request.app[PIPELINE], request.app[PRODUCER]
-    return web.json_response(
-        {
-            **pipeline.status(),
-            "llm_servers": [s.model_dump() for s in pipeline.llm.servers()],
-            "degraded": producer.stats.degraded,
-        }
+    return json_response(
+        ServiceStatus(**pipeline.status(), llm_servers=pipeline.llm.servers(), degraded=producer.stats.degraded)
     )
 
 
 async def list_tasks(request: web.Request) -> web.Response:
-    return web.json_response({"tasks": sorted(request.app[PIPELINE].tasks)})
+    return json_response(TaskList(tasks=sorted(request.app[PIPELINE].tasks)))
 
 
 async def list_plugins(request: web.Request) -> web.Response:
     """The loaded plugins with their hooks, and the plugin configuration the service runs with (a trainer-side
     component checks that it weighs and shapes as the service does)."""
-    return web.json_response({"plugins": request.app[PLUGINS].describe(), "config": request.app[PLUGINS].config})
+    plugins = request.app[PLUGINS]
+    return json_response(PluginList(plugins=[PluginInfo(**p) for p in plugins.describe()], config=plugins.config))
 
 
 async def list_llm_servers(request: web.Request) -> web.Response:
-    return web.json_response({"servers": [s.model_dump() for s in request.app[PIPELINE].llm.servers()]})
+    return json_response(LLMServerList(servers=request.app[PIPELINE].llm.servers()))
 
 
-async def add_llm_server(request: web.Request) -> web.Response:
-    body: LLMServerRequest = await parse(request, LLMServerRequest)
+async def add_llm_server(request: web.Request, body: LLMServerRequest) -> web.Response:
     llm = request.app[PIPELINE].llm
     server = llm.add(body.url)
     await llm.check_health()
-    return web.json_response(server.info().model_dump(), status=201)
+    return json_response(server.info(), status=201)
 
 
-async def remove_llm_server(request: web.Request) -> web.Response:
-    url = request.query.get("url")
-    if not url:
-        raise web.HTTPBadRequest(text="query parameter `url` is required")
-    removed = request.app[PIPELINE].llm.remove(url)  # removing one that is not there is done already
-    return web.json_response({"url": url, "removed": removed})
+async def remove_llm_server(request: web.Request, query: LLMServerQuery) -> web.Response:
+    removed = request.app[PIPELINE].llm.remove(query.url)  # removing one that is not there is done already
+    return json_response(LLMServerRemoved(url=query.url, removed=removed))
 
 
-async def set_llm_servers(request: web.Request) -> web.Response:
+async def set_llm_servers(request: web.Request, body: LLMServersRequest) -> web.Response:
     """Replace the whole set at once: idempotent, so trainer workers that each set it cannot race."""
-    body: LLMServersRequest = await parse(request, LLMServersRequest)
     llm = request.app[PIPELINE].llm
     llm.replace(body.urls)
     await llm.check_health()
-    return web.json_response({"servers": [s.model_dump() for s in llm.servers()]})
+    return json_response(LLMServerList(servers=llm.servers()))
 
 
-async def set_policy_version(request: web.Request) -> web.Response:
-    body: PolicyVersion = await parse(request, PolicyVersion)
+async def set_policy_version(request: web.Request, body: PolicyVersion) -> web.Response:
     pipeline = request.app[PIPELINE]
     if not (body.raise_only and body.version <= pipeline.policy_version):
         pipeline.policy_version = body.version
-    return web.json_response({"version": pipeline.policy_version})
+    return json_response(PolicyVersionSet(version=pipeline.policy_version))
 
 
-async def process(request: web.Request) -> web.Response:
+async def process(request: web.Request, body: ProcessRequest) -> web.Response:
     """ProRL Agent's shape: {instance: {data_source, ...}, sampling_params, job_id?}; blocks until done."""
-    body: ProcessRequest = await parse(request, ProcessRequest)
     instance = dict(body.instance)
     task = instance.pop("data_source", None)
-    if not task:
+    if not task or not isinstance(task, str):
         raise web.HTTPBadRequest(text="instance.data_source (the task name) is required")
     known = set(SamplingParams.model_fields)
     sampling = SamplingParams(**{k: v for k, v in body.sampling_params.items() if k in known})
@@ -205,24 +197,21 @@ async def process(request: web.Request) -> web.Response:
     return json_response(job.result)
 
 
-async def enqueue_prompts(request: web.Request) -> web.Response:
-    body: PromptsRequest = await parse(request, PromptsRequest)
+async def enqueue_prompts(request: web.Request, body: PromptsRequest) -> web.Response:
     unknown = sorted({r.task for r in body.requests} - set(request.app[PIPELINE].tasks))
     if unknown:
         raise web.HTTPBadRequest(text=f"unknown task(s) {', '.join(unknown)}")
-    return web.json_response({"upcoming": await request.app[PRODUCER].enqueue(body.requests)}, status=202)
+    return json_response(PromptsQueued(upcoming=await request.app[PRODUCER].enqueue(body.requests)), status=202)
 
 
-async def take_batch(request: web.Request) -> web.Response:
-    body: BatchRequest = await parse(request, BatchRequest)
+async def take_batch(request: web.Request, body: BatchRequest) -> web.Response:
     timeout = MAX_WAIT_S if body.timeout_s is None else min(body.timeout_s, MAX_WAIT_S)
     items = await request.app[PRODUCER].take_batch(body.size, timeout, body.current_logprobs, body.lease_s)
     return json_response(Batch(items=items, policy_version=request.app[PIPELINE].policy_version))
 
 
-async def ack_batch(request: web.Request) -> web.Response:
-    body: AckRequest = await parse(request, AckRequest)
-    return web.json_response({"acknowledged": await request.app[PRODUCER].ack(body.ids)})
+async def ack_batch(request: web.Request, body: AckRequest) -> web.Response:
+    return json_response(Acknowledged(acknowledged=await request.app[PRODUCER].ack(body.ids)))
 
 
 async def buffer_status(request: web.Request) -> web.Response:
@@ -230,18 +219,218 @@ async def buffer_status(request: web.Request) -> web.Response:
     says why (the producer's own figures stay)."""
     producer = request.app[PRODUCER]
     try:
-        counts = dataclasses.asdict(await producer.buffer.stats())
+        stats = await producer.buffer.stats()
+        counts = {"ready": stats.ready, "pending": stats.pending, "acked": stats.acked, "buffer_expired": stats.expired}
     except ExperienceBufferError as exc:
-        counts = {"ready": None, "pending": None, "acked": None, "expired": None}
+        counts = {"ready": None, "pending": None, "acked": None, "buffer_expired": None}
         producer.stats.degraded = f"reading the buffer: {exc}"
-    return web.json_response({**counts, **dataclasses.asdict(await producer.snapshot())})
+    figures = await producer.snapshot()
+    return json_response(BufferStatus(**counts, **figures.model_dump()))
+
+
+# -- the API, described once: routes and the OpenAPI document ---------------------------------------------
+JOB_ID = {"id": {"type": "string", "description": "the job_id POST /v1/jobs answered with"}}
+NO_JOB = {404: "no such job (or it finished long enough ago to be forgotten)"}
+JOB_LINKS = {name: Link(name, {"id": "$response.body#/job_id"}) for name in ("get_job", "get_result", "cancel_job")}
+BUFFER_DOWN = {503: "the buffer's storage (Redis) cannot be reached now; try again"}
+
+
+job_op = operations_under("/v1/jobs/{id}", JOB_ID, NO_JOB, "jobs")
+
+
+ROLLOUT_API = API(
+    name="rollout",
+    program="prorl-rollout",
+    title="prorl-rollout: the rollout service",
+    version=__version__,
+    description="Episodes of agent tasks (init, run, eval) as jobs, token ids and logprobs in the trajectories, "
+    "and the decoupled mode's prompts, batches and acknowledgements. Every error is an ErrorBody; see "
+    "docs/rollout.md for the model behind the calls.",
+    default_port=8766,
+    operations=(
+        Operation(
+            "GET",
+            "/healthz",
+            healthz,
+            "Liveness and what is degraded",
+            (Reply(200, "", ServiceHealth),),
+            public=True,
+            tag="service",
+        ),
+        Operation(
+            "GET",
+            "/metrics",
+            metrics,
+            "Prometheus metrics",
+            (Reply(200, "Prometheus text exposition format", media_type="text/plain"),),
+            tag="service",
+        ),
+        Operation(
+            "GET",
+            "/v1/status",
+            service_status,
+            "Queues, jobs, workers, LLM servers",
+            (Reply(200, "", ServiceStatus),),
+            tag="service",
+        ),
+        Operation(
+            "GET",
+            "/v1/tasks",
+            list_tasks,
+            "The task names the service can run",
+            (Reply(200, "", TaskList),),
+            tag="service",
+        ),
+        Operation(
+            "GET",
+            "/v1/plugins",
+            list_plugins,
+            "The loaded plugins and their configuration",
+            (Reply(200, "", PluginList),),
+            tag="service",
+        ),
+        Operation(
+            "POST",
+            "/v1/jobs",
+            submit_job,
+            "Submit one episode",
+            (
+                Reply(202, "queued", JobStatus, links=JOB_LINKS),
+                Reply(200, "a job with this job_id and the same request exists: that job", JobStatus, links=JOB_LINKS),
+            ),
+            errors={
+                400: "the request is not valid, or names an unknown task",
+                409: "the job_id is taken by a different request",
+            },
+            body=JobRequest,
+            tag="jobs",
+        ),
+        job_op("GET", "", get_job, "A job's state and timings", (Reply(200, "", JobStatus),)),
+        job_op(
+            "GET",
+            "/result",
+            get_result,
+            "The trajectory, long-polling up to `wait` seconds",
+            (
+                Reply(200, "finished: the trajectory (a failed job's carries `error` and `filter`)", Trajectory),
+                Reply(202, "not finished within `wait`: the job's state", JobStatus),
+            ),
+            query=WaitQuery,
+        ),
+        job_op(
+            "DELETE",
+            "",
+            cancel_job,
+            "Cancel a job (its sandbox is deleted)",
+            (Reply(200, "the job, now final", JobStatus),),
+        ),
+        Operation(
+            "PUT",
+            "/v1/policy-version",
+            set_policy_version,
+            "Set the policy version new turns are tagged with",
+            (Reply(200, "", PolicyVersionSet),),
+            body=PolicyVersion,
+            tag="training",
+        ),
+        Operation(
+            "GET",
+            "/v1/llm-servers",
+            list_llm_servers,
+            "The LLM servers",
+            (Reply(200, "", LLMServerList),),
+            tag="llm-servers",
+        ),
+        Operation(
+            "POST",
+            "/v1/llm-servers",
+            add_llm_server,
+            "Add an LLM server (adding one that is there changes nothing)",
+            (Reply(201, "the server, health-checked", LLMServerInfo),),
+            body=LLMServerRequest,
+            tag="llm-servers",
+        ),
+        Operation(
+            "PUT",
+            "/v1/llm-servers",
+            set_llm_servers,
+            "Replace the whole set of LLM servers at once (idempotent)",
+            (Reply(200, "the new set, health-checked", LLMServerList),),
+            body=LLMServersRequest,
+            tag="llm-servers",
+        ),
+        Operation(
+            "DELETE",
+            "/v1/llm-servers",
+            remove_llm_server,
+            "Remove an LLM server (idempotent); its episodes fail over",
+            (Reply(200, "", LLMServerRemoved),),
+            query=LLMServerQuery,
+            tag="llm-servers",
+        ),
+        Operation(
+            "POST",
+            "/v1/prompts",
+            enqueue_prompts,
+            "Decoupled mode: queue upcoming episodes, started as admission control allows",
+            (Reply(202, "queued", PromptsQueued),),
+            errors={400: "a request is not valid, or names an unknown task", **BUFFER_DOWN},
+            body=PromptsRequest,
+            tag="decoupled",
+        ),
+        Operation(
+            "POST",
+            "/v1/batches",
+            take_batch,
+            "Decoupled mode: take up to `size` weighed trajectories, waiting up to `timeout_s`",
+            (Reply(200, "the batch (possibly fewer items, or none, when the wait ran out)", Batch),),
+            errors={
+                400: "the request is not valid, or `current_logprobs` of an entry has the wrong length",
+                **BUFFER_DOWN,
+            },
+            body=BatchRequest,
+            tag="decoupled",
+        ),
+        Operation(
+            "POST",
+            "/v1/batches/ack",
+            ack_batch,
+            "Decoupled mode: acknowledge taken entries (after training on them)",
+            (Reply(200, "", Acknowledged),),
+            errors={400: "an id is not one this buffer hands out", **BUFFER_DOWN},
+            body=AckRequest,
+            tag="decoupled",
+        ),
+        Operation(
+            "GET",
+            "/v1/buffer",
+            buffer_status,
+            "Decoupled mode: the buffer's and the producer's figures",
+            (Reply(200, "", BufferStatus),),
+            tag="decoupled",
+        ),
+        Operation(
+            "POST",
+            "/process",
+            process,
+            "ProRL Agent's call: one episode, blocking until its trajectory is ready",
+            (Reply(200, "the trajectory", Trajectory),),
+            errors={
+                400: "the request is not valid: no instance.data_source, or an unknown task",
+                409: "the job_id is taken by a different request",
+            },
+            body=ProcessRequest,
+            tag="prorl",
+        ),
+    ),
+)
 
 
 def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.Application:
     """The service as an aiohttp application; each resource is opened and closed by a `cleanup_ctx` of its own,
     in the order they depend on each other (closed in reverse)."""
     app_metrics = RolloutMetrics()
-    app = json_api(config.token, config.max_body_bytes, app_metrics.requests)
+    app = json_api(ROLLOUT_API, config.token, config.max_body_bytes, app_metrics.requests)
     app[METRICS] = app_metrics
 
     async def plugins(app: web.Application):
@@ -289,29 +478,6 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
         await app[PRODUCER].stop()
 
     app.cleanup_ctx.extend([plugins, llm_pool, sandbox_pool, buffer, prompt_queue, pipeline, producer])
-    app.router.add_routes(
-        [
-            web.get("/healthz", healthz),
-            web.get("/metrics", metrics),
-            web.post("/v1/jobs", submit_job),
-            web.get("/v1/jobs/{id}", get_job),
-            web.get("/v1/jobs/{id}/result", get_result),
-            web.delete("/v1/jobs/{id}", cancel_job),
-            web.get("/v1/status", status),
-            web.get("/v1/tasks", list_tasks),
-            web.get("/v1/plugins", list_plugins),
-            web.get("/v1/llm-servers", list_llm_servers),
-            web.post("/v1/llm-servers", add_llm_server),
-            web.delete("/v1/llm-servers", remove_llm_server),
-            web.put("/v1/llm-servers", set_llm_servers),
-            web.put("/v1/policy-version", set_policy_version),
-            web.post("/process", process),
-            web.post("/v1/prompts", enqueue_prompts),
-            web.post("/v1/batches", take_batch),
-            web.post("/v1/batches/ack", ack_batch),
-            web.get("/v1/buffer", buffer_status),
-        ]
-    )
     return app
 
 

@@ -10,21 +10,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+from pydantic import BaseModel
 
 from ..models import (
+    Acknowledged,
     AckRequest,
     Batch,
     BatchRequest,
+    BufferStatus,
     JobRequest,
     JobStatus,
+    LLMServerInfo,
+    LLMServerList,
+    LLMServerQuery,
+    LLMServerRemoved,
+    LLMServerRequest,
     LLMServersRequest,
+    PluginList,
     PolicyVersion,
+    PolicyVersionSet,
+    PromptsQueued,
     PromptsRequest,
+    ServiceHealth,
+    ServiceStatus,
+    TaskList,
     Trajectory,
+    WaitQuery,
 )
+
+Reply = TypeVar("Reply", bound=BaseModel)
 
 
 class RolloutAPIError(Exception):
@@ -59,28 +76,39 @@ class RolloutClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _call(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+    async def _call(
+        self, method: str, url: str, *, body: BaseModel | None = None, query: BaseModel | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        """One request, its body and query built from their wire models; an error reply raises RolloutAPIError."""
+        if body is not None:
+            kwargs["json"] = body.model_dump(mode="json", exclude_none=True)
+        if query is not None:
+            kwargs["params"] = query.model_dump(mode="json", exclude_none=True)
         return _raise_for(await self._http.request(method, url, **kwargs))
 
+    async def _answer(self, reply: type[Reply], method: str, url: str, **kwargs: Any) -> Reply:
+        """One request whose reply is the wire model `reply`."""
+        return reply.model_validate_json((await self._call(method, url, **kwargs)).content)
+
+    # -- jobs -----------------------------------------------------------------------------------------
     async def submit(self, request: JobRequest) -> JobStatus:
-        body = request.model_dump(mode="json", exclude_none=True)
-        return JobStatus.model_validate_json((await self._call("POST", "/v1/jobs", json=body)).content)
+        return await self._answer(JobStatus, "POST", "/v1/jobs", body=request)
 
     async def job(self, job_id: str) -> JobStatus:
-        return JobStatus.model_validate_json((await self._call("GET", f"/v1/jobs/{job_id}")).content)
+        return await self._answer(JobStatus, "GET", f"/v1/jobs/{job_id}")
 
     async def result(self, job_id: str, wait: float = 600.0) -> Trajectory:
         """The finished trajectory; long-polls in rounds of at most 60 s until `wait` has passed."""
         deadline = time.monotonic() + wait
         while True:
             round_s = max(0.0, min(60.0, deadline - time.monotonic()))
-            response = await self._call(
-                "GET", f"/v1/jobs/{job_id}/result", params={"wait": round_s}, timeout=round_s + self._timeout
-            )
+            url = f"/v1/jobs/{job_id}/result"
+            response = await self._call("GET", url, query=WaitQuery(wait=round_s), timeout=round_s + self._timeout)
             if response.status_code == 200:
                 return Trajectory.model_validate_json(response.content)
+            job = JobStatus.model_validate_json(response.content)  # 202: not finished within the round
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"job {job_id} did not finish within {wait:g} s")
+                raise TimeoutError(f"job {job_id} did not finish within {wait:g} s (it is {job.state.value})")
 
     async def run(self, request: JobRequest, wait: float = 3600.0) -> Trajectory:
         """Submit and wait for the trajectory. A caller that gives up (timeout, cancellation, an error) cancels
@@ -96,11 +124,15 @@ class RolloutClient:
     async def run_many(self, requests: list[JobRequest], wait: float = 3600.0) -> list[Trajectory]:
         return list(await asyncio.gather(*(self.run(r, wait) for r in requests)))
 
+    async def cancel(self, job_id: str) -> JobStatus:
+        return await self._answer(JobStatus, "DELETE", f"/v1/jobs/{job_id}")
+
     # -- decoupled mode -------------------------------------------------------------------------------
     async def enqueue_prompts(self, requests: list[JobRequest]) -> int:
-        """Queue upcoming episodes; the service starts them as admission control allows."""
-        body = PromptsRequest(requests=requests).model_dump(mode="json", exclude_none=True)
-        return (await self._call("POST", "/v1/prompts", json=body)).json()["upcoming"]
+        """Queue upcoming episodes; the service starts them as admission control allows. Returns the prompts
+        waiting to be admitted, these included."""
+        queued = await self._answer(PromptsQueued, "POST", "/v1/prompts", body=PromptsRequest(requests=requests))
+        return queued.upcoming
 
     async def take_batch(
         self,
@@ -113,52 +145,55 @@ class RolloutClient:
         within `lease_s` (the service's default if None), or they are delivered again."""
         body = BatchRequest(size=size, timeout_s=timeout, current_logprobs=current_logprobs or {}, lease_s=lease_s)
         wait = (timeout if timeout is not None else 3600.0) + self._timeout
-        response = await self._call(
-            "POST", "/v1/batches", json=body.model_dump(mode="json", exclude_none=True), timeout=wait
-        )
-        return Batch.model_validate_json(response.content)
+        return await self._answer(Batch, "POST", "/v1/batches", body=body, timeout=wait)
 
     async def ack(self, ids: list[str]) -> int:
-        body = AckRequest(ids=ids).model_dump()
-        return (await self._call("POST", "/v1/batches/ack", json=body)).json()["acknowledged"]
+        """Acknowledge taken entries; returns how many this call acknowledged (unknown or acknowledged ones: 0)."""
+        return (await self._answer(Acknowledged, "POST", "/v1/batches/ack", body=AckRequest(ids=ids))).acknowledged
 
-    async def buffer(self) -> dict:
-        return (await self._call("GET", "/v1/buffer")).json()
+    async def buffer(self) -> BufferStatus:
+        """The buffer's counts (None while it cannot be read: `degraded` says why) and the producer's figures."""
+        return await self._answer(BufferStatus, "GET", "/v1/buffer")
 
-    async def cancel(self, job_id: str) -> JobStatus:
-        return JobStatus.model_validate_json((await self._call("DELETE", f"/v1/jobs/{job_id}")).content)
+    # -- the service ----------------------------------------------------------------------------------
+    async def health(self) -> ServiceHealth:
+        """Liveness, and what does not work now (`degraded`); needs no token."""
+        return await self._answer(ServiceHealth, "GET", "/healthz")
+
+    async def status(self) -> ServiceStatus:
+        return await self._answer(ServiceStatus, "GET", "/v1/status")
 
     async def tasks(self) -> list[str]:
         """The names of the tasks the service can run."""
-        return (await self._call("GET", "/v1/tasks")).json()["tasks"]
+        return (await self._answer(TaskList, "GET", "/v1/tasks")).tasks
 
-    async def plugins(self) -> dict:
-        """The service's plugins (`plugins`: name and hooks of each) and its plugin configuration (`config`)."""
-        return (await self._call("GET", "/v1/plugins")).json()
-
-    async def status(self) -> dict:
-        return (await self._call("GET", "/v1/status")).json()
+    async def plugins(self) -> PluginList:
+        """The service's plugins (name and hooks of each) and its plugin configuration (`config`, by section)."""
+        return await self._answer(PluginList, "GET", "/v1/plugins")
 
     async def set_policy_version(self, version: int, raise_only: bool = False) -> int:
         """Publish the trainer's policy version; returns the version in effect (with `raise_only`, a lower
         one than asked is never set: several trainer workers may publish the same steps out of order)."""
-        body = PolicyVersion(version=version, raise_only=raise_only).model_dump()
-        return (await self._call("PUT", "/v1/policy-version", json=body)).json()["version"]
+        body = PolicyVersion(version=version, raise_only=raise_only)
+        return (await self._answer(PolicyVersionSet, "PUT", "/v1/policy-version", body=body)).version
 
-    async def llm_servers(self) -> list[dict]:
-        return (await self._call("GET", "/v1/llm-servers")).json()["servers"]
+    # -- LLM servers ----------------------------------------------------------------------------------
+    async def llm_servers(self) -> list[LLMServerInfo]:
+        return (await self._answer(LLMServerList, "GET", "/v1/llm-servers")).servers
 
-    async def add_llm_server(self, url: str) -> dict:
-        return (await self._call("POST", "/v1/llm-servers", json={"url": url})).json()
+    async def add_llm_server(self, url: str) -> LLMServerInfo:
+        """Add one server, health-checked at once (`healthy`)."""
+        return await self._answer(LLMServerInfo, "POST", "/v1/llm-servers", body=LLMServerRequest(url=url))
 
     async def remove_llm_server(self, url: str) -> bool:
         """Remove one server; False if it was not there (not an error)."""
-        return (await self._call("DELETE", "/v1/llm-servers", params={"url": url})).json()["removed"]
+        query = LLMServerQuery(url=url)
+        return (await self._answer(LLMServerRemoved, "DELETE", "/v1/llm-servers", query=query)).removed
 
-    async def set_llm_servers(self, urls: list[str]) -> list[dict]:
+    async def set_llm_servers(self, urls: list[str]) -> list[LLMServerInfo]:
         """Make `urls` the service's whole set of LLM servers, in one idempotent call."""
-        body = LLMServersRequest(urls=urls).model_dump()
-        return (await self._call("PUT", "/v1/llm-servers", json=body)).json()["servers"]
+        body = LLMServersRequest(urls=urls)
+        return (await self._answer(LLMServerList, "PUT", "/v1/llm-servers", body=body)).servers
 
 
 class SyncRolloutClient:

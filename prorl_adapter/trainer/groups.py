@@ -52,7 +52,7 @@ class GroupCollector:
 
     async def _production_finished(self) -> bool:
         status = await self.client.buffer()
-        return status["upcoming"] == 0 and status["in_flight"] == 0 and status["ready"] == 0
+        return status.upcoming == 0 and status.in_flight == 0 and status.ready == 0
 
     async def _give_up_on_singletons(self) -> None:
         lone = [g for g, items in self._waiting.items() if len(items) == 1]

@@ -70,7 +70,7 @@ class _ServiceSession:
             if id(prorl) in self.checked:
                 return
             plugins = await self.call("reading its plugin configuration", self.client.plugins())
-            check_service(prorl, None, plugins.get("config") or {})
+            check_service(prorl, None, plugins.config)
             self.checked.add(id(prorl))
 
     async def register_llm_servers(self, urls: list[str]) -> None:

@@ -19,6 +19,7 @@ import httpx
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import DictConfig
+from pydantic import ValidationError
 
 from prorl_adapter.trainer.client import RolloutAPIError, SyncRolloutClient
 
@@ -52,12 +53,12 @@ def check_against_service(prorl: ProrlVerlConfig) -> None:
     with SyncRolloutClient(prorl.service_url, token=prorl.token, timeout=10.0) as client:
         try:
             tasks, plugins = client.tasks(), client.plugins()
-        except (RolloutAPIError, httpx.HTTPError) as exc:
+        except (RolloutAPIError, httpx.HTTPError, ValidationError) as exc:  # ValidationError: not this API version
             raise ProrlVerlConfigError(
                 f"the rollout service at {prorl.service_url} does not tell its tasks and plugin sections "
                 f"(GET /v1/tasks, /v1/plugins): {exc}"
             ) from exc
-    check_service(prorl, tasks, plugins.get("config") or {})
+    check_service(prorl, tasks, plugins.config)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from ..models import SandboxSpec
 from ..session import Launch
-from .base import LAUNCHER_ENV, SHELL_ARGV, Backend, SandboxDirs, drop_privileges, ulimit_args
+from .base import LAUNCHER_ENV, SHELL_ARGV, Backend, BackendError, SandboxDirs, drop_privileges, ulimit_args
 
 # Top-level host entries never bound into a sandbox: per-user data, runtime sockets, mounts, and the
 # kernel filesystems that bwrap provides fresh.
@@ -40,6 +41,23 @@ class BwrapBackend(Backend):
         if path is None:
             return False, "bubblewrap is not installed (apt-get install bubblewrap)"
         return True, path
+
+    async def create(self, dirs: SandboxDirs, spec: SandboxSpec) -> None:
+        """Refuse what bwrap would fail on with a message for the client: an image that is not a directory, and
+        a workdir it would have to create inside a directory it binds read-only from the root."""
+        root = dirs.image_root or Path("/")
+        if not root.is_dir():
+            raise BackendError(
+                f"image {spec.image!r} is not a directory: the bwrap backend takes a root filesystem directory", 400
+            )
+        if not _workdir_mountable(root, spec.workdir):
+            top = "/" + spec.workdir.split("/")[1]
+            raise BackendError(
+                f"workdir {spec.workdir!r} does not exist inside {top}, which the sandbox sees read-only from "
+                f"{'its image' if dirs.image_root else 'the host'}; choose one of its own, e.g. /workspace "
+                f"(or {top} itself, which the workspace then replaces)",
+                400,
+            )
 
     def launch(self, dirs: SandboxDirs, spec: SandboxSpec, command: list[str] = SHELL_ARGV) -> Launch:
         return Launch(
@@ -85,3 +103,21 @@ class BwrapBackend(Backend):
         if top in HIDDEN:
             return []
         return ["--tmpfs", str(self.state_dir)]
+
+
+def _workdir_mountable(root: Path, workdir: str) -> bool:
+    """Whether bwrap can mount the workspace at `workdir`: it makes missing directories on its own writable
+    root, but not inside a top-level directory it binds read-only from `root` (there the whole path must exist
+    already, as directories, no link on the way) nor through a top-level link it recreates."""
+    names = workdir.strip("/").split("/")
+    if len(names) == 1 or names[0] in HIDDEN or not os.path.lexists(root / names[0]):
+        return True
+    path = root
+    for name in names:
+        path = path / name
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                return False
+        except OSError:
+            return False
+    return True

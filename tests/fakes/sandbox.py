@@ -12,13 +12,30 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from typing import Any
 
 from aiohttp import web
+from pydantic import BaseModel
 
-from sandbox_runtime.models import ExecResult, RunResult, SandboxInfo, SandboxSpec
+from sandbox_runtime.models import (
+    ExecRequest,
+    ExecResult,
+    FileWritten,
+    PathQuery,
+    ProcessesEnded,
+    RunRequest,
+    RunResult,
+    SandboxDeleted,
+    SandboxInfo,
+    SandboxList,
+    SandboxSpec,
+)
 
 from .standin import Fail, Hang, StandIn
+
+
+def answer(reply: BaseModel, status: int = 200) -> web.Response:
+    """A reply as the runtime sends it: the wire model's JSON."""
+    return web.Response(body=reply.model_dump_json(), status=status, content_type="application/json")
 
 
 class SandboxStandIn(StandIn):
@@ -93,10 +110,10 @@ class SandboxStandIn(StandIn):
         self.boxes[box_id] = info
         self.created.append(info)
         self.changed()
-        return web.Response(body=info.model_dump_json(), content_type="application/json")
+        return answer(info, status=201)
 
     async def _list(self, request: web.Request) -> web.Response:
-        return web.json_response({"sandboxes": [info.model_dump(mode="json") for info in self.boxes.values()]})
+        return answer(SandboxList(sandboxes=list(self.boxes.values())))
 
     async def _delete(self, request: web.Request) -> web.Response:
         box_id = request.match_info["id"]
@@ -104,41 +121,42 @@ class SandboxStandIn(StandIn):
             return refused
         del self.boxes[box_id]
         self.changed()
-        return web.json_response({"deleted": box_id})
+        return answer(SandboxDeleted(id=box_id, already_deleted=False))
 
     async def _exec(self, request: web.Request) -> web.Response:
-        body: dict[str, Any] = await request.json()
+        body = ExecRequest.model_validate_json(await request.read())
         box_id = request.match_info["id"]
-        if (refused := await self._enter("exec", box_id, f"{body.get('session')}: {body['command']}")) is not None:
+        if (refused := await self._enter("exec", box_id, f"{body.session}: {body.command}")) is not None:
             return refused
-        output, code = self._result(body["command"])
+        output, code = self._result(body.command)
         cwd = self.boxes[box_id].workdir
-        result = ExecResult(output=output, exit_code=code, status="completed", truncated=False, duration_s=0.0, cwd=cwd)
-        return web.Response(body=result.model_dump_json(), content_type="application/json")
+        return answer(
+            ExecResult(output=output, exit_code=code, status="completed", truncated=False, duration_s=0.0, cwd=cwd)
+        )
 
     async def _run(self, request: web.Request) -> web.Response:
-        body: dict[str, Any] = await request.json()
-        script = body.get("script") or " ".join(body.get("argv") or [])
+        body = RunRequest.model_validate_json(await request.read())
+        script = body.script or " ".join(body.argv or [])
         if (refused := await self._enter("run", request.match_info["id"], script)) is not None:
             return refused
         output, code = self._result(script)
-        result = RunResult(output=output, exit_code=code, status="completed", truncated=False, duration_s=0.0)
-        return web.Response(body=result.model_dump_json(), content_type="application/json")
+        return answer(RunResult(output=output, exit_code=code, status="completed", truncated=False, duration_s=0.0))
 
     async def _kill(self, request: web.Request) -> web.Response:
-        if (refused := await self._enter("kill", request.match_info["id"])) is not None:
+        box_id = request.match_info["id"]
+        if (refused := await self._enter("kill", box_id)) is not None:
             return refused
-        return web.json_response({"sessions_ended": ["default"]})
+        return answer(ProcessesEnded(id=box_id, sessions_ended=["default"]))
 
     async def _write(self, request: web.Request) -> web.Response:
-        box_id, path = request.match_info["id"], request.query["path"]
+        box_id, path = request.match_info["id"], PathQuery.model_validate(dict(request.query)).path
         if (refused := await self._enter("write", box_id, path)) is not None:
             return refused
         self.files[box_id, path] = await request.read()
-        return web.json_response({"path": path, "bytes": len(self.files[box_id, path])})
+        return answer(FileWritten(path=path, bytes=len(self.files[box_id, path])), status=201)
 
     async def _read(self, request: web.Request) -> web.Response:
-        box_id, path = request.match_info["id"], request.query["path"]
+        box_id, path = request.match_info["id"], PathQuery.model_validate(dict(request.query)).path
         if (refused := await self._enter("read", box_id, path)) is not None:
             return refused
         if (box_id, path) not in self.files:

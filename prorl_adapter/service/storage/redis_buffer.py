@@ -194,7 +194,12 @@ end
     + _RETIRE
 )
 
-_STREAM_ID = re.compile(r"^\d+-\d+$")
+# An entry id as `_entry_id` writes it: VERSION:MS-SEQ, ASCII digits only (Redis refuses others, and `\d` alone
+# would let other scripts' digits through), each part of a stream id below 2**64 (Redis's own bound), and not so
+# long that int() refuses the version (Python converts at most 4300 digits).
+_ENTRY_ID = re.compile(r"(-?[0-9]+):([0-9]{1,20})-([0-9]{1,20})")
+_U64 = 2**64
+_MAX_ID_CHARS = 4096
 
 
 def _sid_key(sid: str) -> tuple[int, int]:
@@ -271,13 +276,12 @@ class RedisBuffer(ExperienceBuffer):
 
     @staticmethod
     def _split_id(entry_id: str) -> tuple[int, str]:
-        version, _, sid = str(entry_id).partition(":")
-        try:
-            if not _STREAM_ID.match(sid):
-                raise ValueError
-            return int(version), sid
-        except ValueError:
-            raise MalformedEntryId(f"not an entry id of this buffer: {entry_id!r} (expected VERSION:MS-SEQ)") from None
+        text = str(entry_id)
+        match = _ENTRY_ID.fullmatch(text) if len(text) <= _MAX_ID_CHARS else None
+        if match is None or int(match[2]) >= _U64 or int(match[3]) >= _U64:
+            shown = text if len(text) <= 80 else f"{text[:80]}..."
+            raise MalformedEntryId(f"not an entry id of this buffer: {shown!r} (expected VERSION:MS-SEQ)")
+        return int(match[1]), f"{int(match[2])}-{int(match[3])}"  # as Redis writes it: no leading zeros
 
     def _by_version(self, ids: Iterable[str]) -> dict[int, list[str]]:
         by_version: dict[int, list[str]] = {}
