@@ -315,7 +315,7 @@ async def run_coupled(
 
     async def generate(ep: CoupledEpisode, index: int) -> None:
         try:
-            ep.pending = await policy_turn(ep.episode, ep.request, llm, ep.pin, 0, index)
+            ep.pending = await policy_turn(ep.episode, ep.request, llm, chat, ep.pin, 0, index)
         except Exception as exc:
             fail(ep, "run", exc)
             return

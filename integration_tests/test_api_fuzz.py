@@ -10,7 +10,8 @@ sandbox folder is left.
 One check is off: `positive_data_acceptance`, which counts any 4xx to a request that fits the schema as a
 failure. These APIs refuse such requests by design and document it: limits the operator set (a timeout above
 the server's maximum), state (a session that runs no command, a job id taken by another request) and the file
-system (a path that does not exist).
+system (a path that does not exist). And on ProRL Agent's legacy calls (tag `prorl`), whose 503 before
+POST /start and 500 after /stop are their contract, "no 5xx" is "only the documented 5xx" (`excluded_checks`).
 
 Bounded for CI: PRORL_FUZZ_EXAMPLES examples per operation (default 10) and as many stateful scenarios; the
 longer run is `PRORL_FUZZ_EXAMPLES=200 pytest integration_tests/test_api_fuzz.py`. Calls that may block (a long
@@ -32,6 +33,7 @@ import hypothesis
 import pytest
 import requests
 import schemathesis
+from schemathesis.checks import not_a_server_error
 
 from prorl_adapter.dev.localstack import Service
 from prorl_adapter.service.server import ROLLOUT_API
@@ -79,6 +81,13 @@ def config(token: str, **more: Any) -> schemathesis.Config:
             **more,
         }
     )
+
+
+def excluded_checks(case: schemathesis.Case) -> list:
+    """ProRL Agent's legacy calls answer 5xx by contract (503 before POST /start, 500 for a call that /stop
+    cancelled), as ProRL's clients expect: there, "no 5xx" gives way to "only the documented 5xx, with their
+    documented bodies" (status and schema conformance). Everywhere else no 5xx passes."""
+    return [not_a_server_error] if "prorl" in (case.operation.tags or []) else []
 
 
 def _bounded(body: dict, key: str, most: float) -> None:
@@ -130,7 +139,13 @@ def fuzz_stateful(schema: schemathesis.BaseSchema, base_url: str, clean: Callabl
 
         def validate_response(self, response, case, additional_checks=None, **kwargs):
             try:
-                super().validate_response(response, case, additional_checks, **kwargs)
+                case.validate_response(
+                    response,
+                    additional_checks=additional_checks,
+                    excluded_checks=excluded_checks(case),
+                    transport_kwargs=kwargs or None,
+                    recorder=self.recorder,  # what the stateful checks read (a deleted resource still there)
+                )
             except Exception as exc:
                 failures.append(exc)
                 raise
@@ -198,7 +213,7 @@ def test_the_runtime_serves_the_document_fuzzed_here(fuzzed_runtime):
 @runtime_api.parametrize()
 def test_every_runtime_operation_answers_as_documented(case, fuzzed_runtime):
     clamp(case)
-    case.call_and_validate(base_url=fuzzed_runtime.url)
+    case.call_and_validate(base_url=fuzzed_runtime.url, excluded_checks=excluded_checks(case))
 
 
 def test_runtime_sequences_follow_the_links(fuzzed_runtime):
@@ -251,7 +266,7 @@ def test_the_rollout_service_serves_the_document_fuzzed_here(fuzzed_rollout):
 @rollout_api.parametrize()
 def test_every_rollout_operation_answers_as_documented(case, fuzzed_rollout):
     clamp(case)
-    case.call_and_validate(base_url=fuzzed_rollout.url)
+    case.call_and_validate(base_url=fuzzed_rollout.url, excluded_checks=excluded_checks(case))
 
 
 def test_rollout_sequences_follow_the_links(fuzzed_rollout):

@@ -158,16 +158,6 @@ async def test_idempotent_submission(client):
     assert (await client.result("same-job-1", wait=300)).num_turns == 1
 
 
-async def test_process_endpoint_takes_prorl_agents_shape(rollout):
-    body = {
-        "instance": {"data_source": "shell", "goal": "g", "check": "true"},
-        "sampling_params": {"max_tokens": 48, "regex": bash_regex("pwd"), "max_turns": 1},
-    }
-    async with httpx.AsyncClient(timeout=300) as http:
-        result = (await http.post(rollout.url + "/process", json=body)).json()
-    assert result["num_turns"] == 1 and result["reward"] == 1.0 and result["filter"] is False
-
-
 async def test_malformed_requests(rollout, client):
     async with httpx.AsyncClient(base_url=rollout.url) as http:
         bad_json = await http.post("/v1/jobs", content=b"{nope", headers={"Content-Type": "application/json"})
@@ -178,8 +168,6 @@ async def test_malformed_requests(rollout, client):
         assert bad_field.status_code == 400 and "max_turns" in bad_field.json()["error"]
         bad_wait = await http.get("/v1/jobs/nope/result?wait=abc")  # the query is checked before the job is looked up
         assert bad_wait.status_code == 400 and "wait" in bad_wait.json()["error"]
-        no_source = await http.post("/process", json={"instance": {}})
-        assert no_source.status_code == 400 and "data_source" in no_source.json()["error"]
         bad_version = await http.put("/v1/policy-version", json={"version": -1})
         assert bad_version.status_code == 400
     with pytest.raises(RolloutAPIError) as missing:

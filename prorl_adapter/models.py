@@ -64,7 +64,7 @@ class _Query(BaseModel):
 
 
 class SamplingParams(_Strict):
-    """Per-turn generation settings, passed through to the OpenAI-compatible /v1/completions endpoint."""
+    """Per-turn generation settings, passed to the LLM server in its protocol (llm_protocols.py)."""
 
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -198,6 +198,9 @@ class JobStatus(BaseModel):
 
 class LLMServerInfo(BaseModel):
     url: str
+    protocol: Literal["openai", "sglang", "prorl"] | None = Field(
+        description="the wire format it speaks: named by its URL (`sglang+http://...`) or probed; null until known"
+    )
     healthy: bool
     in_flight: int
     requests: int
@@ -207,7 +210,7 @@ class LLMServerInfo(BaseModel):
 def _parsable_url(url: str) -> str:
     """A URL whose host and port parse (the pattern alone lets `http://[::1` through)."""
     try:
-        parts = urlsplit(url)
+        parts = urlsplit(url)  # a scheme that names a protocol (`sglang+http`) parses as one
         parts.port  # noqa: B018 - parsing it is the check
     except ValueError as exc:
         raise ValueError(f"not a usable URL: {exc}") from None
@@ -216,9 +219,15 @@ def _parsable_url(url: str) -> str:
     return url
 
 
+# An LLM server's base URL, optionally naming its protocol: `http://gpu-0:8000` (probed: vLLM's OpenAI API, SGLang
+# or ProRL's /generate), `sglang+http://gpu-0:30000`, `prorl+http://...`, `openai+http://...`. A trailing /v1 is
+# the same server.
 LLMServerURL = Annotated[
     str,
-    Field(pattern=r"^https?://[^\s/\x00-\x1f\x7f]+(/[^\s\x00-\x1f\x7f]*)?$", max_length=2048),
+    Field(
+        pattern=r"^((openai|sglang|prorl)\+)?https?://[^\s/\x00-\x1f\x7f]+(/[^\s\x00-\x1f\x7f]*)?$",
+        max_length=2048,
+    ),
     AfterValidator(_parsable_url),
 ]
 
@@ -238,15 +247,6 @@ class PolicyVersion(_Strict):
     # Several trainer workers publish the same steps, in no fixed order: with raise_only a late publisher
     # never moves the version back.
     raise_only: bool = False
-
-
-class ProcessRequest(BaseModel):
-    """ProRL Agent's request shape for POST /process, for users coming from it (unknown keys are ignored, as
-    ProRL's server ignores them)."""
-
-    instance: dict[str, Any]
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
-    job_id: str | None = None
 
 
 class PromptsRequest(_Strict):

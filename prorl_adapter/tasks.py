@@ -160,6 +160,14 @@ class TaskHandler(ABC):
 
     name: ClassVar[str]
     tool_timeout_s: ClassVar[float] = 30.0
+    # ProRL Agent's dataset names (`instance.data_source` of its POST /process) that this task serves; their rows
+    # become this task's instances through `from_prorl_instance` (docs/compat.md).
+    prorl_data_sources: ClassVar[tuple[str, ...]] = ()
+
+    def from_prorl_instance(self, data_source: str, row: dict[str, Any]) -> dict[str, Any]:
+        """This task's instance from a row of ProRL dataset `data_source`; raise TaskConfigError naming what the
+        row lacks where this task cannot serve it."""
+        return row
 
     def tools(self, instance: dict[str, Any]) -> list[Tool]:
         return [bash_tool(self.tool_timeout_s), FINISH]

@@ -176,21 +176,6 @@ async def test_a_bad_wait_is_400(wait):
         assert code == 400 and "wait" in message
 
 
-@on_virtual_time
-async def test_process_takes_prorl_agents_request_shape_and_blocks_until_done():
-    async with rollout_stack(script=SCRIPT) as stack:
-        instance = shell_job().instance
-        sampling = {"temperature": 0.5, "max_turns": 1, "some_other_setting": True}
-        body = {"instance": {"data_source": "shell", **instance}, "sampling_params": sampling}
-        response = await stack.http.post("/process", json=body)
-        assert response.status == 200
-        trajectory = await response.json()
-        assert (trajectory["task"], trajectory["num_turns"], trajectory["finish_reason"]) == ("shell", 1, "max_turns")
-        assert stack.llm.requests[0]["temperature"] == 0.5
-        missing = await stack.http.post("/process", json={"instance": instance})
-        assert await error_of(missing) == (400, "instance.data_source (the task name) is required")
-
-
 # -- the policy version and the LLM servers ---------------------------------------------------------------
 class VersionClaimingBackend:
     """A backend plugin loaded where it does not belong, in the service: it claims version 99 if asked."""

@@ -349,3 +349,14 @@ async def test_one_verl_sample_through_the_driver():
         request = stack.llm.requests[0]
         assert request["temperature"] == 0.5 and request["top_p"] == 0.9  # the sample's, else verl's rollout config
         assert request["max_tokens"] == 200
+
+
+def test_llm_servers_may_name_their_protocol_and_nothing_else():
+    """An SGLang or ProRL /generate server listed in the block keeps its protocol prefix (the pool speaks it)."""
+    good = "+prorl.llm_servers=[sglang+http://gpu-0:30000,http://gpu-1:8000,prorl+http://gpu-2:8000]"
+    prorl = check_verl_config(compose_verl_config([*PLUGIN, *BLOCK, good]))
+    assert prorl.llm_servers == ("sglang+http://gpu-0:30000", "http://gpu-1:8000", "prorl+http://gpu-2:8000")
+    with pytest.raises(ProrlVerlConfigError, match="is not an http"):
+        check_verl_config(compose_verl_config([*PLUGIN, *BLOCK, "+prorl.llm_servers=[gopher+http://gpu-0:1]"]))
+    with pytest.raises(ProrlVerlConfigError, match=r"prorl\.service_url"):
+        check_verl_config(compose_verl_config([*PLUGIN, "+prorl.service_url=sglang+http://h:1", "+prorl.task=shell"]))

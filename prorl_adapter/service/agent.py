@@ -83,7 +83,7 @@ async def start_episode(
 
 
 async def policy_turn(
-    episode: Episode, request: JobRequest, llm: LLMPool, pin: Pin, version: int, index: int
+    episode: Episode, request: JobRequest, llm: LLMPool, chat: ChatTokenizer, pin: Pin, version: int, index: int
 ) -> PolicyTurn | None:
     """Sample the next turn and record it; None when the episode ends here (context full, or no tool call)."""
     room = request.max_context_tokens - episode.context_length
@@ -92,6 +92,9 @@ async def policy_turn(
         return None
     sampling = request.sampling.model_copy(update={"max_tokens": min(request.sampling.max_tokens, room)})
     generation = await llm.generate(episode.prompt_ids + episode.response_ids, sampling, pin)
+    if generation.text is None:  # the server's protocol returns ids only; the text of a turn ends before its eos
+        ids = generation.token_ids
+        generation.text = await chat.off_loop(chat.decode, ids[:-1] if ids and ids[-1] == chat.eos_id else ids)
     start = len(episode.response_ids)
     episode.append(generation.token_ids, 1, generation.logprobs)
     episode.generate_s += generation.seconds
@@ -154,7 +157,7 @@ async def run_episode(
     episode, tools = await start_episode(request, handler, chat)
     pin = Pin()
     for index in range(request.max_turns):
-        pending = await policy_turn(episode, request, llm, pin, policy_version(), index)
+        pending = await policy_turn(episode, request, llm, chat, pin, policy_version(), index)
         if pending is None or not await tool_turn(episode, pending, tools, env, chat, request.max_context_tokens):
             break
     return episode

@@ -19,7 +19,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the rollout service")
     serve.add_argument("--sandbox-url", action="append", required=True, help="a sandbox runtime server (repeatable)")
-    serve.add_argument("--llm-url", action="append", required=True, help="an OpenAI-compatible server (repeatable)")
+    serve.add_argument(
+        "--llm-url",
+        action="append",
+        default=[],
+        help="an LLM server (repeatable): vLLM, SGLang (sglang+http://...) or ProRL /generate (prorl+http://...); "
+        "a plain URL is probed. None: add them through the API (PUT /v1/llm-servers, ProRL's /add_llm_server)",
+    )
     serve.add_argument("--tokenizer", required=True, help="path or name of the policy's tokenizer")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8766)

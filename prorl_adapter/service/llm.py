@@ -1,9 +1,12 @@
-"""Token-in/token-out generation against OpenAI-compatible servers (vLLM), balanced over several of them.
+"""Token-in/token-out generation against LLM servers (vLLM, SGLang, ProRL's token protocol), balanced over
+several of them. The wire formats are in llm_protocols.py.
 
 Why /v1/completions with a token-id prompt rather than chat completions: the trainer must see exactly the
 token ids the policy sampled. A chat endpoint re-renders and re-tokenizes the conversation every turn, and
 a decoded-then-re-encoded response need not give back the same ids. Here the prompt goes out as ids and the
 sampled ids and their logprobs come back (`return_token_ids`, `logprobs: 1`), so nothing is re-tokenized.
+
+The same holds for SGLang's native /generate and ProRL's token-level /generate, which take and return ids.
 
 Balancing: an episode is pinned to one server (its growing prompt stays in that server's prefix cache);
 new episodes go to the healthy server with the fewest requests in flight. A server that fails a request is
@@ -21,16 +24,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import aiohttp
-from pydantic import BaseModel, Field, StrictInt, ValidationError
-
-from sandbox_runtime.openapi import describe_validation
 
 from ..models import LLMServerInfo, SamplingParams
+from .llm_protocols import PROTOCOLS, SGLANG_MARKERS, MalformedAnswer, Protocol, UnsupportedRequest, split_url
 
 if TYPE_CHECKING:
     from ..hooks.plugin_set import PluginSet
 
 log = logging.getLogger(__name__)
+
+_PROBE_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 
 
 class LLMUnavailable(Exception):
@@ -45,7 +48,7 @@ class LLMRequestError(Exception):
 class Generation:
     token_ids: list[int]
     logprobs: list[float]
-    text: str
+    text: str | None  # None where the server's protocol returns ids only: the caller decodes them
     finish_reason: str | None
     server: str
     seconds: float
@@ -53,19 +56,33 @@ class Generation:
 
 @dataclass
 class LLMServer:
-    url: str
+    url: str  # as the pool knows it: `base`, or `protocol+base` where the URL named its protocol
+    base: str
+    named_protocol: str | None = None  # the protocol its URL names; else it is probed
+    protocol: Protocol | None = None  # the protocol it speaks, once known
     healthy: bool = True
     in_flight: int = 0
     requests: int = 0
     failures: int = 0
     consecutive_failures: int = 0
-    model: str | None = None  # the served model name, read from /v1/models
+    model: str | None = None  # the served model name, where its protocol needs it (OpenAI: /v1/models)
     removed: bool = False
 
     def info(self) -> LLMServerInfo:
         return LLMServerInfo(
-            url=self.url, healthy=self.healthy, in_flight=self.in_flight, requests=self.requests, failures=self.failures
+            url=self.url,
+            protocol=self.protocol.name if self.protocol is not None else None,
+            healthy=self.healthy,
+            in_flight=self.in_flight,
+            requests=self.requests,
+            failures=self.failures,
         )
+
+
+def server_key(url: str) -> str:
+    """How the pool names a server: `http://h:8000/v1/` and `http://h:8000` are one server."""
+    protocol, base = split_url(url)
+    return f"{protocol}+{base}" if protocol else base
 
 
 @dataclass
@@ -116,13 +133,14 @@ class LLMPool:
 
     # -- membership -------------------------------------------------------------------------------------
     def add(self, url: str) -> LLMServer:
-        url = url.rstrip("/")
-        if url not in self._servers:
-            self._servers[url] = LLMServer(url)
-        return self._servers[url]
+        key = server_key(url)
+        if key not in self._servers:
+            protocol, base = split_url(url)
+            self._servers[key] = LLMServer(key, base, protocol)
+        return self._servers[key]
 
     def remove(self, url: str) -> bool:
-        server = self._servers.pop(url.rstrip("/"), None)
+        server = self._servers.pop(server_key(url), None)
         if server is None:
             return False
         server.removed = True  # episodes pinned to it fail over on their next turn
@@ -130,7 +148,7 @@ class LLMPool:
 
     def replace(self, urls: list[str]) -> None:
         """Make `urls` the whole set, in one step of the event loop: concurrent callers cannot interleave."""
-        wanted = {url.rstrip("/") for url in urls}
+        wanted = {server_key(url) for url in urls}
         for url in [u for u in self._servers if u not in wanted]:
             self.remove(url)
         for url in wanted:
@@ -165,15 +183,42 @@ class LLMPool:
 
     async def _probe(self, server: LLMServer) -> None:
         try:
-            async with self._http.get(server.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5.0)) as r:
-                r.raise_for_status()
-                server.model = _Models.model_validate_json(await r.read()).data[0].id
+            if server.protocol is None:
+                server.protocol = await self._detect(server)
+            server.model = await self._health(server, server.protocol)
             server.healthy = True
             server.consecutive_failures = 0
-        except (TimeoutError, aiohttp.ClientError, ValidationError) as exc:  # any other answer: not serving
+        except (TimeoutError, aiohttp.ClientError, MalformedAnswer) as exc:  # any other answer: not serving
             if server.healthy:
                 log.warning("LLM server %s is unhealthy: %s", server.url, exc)
             server.healthy = False
+
+    async def _health(self, server: LLMServer, protocol: Protocol) -> str | None:
+        method, path, body = protocol.health_request()
+        async with self._http.request(method, server.base + path, json=body, timeout=_PROBE_TIMEOUT) as response:
+            response.raise_for_status()
+            answer = await response.read()
+        if protocol.name == "prorl":
+            protocol.parse(answer)  # a generation answer: it must be one
+        return protocol.model_from_health(answer)
+
+    async def _detect(self, server: LLMServer) -> Protocol:
+        """The protocol a server speaks: the one its URL names, else the first whose health check it passes."""
+        if server.named_protocol is not None:
+            return PROTOCOLS[server.named_protocol]
+        for path in SGLANG_MARKERS:
+            with contextlib.suppress(TimeoutError, aiohttp.ClientError):
+                async with self._http.get(server.base + path, timeout=_PROBE_TIMEOUT) as response:
+                    if response.status == 200 and "model_path" in await response.text():
+                        return PROTOCOLS["sglang"]
+        last: Exception | None = None
+        for name in ("openai", "prorl"):
+            try:
+                await self._health(server, PROTOCOLS[name])
+                return PROTOCOLS[name]
+            except (TimeoutError, aiohttp.ClientError, MalformedAnswer) as exc:
+                last = exc
+        raise MalformedAnswer(f"speaks none of {', '.join(PROTOCOLS)} ({last})")
 
     # -- generation -------------------------------------------------------------------------------------
     async def _choose(self, pin: Pin) -> LLMServer:
@@ -217,37 +262,28 @@ class LLMPool:
                     raise LLMUnavailable(f"gave up after {attempts} attempts; last error: {exc}") from exc
 
     async def _complete(self, server: LLMServer, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
-        if server.model is None:
+        if server.protocol is None or (server.protocol.name == "openai" and server.model is None):
             await self._probe(server)
             if not server.healthy:
-                raise _ServerError(f"{server.url} does not answer /v1/models")
-        body = {
-            "model": server.model,
-            "prompt": prompt_ids,
-            "max_tokens": sampling.max_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "logprobs": 1,
-            "return_token_ids": True,
-            "skip_special_tokens": False,
-        }
-        if sampling.seed is not None:
-            body["seed"] = sampling.seed
-        if sampling.stop:
-            body["stop"] = sampling.stop
-        if sampling.regex:
-            body["structured_outputs"] = {"regex": sampling.regex}
+                raise _ServerError(f"{server.url} does not answer its health check")
+        try:
+            path, body = server.protocol.generate_request(prompt_ids, sampling, server.model)
+        except UnsupportedRequest as exc:
+            raise LLMRequestError(f"{server.url}: {exc}") from None
         server.in_flight += 1
         started, monotonic = time.perf_counter(), time.monotonic()
         choice, error = None, None
         try:
-            async with self._http.post(server.url + "/v1/completions", json=body) as response:
+            async with self._http.post(server.base + path, json=body) as response:
                 if response.status >= 500:
                     raise _ServerError(f"{response.status}: {(await response.text())[:300]}")
                 if response.status >= 400:
                     raise LLMRequestError(f"{server.url} refused the request: {(await response.text())[:500]}")
-                body = await response.read()
-            choice = _checked_choice(body)  # a malformed 200 is the server's failure, like a 5xx
+                answer = await response.read()
+            try:
+                choice = server.protocol.parse(answer)
+            except MalformedAnswer as exc:  # a malformed 200 is the server's failure, like a 5xx
+                raise _ServerError(str(exc)) from None
         except (TimeoutError, aiohttp.ClientError) as exc:
             error = f"{type(exc).__name__}: {exc}"
             raise _ServerError(error, down=isinstance(exc, aiohttp.ClientConnectorError)) from exc
@@ -270,48 +306,9 @@ class LLMPool:
         server.consecutive_failures = 0
         return Generation(
             token_ids=choice.token_ids,
-            logprobs=choice.logprobs.token_logprobs,
+            logprobs=choice.logprobs,
             text=choice.text,
             finish_reason=choice.finish_reason,
             server=server.url,
             seconds=time.perf_counter() - started,
         )
-
-
-class _Model(BaseModel):
-    id: str
-
-
-class _Models(BaseModel):
-    """What this client needs of /v1/models: the served model's name."""
-
-    data: list[_Model] = Field(min_length=1)
-
-
-class _Logprobs(BaseModel):
-    token_logprobs: list[float]
-
-
-class _Choice(BaseModel):
-    """What this client needs of a /v1/completions choice; a server that answers less is failing."""
-
-    text: str
-    token_ids: list[StrictInt]
-    logprobs: _Logprobs
-    finish_reason: str | None = None
-
-
-class _Completion(BaseModel):
-    choices: list[_Choice] = Field(min_length=1)
-
-
-def _checked_choice(body: bytes) -> _Choice:
-    try:
-        choice = _Completion.model_validate_json(body).choices[0]
-    except ValidationError as exc:
-        raise _ServerError(f"malformed completion: {describe_validation(exc)[:300]}") from None
-    if len(choice.logprobs.token_logprobs) != len(choice.token_ids):
-        raise _ServerError(
-            f"malformed completion: {len(choice.token_ids)} ids but {len(choice.logprobs.token_logprobs)} logprobs"
-        )
-    return choice

@@ -4,8 +4,8 @@
 /openapi.json (sandbox_runtime.openapi).
 
 A trainer submits jobs (202 + job id), long-polls their results, cancels what it no longer needs, tells the
-service the current policy version, and manages the LLM servers it generates with. `POST /process` takes
-ProRL Agent's request shape and blocks until the trajectory is ready.
+service the current policy version, and manages the LLM servers it generates with. ProRL Agent's legacy calls
+(`/start`, `/process`, ...) are served beside them by prorl_api.py, on the same pipeline.
 """
 
 from __future__ import annotations
@@ -35,16 +35,15 @@ from ..models import (
     PluginList,
     PolicyVersion,
     PolicyVersionSet,
-    ProcessRequest,
     PromptsQueued,
     PromptsRequest,
-    SamplingParams,
     ServiceHealth,
     ServiceStatus,
     TaskList,
     Trajectory,
     WaitQuery,
 )
+from . import prorl_api
 from .chat import ChatTokenizer
 from .config import RolloutConfig
 from .decoupled import Producer
@@ -180,21 +179,6 @@ async def set_policy_version(request: web.Request, body: PolicyVersion) -> web.R
     if not (body.raise_only and body.version <= pipeline.policy_version):
         pipeline.policy_version = body.version
     return json_response(PolicyVersionSet(version=pipeline.policy_version))
-
-
-async def process(request: web.Request, body: ProcessRequest) -> web.Response:
-    """ProRL Agent's shape: {instance: {data_source, ...}, sampling_params, job_id?}; blocks until done."""
-    instance = dict(body.instance)
-    task = instance.pop("data_source", None)
-    if not task or not isinstance(task, str):
-        raise web.HTTPBadRequest(text="instance.data_source (the task name) is required")
-    known = set(SamplingParams.model_fields)
-    sampling = SamplingParams(**{k: v for k, v in body.sampling_params.items() if k in known})
-    extra = {k: body.sampling_params[k] for k in ("max_turns", "max_context_tokens") if k in body.sampling_params}
-    pipeline = request.app[PIPELINE]
-    job, _ = pipeline.submit(JobRequest(job_id=body.job_id, task=task, instance=instance, sampling=sampling, **extra))
-    await job.finished.wait()
-    return json_response(job.result)
 
 
 async def enqueue_prompts(request: web.Request, body: PromptsRequest) -> web.Response:
@@ -409,19 +393,7 @@ ROLLOUT_API = API(
             (Reply(200, "", BufferStatus),),
             tag="decoupled",
         ),
-        Operation(
-            "POST",
-            "/process",
-            process,
-            "ProRL Agent's call: one episode, blocking until its trajectory is ready",
-            (Reply(200, "the trajectory", Trajectory),),
-            errors={
-                400: "the request is not valid: no instance.data_source, or an unknown task",
-                409: "the job_id is taken by a different request",
-            },
-            body=ProcessRequest,
-            tag="prorl",
-        ),
+        *prorl_api.OPERATIONS,
     ),
 )
 
@@ -466,6 +438,7 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
         tasks = app[PLUGINS].tasks()
         tokenizer = chat or ChatTokenizer(config.tokenizer)
         app[PIPELINE] = RolloutPipeline(app[PLUGINS], tasks, app[SANDBOXES], app[LLM], tokenizer, config.pipeline)
+        app[prorl_api.LEGACY] = prorl_api.ProRLLegacy(app[PIPELINE])
         await app[PIPELINE].start()
         yield
         await app[PIPELINE].stop()

@@ -31,9 +31,25 @@ REPO = "repo"
 TEST_LOG_BYTES = 8 << 20  # a verbose log in full: a named test cut out of the middle would count as missing
 
 
+ROW_FIELDS = ("problem_statement", "files", "test_files", "test_command")
+
+
 class SweTask(TaskHandler):
     name = "swe"
     tool_timeout_s = 60.0
+    prorl_data_sources = ("swebench",)
+
+    def from_prorl_instance(self, data_source: str, row: dict[str, Any]) -> dict[str, Any]:
+        """A ProRL `swebench` row runs here when it carries the repository itself, as this task's rows do; a
+        SWE-Gym or SWE-bench row names an image with the repository instead, which this task cannot run yet."""
+        missing = [name for name in ROW_FIELDS if not row.get(name)]
+        if missing:
+            raise TaskConfigError(
+                f"the row lacks {', '.join(map(repr, missing))}: this service's swe task brings the repository in "
+                "the row (files, test_files, test_command); SWE-bench rows whose repository lives in a "
+                f"per-instance image ({row.get('instance_id', 'its instance_id')}) are not served yet"
+            )
+        return row
 
     def system_prompt(self, instance: dict[str, Any]) -> str:
         return (
@@ -45,7 +61,7 @@ class SweTask(TaskHandler):
         return f"{instance['problem_statement']}\n\nRun the tests with: cd {REPO} && {instance['test_command']}"
 
     async def init(self, env: Environment, instance: dict[str, Any]) -> None:
-        for field in ("problem_statement", "files", "test_files", "test_command"):
+        for field in ROW_FIELDS:
             if not instance.get(field):
                 raise TaskConfigError(f"an swe instance needs {field!r}")
         named_tests(instance, "FAIL_TO_PASS"), named_tests(instance, "PASS_TO_PASS")  # malformed: fail in init

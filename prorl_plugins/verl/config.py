@@ -65,9 +65,13 @@ class ProrlVerlConfigError(ValueError):
     """A wrong plugin line; the message names the verl config key and what to write."""
 
 
-def _url(value: Any, key: str) -> str:
+LLM_PROTOCOLS = ("openai", "sglang", "prorl")  # an LLM server's URL may name its protocol: sglang+http://...
+
+
+def _url(value: Any, key: str, protocols: tuple[str, ...] = ()) -> str:
     parsed = urlparse(value) if isinstance(value, str) else None
-    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.netloc:
+    named, plus, scheme = parsed.scheme.rpartition("+") if parsed is not None else ("", "", "")
+    if parsed is None or scheme not in ("http", "https") or (plus and named not in protocols) or not parsed.netloc:
         raise ProrlVerlConfigError(f"{key}={value!r} is not an http(s) URL; write e.g. {key}=http://127.0.0.1:8766")
     try:
         parsed.port  # noqa: B018 - raises ValueError on a port that is not a number
@@ -132,7 +136,7 @@ class ProrlVerlConfig:
                     f"{BLOCK}.llm_servers={llm_servers!r} must be a non-empty list of URLs, or left out to use "
                     "verl's own vLLM replicas"
                 )
-            llm_servers = tuple(_url(u, f"{BLOCK}.llm_servers[{i}]") for i, u in enumerate(llm_servers))
+            llm_servers = tuple(_url(u, f"{BLOCK}.llm_servers[{i}]", LLM_PROTOCOLS) for i, u in enumerate(llm_servers))
         sampling = dict(block.get("sampling") or {})
         for name, owner in _VERL_OWNED_SAMPLING.items():
             if name in sampling:

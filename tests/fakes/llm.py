@@ -1,6 +1,9 @@
 """A scripted LLM stand-in (NOT a model): the part of vLLM's OpenAI-compatible API that `LLMPool` uses
 (GET /v1/models, POST /v1/completions with a token-id prompt and `return_token_ids`, `logprobs: 1`), answering
-with texts chosen in advance, tokenised by the `CharChat` stand-in.
+with texts chosen in advance, tokenised by the `CharChat` stand-in. With `protocol="sglang"` it speaks SGLang's
+native API instead (GET /get_model_info and /health, POST /generate with `input_ids`, as SGLang documents them),
+and with `protocol="prorl"` ProRL Agent's token-level POST /generate (`prompt_ids` in, `response_ids` and
+`logprobs` out; no health route).
 
 Which text: answers cued with `cue(...)` go first, one per request, whatever the prompt. Otherwise the prompt
 picks a script: `[script:NAME]` anywhere in it names one of `scripts` (else `script` is used), and the number
@@ -65,7 +68,11 @@ class Sampled:
 
 class ScriptedLLM(StandIn):
     def __init__(
-        self, script: list[Answer] | None = None, scripts: dict[str, list[Answer]] | None = None, model: str = "m"
+        self,
+        script: list[Answer] | None = None,
+        scripts: dict[str, list[Answer]] | None = None,
+        model: str = "m",
+        protocol: str = "openai",
     ) -> None:
         super().__init__()
         self.chat = CharChat()
@@ -79,7 +86,16 @@ class ScriptedLLM(StandIn):
         self.model_probes = 0
         self._cued: list[Answer] = []
         self._tokens = 0
-        self.app.router.add_routes([web.get("/v1/models", self._models), web.post("/v1/completions", self._complete)])
+        routes = {
+            "openai": [web.get("/v1/models", self._models), web.post("/v1/completions", self._complete)],
+            "sglang": [
+                web.get("/get_model_info", self._sglang_info),
+                web.get("/health", self._sglang_health),
+                web.post("/generate", self._sglang_generate),
+            ],
+            "prorl": [web.post("/generate", self._prorl_generate)],
+        }
+        self.app.router.add_routes(routes[protocol])
 
     def cue(self, *answers: Answer) -> None:
         """Answer the next requests with these, in order, before any script."""
@@ -103,11 +119,10 @@ class ScriptedLLM(StandIn):
             return web.Response(body=self.models_body, content_type="application/json")
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
-    async def _complete(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.requests.append(body)
+    async def _sample(self, prompt_ids: list[int], max_tokens: int) -> Sampled | web.Response:
+        """The scripted answer to one request, or the failure the script says."""
         self.changed()
-        answer = self._next(body["prompt"])
+        answer = self._next(prompt_ids)
         if self.down:
             answer = Fail(503, "down")
         if isinstance(answer, Hang):
@@ -120,12 +135,58 @@ class ScriptedLLM(StandIn):
         reply = answer if isinstance(answer, Reply) else Reply(answer)
         ids = self.chat.encode(reply.text) + ([self.chat.eos_id] if reply.closed else [])
         finish_reason = "stop"
-        if len(ids) > body["max_tokens"]:
-            ids, finish_reason = ids[: body["max_tokens"]], "length"
+        if len(ids) > max_tokens:
+            ids, finish_reason = ids[:max_tokens], "length"
         text = self.chat.decode([i for i in ids if i != self.chat.eos_id])
         logprobs = [-((self._tokens + i) % 97 + 1) / 100 for i in range(len(ids))]  # distinct, never 0.0
         self._tokens += len(ids)
-        self.sampled.append(Sampled(body["prompt"], ids, logprobs, text, finish_reason))
+        sampled = Sampled(prompt_ids, ids, logprobs, text, finish_reason)
+        self.sampled.append(sampled)
         self.changed()
-        choice = {"index": 0, "text": text, "token_ids": ids, "finish_reason": finish_reason}
-        return web.json_response({"choices": [{**choice, "logprobs": {"token_logprobs": logprobs}}]})
+        return sampled
+
+    async def _complete(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(body)
+        sampled = await self._sample(body["prompt"], body["max_tokens"])
+        if isinstance(sampled, web.Response):
+            return sampled
+        choice = {
+            "index": 0,
+            "text": sampled.text,
+            "token_ids": sampled.token_ids,
+            "finish_reason": sampled.finish_reason,
+            "logprobs": {"token_logprobs": sampled.logprobs},
+        }
+        return web.json_response({"choices": [choice]})
+
+    # -- SGLang's native API, as its docs give it ----------------------------------------------------------
+    async def _sglang_info(self, request: web.Request) -> web.Response:
+        self.model_probes += 1
+        return web.json_response({"model_path": self.model, "tokenizer_path": self.model, "is_generation": True})
+
+    async def _sglang_health(self, request: web.Request) -> web.Response:
+        self.model_probes += 1
+        return web.Response(status=503 if self.down else 200)
+
+    async def _sglang_generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(body)
+        sampled = await self._sample(body["input_ids"], body["sampling_params"].get("max_new_tokens", 128))
+        if isinstance(sampled, web.Response):
+            return sampled
+        finish = {"type": sampled.finish_reason}
+        if sampled.finish_reason == "length":
+            finish["length"] = len(sampled.token_ids)
+        entries = [[lp, token, None] for lp, token in zip(sampled.logprobs, sampled.token_ids, strict=True)]
+        meta = {"id": "0", "finish_reason": finish, "output_token_logprobs": entries}
+        return web.json_response({"text": sampled.text, "output_ids": sampled.token_ids, "meta_info": meta})
+
+    # -- ProRL Agent's token-level /generate -------------------------------------------------------------
+    async def _prorl_generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(body)
+        sampled = await self._sample(body["prompt_ids"], body["max_tokens"])
+        if isinstance(sampled, web.Response):
+            return sampled
+        return web.json_response({"response_ids": sampled.token_ids, "logprobs": sampled.logprobs})

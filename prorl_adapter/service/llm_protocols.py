@@ -1,0 +1,230 @@
+"""The wire formats the LLM pool speaks, one class each: how to ask a server for one turn in token space, how to
+read its answer, and how to tell that it serves.
+
+- `openai`: vLLM's OpenAI-compatible `/v1/completions` with a token-id prompt (`return_token_ids`, `logprobs: 1`).
+- `sglang`: SGLang's native `/generate` (`input_ids` in; `output_ids` and `meta_info.output_token_logprobs` out).
+- `prorl`: ProRL Agent's token-level `/generate` (`prompt_ids` in; `response_ids` and `logprobs` out), as served by
+  NeMo-RL's vLLM workers for ProRL.
+
+A server's URL may name its protocol (`sglang+http://host:port`); a plain `http://` URL is probed (`detect`). Every
+answer is validated by a model: a malformed 200 is the server's failure, like a 5xx, and the episode fails over.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, Field, StrictInt, ValidationError
+
+from sandbox_runtime.openapi import describe_validation
+
+from ..models import SamplingParams
+
+
+class MalformedAnswer(Exception):
+    """A server answered 200 with something that is not an answer of its protocol."""
+
+
+class UnsupportedRequest(Exception):
+    """The request asks for what the server's protocol cannot say (a regex over the ProRL protocol, say)."""
+
+
+@dataclass
+class Sampled:
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str | None  # None where the protocol returns ids only: the caller decodes them
+    finish_reason: str | None
+
+
+def _validated(model: type[BaseModel], body: bytes) -> Any:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise MalformedAnswer(f"malformed answer: {describe_validation(exc)[:300]}") from None
+
+
+def _same_length(ids: list[int], logprobs: list[float]) -> None:
+    if len(ids) != len(logprobs):
+        raise MalformedAnswer(f"malformed answer: {len(ids)} ids but {len(logprobs)} logprobs")
+
+
+class Protocol(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def health_request(self) -> tuple[str, str, dict | None]:
+        """(method, path, JSON body or None) of the request that tells whether the server serves."""
+
+    def model_from_health(self, body: bytes) -> str | None:
+        """The served model's name, where the health answer says it (it is needed in OpenAI requests)."""
+        return None
+
+    @abstractmethod
+    def generate_request(self, prompt_ids: list[int], sampling: SamplingParams, model: str | None) -> tuple[str, dict]:
+        """(path, JSON body) of a request for one turn."""
+
+    @abstractmethod
+    def parse(self, body: bytes) -> Sampled: ...
+
+
+# -- vLLM's OpenAI-compatible completions ----------------------------------------------------------------
+class _Model(BaseModel):
+    id: str
+
+
+class _Models(BaseModel):
+    """What this client needs of /v1/models: the served model's name."""
+
+    data: list[_Model] = Field(min_length=1)
+
+
+class _Logprobs(BaseModel):
+    token_logprobs: list[float]
+
+
+class _Choice(BaseModel):
+    text: str
+    token_ids: list[StrictInt]
+    logprobs: _Logprobs
+    finish_reason: str | None = None
+
+
+class _Completion(BaseModel):
+    choices: list[_Choice] = Field(min_length=1)
+
+
+class OpenAICompletions(Protocol):
+    name = "openai"
+
+    def health_request(self) -> tuple[str, str, dict | None]:
+        return "GET", "/v1/models", None
+
+    def model_from_health(self, body: bytes) -> str | None:
+        return _validated(_Models, body).data[0].id
+
+    def generate_request(self, prompt_ids: list[int], sampling: SamplingParams, model: str | None) -> tuple[str, dict]:
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": prompt_ids,
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "logprobs": 1,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        if sampling.stop:
+            body["stop"] = sampling.stop
+        if sampling.regex:
+            body["structured_outputs"] = {"regex": sampling.regex}
+        return "/v1/completions", body
+
+    def parse(self, body: bytes) -> Sampled:
+        choice = _validated(_Completion, body).choices[0]
+        _same_length(choice.token_ids, choice.logprobs.token_logprobs)
+        return Sampled(choice.token_ids, choice.logprobs.token_logprobs, choice.text, choice.finish_reason)
+
+
+# -- SGLang's native /generate ---------------------------------------------------------------------------
+class _SGLangFinish(BaseModel):
+    type: str
+
+
+class _SGLangMeta(BaseModel):
+    # Each entry is [logprob, token id, token text or null].
+    output_token_logprobs: list[tuple[float, StrictInt, str | None]]
+    finish_reason: _SGLangFinish | None = None
+
+
+class _SGLangAnswer(BaseModel):
+    text: str
+    output_ids: list[StrictInt] | None = None  # older servers leave it out: the ids are in the logprobs too
+    meta_info: _SGLangMeta
+
+
+class SGLangGenerate(Protocol):
+    name = "sglang"
+
+    def health_request(self) -> tuple[str, str, dict | None]:
+        return "GET", "/health", None
+
+    def generate_request(self, prompt_ids: list[int], sampling: SamplingParams, model: str | None) -> tuple[str, dict]:
+        params: dict[str, Any] = {
+            "max_new_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "skip_special_tokens": False,
+            "no_stop_trim": True,  # the stop string stays in the text, as the sampled ids have it
+        }
+        if sampling.seed is not None:
+            params["sampling_seed"] = sampling.seed
+        if sampling.stop:
+            params["stop"] = sampling.stop
+        if sampling.regex:
+            params["regex"] = sampling.regex
+        return "/generate", {"input_ids": prompt_ids, "sampling_params": params, "return_logprob": True}
+
+    def parse(self, body: bytes) -> Sampled:
+        answer = _validated(_SGLangAnswer, body)
+        entries = answer.meta_info.output_token_logprobs
+        ids = answer.output_ids if answer.output_ids is not None else [entry[1] for entry in entries]
+        logprobs = [entry[0] for entry in entries]
+        _same_length(ids, logprobs)
+        if any(entry[1] != token for entry, token in zip(entries, ids, strict=True)):
+            raise MalformedAnswer("malformed answer: output_ids and output_token_logprobs name different tokens")
+        finish = answer.meta_info.finish_reason
+        return Sampled(ids, logprobs, answer.text, finish.type if finish is not None else None)
+
+
+# -- ProRL Agent's token-level /generate -----------------------------------------------------------------
+class _ProRLAnswer(BaseModel):
+    response_ids: list[StrictInt]
+    # ProRL's own client accepts an answer without logprobs; a trainer cannot (its importance weights would be
+    # computed against zeros), so here they are required.
+    logprobs: list[float]
+
+
+class ProRLGenerate(Protocol):
+    name = "prorl"
+
+    def health_request(self) -> tuple[str, str, dict | None]:
+        # The protocol has no health route: one token of generation is the check (as SGLang's /health_generate).
+        return "POST", "/generate", {"prompt_ids": [0], "max_tokens": 1, "temperature": 1.0, "top_p": 1.0}
+
+    def generate_request(self, prompt_ids: list[int], sampling: SamplingParams, model: str | None) -> tuple[str, dict]:
+        if sampling.stop or sampling.regex:
+            raise UnsupportedRequest("ProRL's /generate protocol has no stop strings or regex: drop them for this task")
+        body = {
+            "prompt_ids": prompt_ids,
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "seed": sampling.seed,
+            "skip_special_tokens": False,
+        }
+        return "/generate", body
+
+    def parse(self, body: bytes) -> Sampled:
+        answer = _validated(_ProRLAnswer, body)
+        _same_length(answer.response_ids, answer.logprobs)
+        return Sampled(answer.response_ids, answer.logprobs, None, None)
+
+
+PROTOCOLS: dict[str, Protocol] = {p.name: p for p in (OpenAICompletions(), SGLangGenerate(), ProRLGenerate())}
+# A plain URL is probed in this order: SGLang serves an OpenAI-compatible /v1/models too, but its completions do
+# not return token ids, so its native protocol is asked for first (through its own model-info route).
+SGLANG_MARKERS = ("/get_model_info", "/model_info")
+
+
+def split_url(url: str) -> tuple[str | None, str]:
+    """(the protocol a URL names, or None; the server's base URL). `sglang+http://h:8000` -> ("sglang", "http://h:8000").
+    An OpenAI base URL ending in /v1 names the same server as the URL without it."""
+    protocol, plus, rest = url.partition("+")
+    named = protocol if plus and protocol in PROTOCOLS else None
+    base = (rest if named else url).rstrip("/")
+    return named, base.removesuffix("/v1")
