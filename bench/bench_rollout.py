@@ -321,10 +321,11 @@ async def run_coupled(
             return
         ep.done = ep.pending is None
 
-    async def act(ep: CoupledEpisode) -> None:
+    async def act(ep: CoupledEpisode, index: int) -> None:
         pending, ep.pending = ep.pending, None
+        limit, last = ep.request.max_context_tokens, index == ep.request.max_turns - 1
         try:
-            ep.done = not await tool_turn(ep.episode, pending, ep.tools, ep.env, chat, ep.request.max_context_tokens)
+            ep.done = not await tool_turn(ep.episode, pending, ep.tools, ep.env, chat, limit, last)
         except Exception as exc:
             fail(ep, "run", exc)
 
@@ -337,7 +338,7 @@ async def run_coupled(
         phases.append((f"turn {index + 1}: generate ({len(active)} requests)", time.monotonic() - phase_started))
         acting = [ep for ep in active if ep.pending is not None]
         phase_started = time.monotonic()
-        await asyncio.gather(*(act(ep) for ep in acting))
+        await asyncio.gather(*(act(ep, index) for ep in acting))
         phases.append((f"turn {index + 1}: tools ({len(acting)} episodes)", time.monotonic() - phase_started))
 
     eval_slots = asyncio.Semaphore(EVAL_WORKERS)

@@ -66,8 +66,9 @@ async def protocol_standin(protocol: str, vllm_url: str) -> AsyncIterator[StandI
 
         async def prorl_generate(request: web.Request) -> web.Response:
             body = await request.json()
+            # Every key indexed, as NeMo-RL's server does: a request without one is its 500.
             translated = {key: body[key] for key in ("max_tokens", "temperature", "top_p")}
-            if body.get("seed") is not None:
+            if body["seed"] is not None:
                 translated["seed"] = body["seed"]
             choice = await sample(body["prompt_ids"], translated)
             return web.json_response(

@@ -37,6 +37,9 @@ pytestmark = [
 
 PROMPTS = 100
 DEADLINE_S = 900.0
+# Its own sandbox uids (under a root runtime), apart from the default range other runtimes on this machine use:
+# the processes left at the end are counted by uid, and must be this runtime's only.
+CHAOS_UIDS = "2100000000-2100000999"
 
 
 class Trainer:
@@ -83,7 +86,7 @@ async def test_every_prompt_is_delivered_through_kill_9_of_every_part(vllm, tmp_
         timings[name] = round(time.monotonic() - started_at, 1)
 
     redis = RedisServer(tmp_path, appendonly=True).start()
-    runtime = start_server(tmp_path / "state", "bwrap")
+    runtime = start_server(tmp_path / "state", "bwrap", None, "--sandbox-uids", CHAOS_UIDS)
     own_llm = localstack.start_vllm(log=tmp_path / "vllm-own.log")
     own_port = int(own_llm.url.rsplit(":", 1)[1])
     config = tmp_path / "plugins.json"
@@ -108,7 +111,7 @@ async def test_every_prompt_is_delivered_through_kill_9_of_every_part(vllm, tmp_
 
         runtime.process.send_signal(signal.SIGKILL)
         runtime.process.wait()
-        runtime = start_server(runtime.state_dir, "bwrap", port=runtime.port)
+        runtime = start_server(runtime.state_dir, "bwrap", None, "--sandbox-uids", CHAOS_UIDS, port=runtime.port)
         await trainer.consume(3 * PROMPTS // 10, deadline)
         phase("sandbox runtime killed and back")
 

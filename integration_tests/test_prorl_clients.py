@@ -11,6 +11,8 @@ in front of the real vLLM, named as such in protocol_standins.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 
 import httpx
 import pytest
@@ -21,6 +23,7 @@ from prorl_adapter.service.chat import tool_call_regex
 
 from .conftest import start_rollout
 from .protocol_standins import protocol_standin
+from .test_liveness import eventually_none_left
 
 ROW = {
     "data_source": "shell",
@@ -50,9 +53,8 @@ NRL_SAMPLING = {  # what NeMo-RL's OpenHands environment sends, key for key
     "max_iterations": 3,
     "token_level_generation": True,
     "custom_tokenizer": str(TINY_MODEL),
-    "max_model_len": 2048,
+    "max_model_len": 512,  # no max_output_tokens: a turn may fill the context left, as in ProRL's token mode
     "ensure_thinking_end_properly": False,
-    "max_output_tokens": 48,
     "strict_loop_detector": True,
     "is_reasoning_task": False,
 }
@@ -77,8 +79,7 @@ def agrees_with(result: dict, trajectory: Trajectory) -> None:
     messages = result["messages"]
     assert messages and messages[-1]["role"] == "assistant"  # NeMo-RL asserts it, and retries on empty messages
     joined = [token for message in messages for token in message["token_ids"]]
-    full = trajectory.prompt_ids + trajectory.response_ids
-    assert joined == full[: len(joined)]
+    assert joined == trajectory.prompt_ids + trajectory.response_ids
     prompt = [
         t
         for m in messages[: next(i for i, m in enumerate(messages) if m["role"] == "assistant")]
@@ -145,7 +146,7 @@ async def test_a_nemo_rl_openhands_step_runs_unchanged(rollout, vllm):
             trajectory = await trajectory_of(http, result)
             agrees_with(result, trajectory)
             assert trajectory.num_turns <= NRL_SAMPLING["max_iterations"]
-            assert all(turn.response_tokens <= NRL_SAMPLING["max_output_tokens"] for turn in trajectory.turns)
+            assert len(trajectory.prompt_ids) + len(trajectory.response_ids) <= NRL_SAMPLING["max_model_len"]
             assert trajectory.labels.get("prorl_ignored") is None  # every key NeMo-RL sends is known
 
 
@@ -197,3 +198,27 @@ async def test_the_pool_speaks_sglang_and_prorls_generate(protocol, vllm, sandbo
         assert (trajectory.response_ids[span], trajectory.response_logprobs[span]) == (ids, logprobs)
     if protocol == "sglang":
         assert trajectory.turns[0].tool_calls[0].name == "bash"
+
+
+async def test_a_process_call_whose_client_goes_away_is_cancelled_with_its_sandbox(rollout, vllm, sandbox_server):
+    """aiohttp does not cancel a handler whose client disconnects: the call itself notices and cancels its job."""
+    regex = tool_call_regex("bash", "command", ["sleep 25"])
+    body = {"instance": ROW, "sampling_params": {"max_iterations": 1, "max_tokens": 64, "regex": regex}}
+    async with httpx.AsyncClient(base_url=rollout.url, timeout=600) as http:
+        await http.post("/add_llm_server", json={"address": vllm.url})
+        await http.post("/start")
+        call = asyncio.create_task(http.post("/process", json=body))
+        await until_status(http, lambda status: status["run"] == 1)  # its tool runs: `sleep 25` in the sandbox
+        call.cancel()  # the trainer gives up: httpx closes the connection
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        await until_status(http, lambda status: status["pending_jobs"] == 0 and status["jobs"] == 0, seconds=15)
+    assert await eventually_none_left(sandbox_server) == []
+
+
+async def until_status(http: httpx.AsyncClient, condition, seconds: float = 120.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition(status := (await http.get("/status")).json()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"GET /status did not reach the state awaited within {seconds:g} s: {status}")
+        await asyncio.sleep(0.1)

@@ -184,6 +184,9 @@ class Trajectory(BaseModel):
     error: JobError | None = None
     filter: bool = Field(False, description="True when the trainer should drop this sample (an infra failure)")
     labels: dict[str, str] = Field(default_factory=dict)
+    artifacts: dict[str, str] = Field(
+        default_factory=dict, description="what the task's eval produced besides the reward (swe: git_patch)"
+    )
 
 
 class JobStatus(BaseModel):
@@ -196,9 +199,13 @@ class JobStatus(BaseModel):
     attempts: int = 0
 
 
+# The wire formats an LLM server may speak (service/llm_protocols.py); a URL may name one: `sglang+http://...`.
+LLM_PROTOCOLS = ("openai", "sglang", "prorl")
+
+
 class LLMServerInfo(BaseModel):
     url: str
-    protocol: Literal["openai", "sglang", "prorl"] | None = Field(
+    protocol: Literal[LLM_PROTOCOLS] | None = Field(
         description="the wire format it speaks: named by its URL (`sglang+http://...`) or probed; null until known"
     )
     healthy: bool
@@ -225,7 +232,7 @@ def _parsable_url(url: str) -> str:
 LLMServerURL = Annotated[
     str,
     Field(
-        pattern=r"^((openai|sglang|prorl)\+)?https?://[^\s/\x00-\x1f\x7f]+(/[^\s\x00-\x1f\x7f]*)?$",
+        pattern=rf"^(({'|'.join(LLM_PROTOCOLS)})\+)?https?://[^\s/\x00-\x1f\x7f]+(/[^\s\x00-\x1f\x7f]*)?$",
         max_length=2048,
     ),
     AfterValidator(_parsable_url),

@@ -93,6 +93,9 @@ class EpisodeState:
     turns: int = 0
     malformed_calls: int = 0
     response_tokens: int = 0
+    # What eval produced besides the reward, for the trainer and for people (swe: "git_patch"); it reaches the
+    # trajectory's `artifacts`.
+    artifacts: dict[str, str] = field(default_factory=dict)
 
 
 ToolFn = Callable[[Environment, dict[str, Any], EpisodeState], Awaitable[str]]

@@ -9,6 +9,7 @@ import asyncio
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from prorl_adapter.service.prorl_api import DEFAULT_MAX_ITERATIONS
 from prorl_adapter.service.server import LLM
@@ -170,6 +171,14 @@ async def test_prorl_data_sources_map_to_tasks_and_rows_they_cannot_serve_are_a_
         status, math = await call(stack, "POST", "/process", {"instance": DEEPSCALER_ROW})
         swe_gym_row = {"data_source": "swebench", "instance_id": "astropy__astropy-12907", "repo": "astropy/astropy"}
         swe = await call(stack, "POST", "/process", {"instance": swe_gym_row})
+        bad_row = {
+            **swe_gym_row,
+            "files": "calc.py",
+            "test_files": {"t.py": ""},
+            "test_command": "pytest",
+            "problem_statement": "x",
+        }
+        bad_swe = await call(stack, "POST", "/process", {"instance": bad_row})
         default = await call(stack, "POST", "/process", {"instance": {"instance_id": "no-source"}})
         coder = await call(stack, "POST", "/process", {"instance": {"data_source": "deepcoder", "prompt": "x"}})
         no_prompt = await call(stack, "POST", "/process", {"instance": {"data_source": "deepscaler"}})
@@ -177,6 +186,7 @@ async def test_prorl_data_sources_map_to_tasks_and_rows_they_cannot_serve_are_a_
     assert (status, math["resolved"], math["instance_id"]) == (200, True, "math-1")
     assert "What is 17 * 23?" in math["messages"][1]["content"]
     assert swe[0] == 400 and "'files'" in swe[1]["error"] and "astropy__astropy-12907" in swe[1]["error"]
+    assert bad_swe[0] == 400 and "'files' must map each path to its content" in bad_swe[1]["error"]
     assert default[0] == 400 and "swebench" in default[1]["error"]  # ProRL's default data_source
     assert coder[0] == 400 and "'deepcoder' has no task here" in coder[1]["error"] and "deepscaler" in coder[1]["error"]
     assert no_prompt[0] == 400 and "'prompt'" in no_prompt[1]["error"]
@@ -224,3 +234,40 @@ async def test_a_prorl_generate_server_that_stops_answering_is_marked_down():
         await stack.app[LLM].check_health()
         [server] = await stack.client.llm_servers()
     assert (server.protocol, server.healthy) == ("prorl", False)
+
+
+@on_virtual_time
+async def test_a_null_is_the_default_a_stop_string_is_a_list_and_a_turn_may_fill_the_context():
+    async with rollout_stack(script=SCRIPT) as stack:
+        await started(stack)
+        sampling = {"max_iterations": None, "stop": "</s>", "max_model_len": 3000}
+        status, _ = await call(stack, "POST", "/process", {"instance": SHELL_ROW, "sampling_params": sampling})
+    assert status == 200
+    first = stack.llm.requests[0]
+    assert first["stop"] == ["</s>"]
+    prompt = len(stack.llm.sampled[0].prompt_ids)
+    assert first["max_tokens"] == 3000 - prompt  # no per-turn limit asked for: the context left, as ProRL's
+
+
+@on_virtual_time
+async def test_one_base_url_is_one_server_and_a_named_protocol_is_kept():
+    async with rollout_stack(script=SCRIPT) as stack:
+        await stack.client.set_llm_servers([stack.llm.url + "/v1/"])
+        await stack.client.add_llm_server(f"openai+{stack.llm.url}")
+        [server] = await stack.client.llm_servers()
+        assert (server.url, server.protocol, server.healthy) == (f"openai+{stack.llm.url}", "openai", True)
+        assert await stack.client.remove_llm_server(stack.llm.url) is True
+        assert await stack.client.llm_servers() == []
+
+
+@on_virtual_time
+async def test_a_route_that_answers_garbage_does_not_make_a_server_sglang():
+    llm = ScriptedLLM(SCRIPT)
+
+    async def not_json(request):
+        return web.Response(body=b"\xff\xfe model_path", content_type="application/json")
+
+    llm.app.router.add_get("/get_model_info", not_json)
+    async with llm, rollout_stack(script=SCRIPT) as stack:
+        [server] = await stack.client.set_llm_servers([llm.url])
+    assert (server.protocol, server.healthy) == ("openai", True)

@@ -27,6 +27,7 @@ from prorl_plugins.tasks.swe_grading import (
     graded_tree,
     normalise_test_name,
     parse_test_log,
+    unified_patch,
 )
 
 # Imported under another name: pytest would collect a module-level `tests_verdict` as a test.
@@ -782,3 +783,37 @@ def test_verdict_on_pytest_statuses() -> None:
     statuses = parse_test_log(PYTEST_LOG, "pytest")
     assert verdict(statuses, ["t.py::test_ok", "t.py::test_param[a b]"], "pytest") == (True, [])
     assert verdict(statuses, ["t.py::test_ok", "t.py::test_td"], "pytest") == (False, ["t.py::test_td: ERROR"])
+
+
+# --- the patch people and ProRL's clients read -----------------------------------------------------------------------
+
+
+def test_the_unified_patch_applies_with_git_to_the_agents_tree(tmp_path: Path) -> None:
+    """git apply turns the original files into the agent's: changed, new (executable), deleted, no final newline."""
+    agent = repo(
+        {
+            "pkg/calc.py": "def add(a, b):\n    return a + b\n",
+            "pkg/run.sh": "#!/bin/sh\necho run",
+            "README.md": None,
+        }
+    )
+    changes = agent_changes(archive(agent, modes={"pkg/run.sh": 0o755}), ORIGINAL_WITH_TESTS)
+    patch = unified_patch(changes, ORIGINAL_WITH_TESTS)
+    for path, content in ORIGINAL_WITH_TESTS.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(content)
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run(["git", "apply", "-"], cwd=tmp_path, input=patch.encode(), check=True)
+    assert (tmp_path / "pkg/calc.py").read_text() == "def add(a, b):\n    return a + b\n"
+    assert (tmp_path / "pkg/run.sh").read_text() == "#!/bin/sh\necho run"
+    assert os.access(tmp_path / "pkg/run.sh", os.X_OK)
+    assert not (tmp_path / "README.md").exists()
+    assert (tmp_path / "tests/test_calc.py").read_text() == TESTS["tests/test_calc.py"]
+
+
+def test_a_binary_file_is_named_in_the_patch_not_spelled_out() -> None:
+    changes = agent_changes(archive(repo({"data.bin": b"\xff\x00\xfe"})), ORIGINAL_WITH_TESTS)
+    assert unified_patch(changes, ORIGINAL_WITH_TESTS) == (
+        "diff --git a/data.bin b/data.bin\nnew file mode 100644\nBinary files /dev/null and b/data.bin differ\n"
+    )
+    assert unified_patch(AgentChanges(), ORIGINAL_WITH_TESTS) == ""

@@ -59,7 +59,8 @@ async def test_an_episode_ends_at_max_turns_after_the_last_turns_tool_results():
     assert episode.state.commands == ["echo 0", "echo 1", "echo 2"]
     assert [turn.observation for turn in episode.turns] == [f"{i}\n[exit code 0]" for i in range(3)]
     assert [op for op in rig.sandbox.ops() if op == "exec"] == ["exec"] * 3
-    assert episode.response_mask[-1] == 0  # the last tool results are in the context
+    # The last turn's tools ran (eval sees what they did), but no turn reads their results: not appended.
+    assert episode.response_mask[-1] == 1 and episode.turns[-1].observation_tokens == 0
 
 
 @on_virtual_time

@@ -360,3 +360,16 @@ def test_llm_servers_may_name_their_protocol_and_nothing_else():
         check_verl_config(compose_verl_config([*PLUGIN, *BLOCK, "+prorl.llm_servers=[gopher+http://gpu-0:1]"]))
     with pytest.raises(ProrlVerlConfigError, match=r"prorl\.service_url"):
         check_verl_config(compose_verl_config([*PLUGIN, "+prorl.service_url=sglang+http://h:1", "+prorl.task=shell"]))
+
+
+async def test_verls_sglang_replicas_are_registered_as_sglang_servers():
+    """verl's load balancer lists its replicas as ip:port; with the SGLang engine they name SGLang's protocol."""
+    from prorl_plugins.verl.agent_loop import verl_server_urls
+
+    class Registry:  # a stand-in for verl's load-balancer actor handle (`.remote()` answers an awaitable)
+        async def remote(self):
+            return ["10.0.0.1:30000", "http://10.0.0.2:30000"]
+
+    manager = SimpleNamespace(_load_balancer=SimpleNamespace(get_all_servers=Registry()))
+    assert await verl_server_urls(manager, "sglang") == ["sglang+http://10.0.0.1:30000", "sglang+http://10.0.0.2:30000"]
+    assert await verl_server_urls(manager, "vllm") == ["http://10.0.0.1:30000", "http://10.0.0.2:30000"]

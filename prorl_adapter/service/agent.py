@@ -92,9 +92,12 @@ async def policy_turn(
         return None
     sampling = request.sampling.model_copy(update={"max_tokens": min(request.sampling.max_tokens, room)})
     generation = await llm.generate(episode.prompt_ids + episode.response_ids, sampling, pin)
+    ids = generation.token_ids
+    closed = bool(ids) and ids[-1] == chat.eos_id
     if generation.text is None:  # the server's protocol returns ids only; the text of a turn ends before its eos
-        ids = generation.token_ids
-        generation.text = await chat.off_loop(chat.decode, ids[:-1] if ids and ids[-1] == chat.eos_id else ids)
+        generation.text = await chat.off_loop(chat.decode, ids[:-1] if closed else ids)
+    if generation.finish_reason is None and not closed and len(ids) >= sampling.max_tokens:
+        generation.finish_reason = "length"  # a protocol that says no reason (ProRL's): cut at its token limit
     start = len(episode.response_ids)
     episode.append(generation.token_ids, 1, generation.logprobs)
     episode.generate_s += generation.seconds
@@ -122,10 +125,18 @@ async def policy_turn(
 
 
 async def tool_turn(
-    episode: Episode, pending: PolicyTurn, tools: dict[str, Tool], env: Environment, chat: ChatTokenizer, limit: int
+    episode: Episode,
+    pending: PolicyTurn,
+    tools: dict[str, Tool],
+    env: Environment,
+    chat: ChatTokenizer,
+    limit: int,
+    last: bool = False,
 ) -> bool:
     """Run the turn's tool calls and append their results; False when the episode ends here (finish, or the
-    results would not fit the context of `limit` tokens)."""
+    results would not fit the context of `limit` tokens). On the `last` turn the tools run (eval sees what they
+    did) but their results are not appended: no policy turn reads them, so the trajectory ends with the policy's
+    tokens."""
     started = time.perf_counter()
     results, finished = await _run_tools(pending.calls, tools, env, episode.state)
     results += [f"error: {error}" for error in pending.errors]
@@ -136,6 +147,8 @@ async def tool_turn(
         episode.finish_reason = "finish"
         return False
     turn.observation = "\n".join(results)
+    if last:
+        return False
     closed = pending.last_token == chat.eos_id  # else the template's eos is added, as a token nobody sampled
     observation_ids = await chat.off_loop(chat.tool_turn_ids, [{"role": "tool", "content": r} for r in results], closed)
     if episode.context_length + len(observation_ids) >= limit:
@@ -158,7 +171,8 @@ async def run_episode(
     pin = Pin()
     for index in range(request.max_turns):
         pending = await policy_turn(episode, request, llm, chat, pin, policy_version(), index)
-        if pending is None or not await tool_turn(episode, pending, tools, env, chat, request.max_context_tokens):
+        last = index == request.max_turns - 1
+        if pending is None or not await tool_turn(episode, pending, tools, env, chat, request.max_context_tokens, last):
             break
     return episode
 

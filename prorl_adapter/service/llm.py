@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from ..models import LLMServerInfo, SamplingParams
-from .llm_protocols import PROTOCOLS, SGLANG_MARKERS, MalformedAnswer, Protocol, UnsupportedRequest, split_url
+from .llm_protocols import PROTOCOLS, MalformedAnswer, Protocol, Request, UnsupportedRequest, split_url
 
 if TYPE_CHECKING:
     from ..hooks.plugin_set import PluginSet
@@ -56,8 +56,7 @@ class Generation:
 
 @dataclass
 class LLMServer:
-    url: str  # as the pool knows it: `base`, or `protocol+base` where the URL named its protocol
-    base: str
+    base: str  # its base URL: the pool's name for it
     named_protocol: str | None = None  # the protocol its URL names; else it is probed
     protocol: Protocol | None = None  # the protocol it speaks, once known
     healthy: bool = True
@@ -68,6 +67,10 @@ class LLMServer:
     model: str | None = None  # the served model name, where its protocol needs it (OpenAI: /v1/models)
     removed: bool = False
 
+    @property
+    def url(self) -> str:
+        return f"{self.named_protocol}+{self.base}" if self.named_protocol else self.base
+
     def info(self) -> LLMServerInfo:
         return LLMServerInfo(
             url=self.url,
@@ -77,12 +80,6 @@ class LLMServer:
             requests=self.requests,
             failures=self.failures,
         )
-
-
-def server_key(url: str) -> str:
-    """How the pool names a server: `http://h:8000/v1/` and `http://h:8000` are one server."""
-    protocol, base = split_url(url)
-    return f"{protocol}+{base}" if protocol else base
 
 
 @dataclass
@@ -133,14 +130,18 @@ class LLMPool:
 
     # -- membership -------------------------------------------------------------------------------------
     def add(self, url: str) -> LLMServer:
-        key = server_key(url)
-        if key not in self._servers:
-            protocol, base = split_url(url)
-            self._servers[key] = LLMServer(key, base, protocol)
-        return self._servers[key]
+        """The server at `url`'s base URL, added if new. One base URL is one server: a URL that names a protocol
+        sets it (`sglang+http://h` after `http://h`), a plain one keeps what is known."""
+        named, base = split_url(url)
+        server = self._servers.get(base)
+        if server is None:
+            server = self._servers[base] = LLMServer(base, named)
+        elif named is not None and named != server.named_protocol:
+            server.named_protocol, server.protocol, server.model = named, None, None  # probed again, as named
+        return server
 
     def remove(self, url: str) -> bool:
-        server = self._servers.pop(server_key(url), None)
+        server = self._servers.pop(split_url(url)[1], None)
         if server is None:
             return False
         server.removed = True  # episodes pinned to it fail over on their next turn
@@ -148,10 +149,10 @@ class LLMPool:
 
     def replace(self, urls: list[str]) -> None:
         """Make `urls` the whole set, in one step of the event loop: concurrent callers cannot interleave."""
-        wanted = {server_key(url) for url in urls}
-        for url in [u for u in self._servers if u not in wanted]:
-            self.remove(url)
-        for url in wanted:
+        wanted = {split_url(url)[1]: url for url in urls}
+        for base in [b for b in self._servers if b not in wanted]:
+            self.remove(base)
+        for url in wanted.values():
             self.add(url)
 
     def servers(self) -> list[LLMServerInfo]:
@@ -181,44 +182,55 @@ class LLMPool:
     async def check_health(self) -> None:
         await asyncio.gather(*(self._probe(s) for s in list(self._servers.values())))
 
+    async def check(self, url: str) -> LLMServerInfo:
+        """Probe one server now (one just added), not the whole pool."""
+        server = self.add(url)
+        await self._probe(server)
+        return server.info()
+
     async def _probe(self, server: LLMServer) -> None:
         try:
             if server.protocol is None:
-                server.protocol = await self._detect(server)
-            server.model = await self._health(server, server.protocol)
+                server.protocol, server.model = await self._detect(server)
+            else:
+                server.model = await self._health(server, server.protocol)
             server.healthy = True
             server.consecutive_failures = 0
         except (TimeoutError, aiohttp.ClientError, MalformedAnswer) as exc:  # any other answer: not serving
-            if server.healthy:
-                log.warning("LLM server %s is unhealthy: %s", server.url, exc)
-            server.healthy = False
+            self._mark_unhealthy(server, exc)
+        except Exception as exc:  # a probe must never end the health checks (or fail the API call that asked)
+            log.exception("LLM server %s: its health check failed unexpectedly", server.url)
+            self._mark_unhealthy(server, exc)
 
-    async def _health(self, server: LLMServer, protocol: Protocol) -> str | None:
-        method, path, body = protocol.health_request()
+    @staticmethod
+    def _mark_unhealthy(server: LLMServer, reason: Exception) -> None:
+        if server.healthy:
+            log.warning("LLM server %s is unhealthy: %s", server.url, reason)
+        server.healthy = False
+
+    async def _fetch(self, server: LLMServer, request: Request) -> bytes:
+        method, path, body = request
         async with self._http.request(method, server.base + path, json=body, timeout=_PROBE_TIMEOUT) as response:
             response.raise_for_status()
-            answer = await response.read()
-        if protocol.name == "prorl":
-            protocol.parse(answer)  # a generation answer: it must be one
-        return protocol.model_from_health(answer)
+            return await response.read()
 
-    async def _detect(self, server: LLMServer) -> Protocol:
-        """The protocol a server speaks: the one its URL names, else the first whose health check it passes."""
+    async def _health(self, server: LLMServer, protocol: Protocol) -> str | None:
+        return protocol.read_health(await self._fetch(server, protocol.health_request()))
+
+    async def _detect(self, server: LLMServer) -> tuple[Protocol, str | None]:
+        """The protocol a server speaks, and the model its answer named: the one its URL names, else the first
+        (in PROTOCOLS' order) whose detection request it answers as that protocol would."""
         if server.named_protocol is not None:
-            return PROTOCOLS[server.named_protocol]
-        for path in SGLANG_MARKERS:
-            with contextlib.suppress(TimeoutError, aiohttp.ClientError):
-                async with self._http.get(server.base + path, timeout=_PROBE_TIMEOUT) as response:
-                    if response.status == 200 and "model_path" in await response.text():
-                        return PROTOCOLS["sglang"]
-        last: Exception | None = None
-        for name in ("openai", "prorl"):
-            try:
-                await self._health(server, PROTOCOLS[name])
-                return PROTOCOLS[name]
-            except (TimeoutError, aiohttp.ClientError, MalformedAnswer) as exc:
-                last = exc
-        raise MalformedAnswer(f"speaks none of {', '.join(PROTOCOLS)} ({last})")
+            protocol = PROTOCOLS[server.named_protocol]
+            return protocol, await self._health(server, protocol)
+        tried: list[str] = []
+        for protocol in PROTOCOLS.values():
+            for request in protocol.detect_requests():
+                try:
+                    return protocol, protocol.read_detect(await self._fetch(server, request))
+                except (TimeoutError, aiohttp.ClientError, MalformedAnswer) as exc:
+                    tried.append(f"{request[0]} {request[1]}: {exc}")
+        raise MalformedAnswer(f"speaks none of {', '.join(PROTOCOLS)} ({'; '.join(tried)})")
 
     # -- generation -------------------------------------------------------------------------------------
     async def _choose(self, pin: Pin) -> LLMServer:
@@ -262,7 +274,7 @@ class LLMPool:
                     raise LLMUnavailable(f"gave up after {attempts} attempts; last error: {exc}") from exc
 
     async def _complete(self, server: LLMServer, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
-        if server.protocol is None or (server.protocol.name == "openai" and server.model is None):
+        if server.protocol is None or (server.protocol.needs_model and server.model is None):
             await self._probe(server)
             if not server.healthy:
                 raise _ServerError(f"{server.url} does not answer its health check")

@@ -51,16 +51,29 @@ def _same_length(ids: list[int], logprobs: list[float]) -> None:
         raise MalformedAnswer(f"malformed answer: {len(ids)} ids but {len(logprobs)} logprobs")
 
 
+Request = tuple[str, str, dict | None]  # method, path, JSON body
+
+
 class Protocol(ABC):
     name: ClassVar[str]
+    needs_model: ClassVar[bool] = False  # its requests name the served model, read by the health check
 
     @abstractmethod
-    def health_request(self) -> tuple[str, str, dict | None]:
-        """(method, path, JSON body or None) of the request that tells whether the server serves."""
+    def health_request(self) -> Request:
+        """The request that tells whether the server serves."""
 
-    def model_from_health(self, body: bytes) -> str | None:
-        """The served model's name, where the health answer says it (it is needed in OpenAI requests)."""
+    def read_health(self, body: bytes) -> str | None:
+        """Check the health answer (MalformedAnswer if it is none); the served model's name where it says it."""
         return None
+
+    def detect_requests(self) -> list[Request]:
+        """What tells a server of this protocol from the others when its URL does not say: its health check,
+        unless the protocol has a route that only it serves."""
+        return [self.health_request()]
+
+    def read_detect(self, body: bytes) -> str | None:
+        """Check a detection answer like a health answer (MalformedAnswer: not this protocol)."""
+        return self.read_health(body)
 
     @abstractmethod
     def generate_request(self, prompt_ids: list[int], sampling: SamplingParams, model: str | None) -> tuple[str, dict]:
@@ -99,10 +112,12 @@ class _Completion(BaseModel):
 class OpenAICompletions(Protocol):
     name = "openai"
 
-    def health_request(self) -> tuple[str, str, dict | None]:
+    needs_model = True
+
+    def health_request(self) -> Request:
         return "GET", "/v1/models", None
 
-    def model_from_health(self, body: bytes) -> str | None:
+    def read_health(self, body: bytes) -> str | None:
         return _validated(_Models, body).data[0].id
 
     def generate_request(self, prompt_ids: list[int], sampling: SamplingParams, model: str | None) -> tuple[str, dict]:
@@ -147,11 +162,24 @@ class _SGLangAnswer(BaseModel):
     meta_info: _SGLangMeta
 
 
+class _SGLangModelInfo(BaseModel):
+    model_path: str
+
+
 class SGLangGenerate(Protocol):
     name = "sglang"
 
-    def health_request(self) -> tuple[str, str, dict | None]:
+    def health_request(self) -> Request:
         return "GET", "/health", None
+
+    def detect_requests(self) -> list[Request]:
+        # SGLang serves an OpenAI-compatible /v1/models too, but its completions return no token ids: its own
+        # model-info route (renamed in newer versions) tells it apart, and is asked for first.
+        return [("GET", "/get_model_info", None), ("GET", "/model_info", None)]
+
+    def read_detect(self, body: bytes) -> str | None:
+        _validated(_SGLangModelInfo, body)
+        return None
 
     def generate_request(self, prompt_ids: list[int], sampling: SamplingParams, model: str | None) -> tuple[str, dict]:
         params: dict[str, Any] = {
@@ -178,7 +206,9 @@ class SGLangGenerate(Protocol):
         if any(entry[1] != token for entry, token in zip(entries, ids, strict=True)):
             raise MalformedAnswer("malformed answer: output_ids and output_token_logprobs name different tokens")
         finish = answer.meta_info.finish_reason
-        return Sampled(ids, logprobs, answer.text, finish.type if finish is not None else None)
+        # Its text keeps the stop token's text (no_stop_trim, special tokens kept): the ids are decoded instead,
+        # as for every protocol that answers with ids, so a turn's text is the same whatever the server.
+        return Sampled(ids, logprobs, None, finish.type if finish is not None else None)
 
 
 # -- ProRL Agent's token-level /generate -----------------------------------------------------------------
@@ -192,9 +222,14 @@ class _ProRLAnswer(BaseModel):
 class ProRLGenerate(Protocol):
     name = "prorl"
 
-    def health_request(self) -> tuple[str, str, dict | None]:
-        # The protocol has no health route: one token of generation is the check (as SGLang's /health_generate).
-        return "POST", "/generate", {"prompt_ids": [0], "max_tokens": 1, "temperature": 1.0, "top_p": 1.0}
+    def health_request(self) -> Request:
+        # The protocol has no health route: one token of generation is the check (as SGLang's /health_generate),
+        # a request like every other (its servers index each key they read).
+        return "POST", *self.generate_request([0], SamplingParams(max_tokens=1), None)
+
+    def read_health(self, body: bytes) -> str | None:
+        self.parse(body)
+        return None
 
     def generate_request(self, prompt_ids: list[int], sampling: SamplingParams, model: str | None) -> tuple[str, dict]:
         if sampling.stop or sampling.regex:
@@ -215,10 +250,8 @@ class ProRLGenerate(Protocol):
         return Sampled(answer.response_ids, answer.logprobs, None, None)
 
 
-PROTOCOLS: dict[str, Protocol] = {p.name: p for p in (OpenAICompletions(), SGLangGenerate(), ProRLGenerate())}
-# A plain URL is probed in this order: SGLang serves an OpenAI-compatible /v1/models too, but its completions do
-# not return token ids, so its native protocol is asked for first (through its own model-info route).
-SGLANG_MARKERS = ("/get_model_info", "/model_info")
+# A plain URL is probed in this order (SGLang first: see its detect_requests).
+PROTOCOLS: dict[str, Protocol] = {p.name: p for p in (SGLangGenerate(), OpenAICompletions(), ProRLGenerate())}
 
 
 def split_url(url: str) -> tuple[str | None, str]:

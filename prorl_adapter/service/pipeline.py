@@ -394,6 +394,7 @@ class RolloutPipeline:
             error=job.error,
             filter=job.error is not None,
             labels=job.request.labels,
+            artifacts=episode.state.artifacts,
         )
 
     def _forget_old_jobs(self) -> None:

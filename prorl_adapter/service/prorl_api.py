@@ -12,11 +12,13 @@ An episode of `/process` is an ordinary job of the pipeline: nothing here runs a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any, Literal
 
 from aiohttp import web
@@ -162,7 +164,7 @@ class ProRLResult(BaseModel):
     success: bool = Field(description="the episode ended without an error")
     finish: bool = Field(description="the policy called `finish`")
     end_properly: bool = Field(description="the last turn was neither cut at its token limit nor a malformed call")
-    git_patch: str | None = None
+    git_patch: str | None = Field(None, description="the agent's changes as a unified diff, where the task makes one")
     error: str | None
     critical_error: Literal["init", "run", "eval", "timeout"] | None
     filter: bool
@@ -170,6 +172,13 @@ class ProRLResult(BaseModel):
 
 
 # -- the state ProRL's calls share ------------------------------------------------------------------------
+CALLER_CHECK_S = 1.0
+
+
+class CallerGone(Exception):
+    """The client of a /process call closed its connection: nobody waits for the episode any more."""
+
+
 class ProRLLegacy:
     """ProRL's server state over the pipeline: whether it was started, and the /process calls in flight."""
 
@@ -179,7 +188,7 @@ class ProRLLegacy:
         self.calls: dict[str, set[str]] = defaultdict(set)  # ProRL job id -> our job ids in flight
         self.stopping: set[str] = set()  # our job ids cancelled by /stop: their calls answer 500
 
-    def request(self, body: ProRLProcessRequest) -> JobRequest:
+    def job_request_for(self, body: ProRLProcessRequest) -> JobRequest:
         """The job a /process call runs: data_source mapped to a task (its row adapted where the task knows the
         dataset), sampling_params mapped key by key. A row a task cannot serve is a 400 saying what is missing."""
         row = dict(body.instance)
@@ -187,26 +196,29 @@ class ProRLLegacy:
         if not isinstance(source, str):
             raise web.HTTPBadRequest(text="instance.data_source must be a string (a task or a ProRL dataset name)")
         task, instance = self._task_and_instance(source, row)
-        params = dict(body.sampling_params)
+        params = {key: value for key, value in body.sampling_params.items() if value is not None}  # null: default
         if "max_output_tokens" in params and "max_tokens" in params:
             raise web.HTTPBadRequest(text="sampling_params: give max_output_tokens or max_tokens, not both")
+        if isinstance(params.get("stop"), str):  # one stop string, as OpenAI's API takes it
+            params["stop"] = [params["stop"]]
         sampling = {ours: params.pop(theirs) for theirs, ours in SAMPLING_KEYS.items() if theirs in params}
         job = {ours: params.pop(theirs) for theirs, ours in JOB_KEYS.items() if theirs in params}
         job.setdefault("max_turns", DEFAULT_MAX_ITERATIONS)
-        ignored = sorted(key for key in params if key not in NOT_APPLICABLE)
+        # Without a per-turn limit a turn may fill the context left, as in ProRL's token-level mode.
+        sampling.setdefault(
+            "max_tokens", job.get("max_context_tokens", JobRequest.model_fields["max_context_tokens"].default)
+        )
+        job_id = f"prorl-{uuid.uuid4().hex}"  # every call its own episode, whatever its ProRL job_id
         labels = {"prorl_data_source": source}
         if body.job_id is not None:
             labels["prorl_job_id"] = str(body.job_id)
+        ignored = sorted(key for key in params if key not in NOT_APPLICABLE)
         if ignored:
             labels["prorl_ignored"] = ",".join(ignored)
+            log.warning("job %s: sampling_params not used here: %s", job_id, labels["prorl_ignored"])
         try:
             return JobRequest(
-                job_id=f"prorl-{uuid.uuid4().hex}",  # every call its own episode, whatever its ProRL job_id
-                task=task,
-                instance=instance,
-                sampling=SamplingParams(**sampling),
-                labels=labels,
-                **job,
+                job_id=job_id, task=task, instance=instance, sampling=SamplingParams(**sampling), labels=labels, **job
             )
         except ValidationError as exc:
             raise web.HTTPBadRequest(text=f"invalid sampling_params: {describe_validation(exc)}") from None
@@ -224,14 +236,24 @@ class ProRLLegacy:
         known = sorted({*tasks, *(s for h in tasks.values() for s in h.prorl_data_sources)})
         raise web.HTTPBadRequest(text=f"data_source {source!r} has no task here; known: {', '.join(known)}")
 
-    async def process(self, request: JobRequest, wait_s: float) -> Job:
-        """Run the job to its end and return it; cancelled if the caller goes away or `wait_s` passes."""
+    async def process(self, request: JobRequest, wait_s: float, caller_gone: Callable[[], bool]) -> Job:
+        """Run the job to its end and return it. It is cancelled when `wait_s` passes (TimeoutError) and when the
+        caller goes away (CallerGone): aiohttp does not cancel a handler whose client disconnects, so the call
+        looks at its connection every CALLER_CHECK_S."""
         job, _ = self.pipeline.submit(request)
         name = request.labels.get("prorl_job_id", job.id)
         self.calls[name].add(job.id)
+        deadline = time.monotonic() + wait_s
         try:
-            await asyncio.wait_for(job.finished.wait(), wait_s)
-        except (asyncio.CancelledError, TimeoutError):
+            while not job.finished.is_set():
+                if caller_gone():
+                    raise CallerGone(job.id)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(job.id)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(job.finished.wait(), min(left, CALLER_CHECK_S))
+        except (asyncio.CancelledError, TimeoutError, CallerGone):
             await asyncio.shield(self.pipeline.cancel(job.id))
             raise
         finally:
@@ -288,6 +310,7 @@ async def prorl_result(job: Job, prorl_instance: dict[str, Any], chat: ChatToken
         error=t.error.message if t.error is not None else None,
         critical_error=error_class if error_class in ("init", "run", "eval", "timeout") else None,
         filter=t.filter,
+        git_patch=t.artifacts.get("git_patch"),
         timing=ProRLTiming(
             init_time=timings.init_s,
             run_time=timings.run_s,
@@ -373,9 +396,7 @@ async def prorl_status(request: web.Request) -> web.Response:
 
 
 async def prorl_add_llm_server(request: web.Request, body: ProRLAddress) -> web.Response:
-    llm = request.app[LEGACY].pipeline.llm
-    llm.add(body.address)
-    await llm.check_health()
+    await request.app[LEGACY].pipeline.llm.check(body.address)
     return json_response(ProRLReply(status=f"Added LLM server address: {body.address}"))
 
 
@@ -396,17 +417,20 @@ async def prorl_process(request: web.Request, body: ProRLProcessRequest) -> web.
     legacy = request.app[LEGACY]
     if not legacy.running:
         return _refuse(503, NOT_RUNNING)
-    job_request = legacy.request(body)
-    if "prorl_ignored" in job_request.labels:
-        log.warning(
-            "job %s: sampling_params not used here: %s", job_request.job_id, job_request.labels["prorl_ignored"]
-        )
+    job_request = legacy.job_request_for(body)
     budget = legacy.pipeline.config.default_timeout_s
     started = time.monotonic()
+
+    def caller_gone() -> bool:
+        return request.transport is None or request.transport.is_closing()
+
     try:
-        job = await legacy.process(job_request, 2 * budget + 10.0)  # ProRL's coordinator waits as long
+        job = await legacy.process(job_request, 2 * budget + 10.0, caller_gone)  # ProRL's coordinator waits as long
     except TimeoutError:
         return _refuse(504, f"Processing timed out after {time.monotonic() - started:.0f} s")
+    except CallerGone:
+        log.info("job %s: its /process caller went away; cancelled", job_request.job_id)
+        return _refuse(499, "the client closed its connection")  # nobody reads it
     if job.id in legacy.stopping:
         legacy.stopping.discard(job.id)
         return _refuse(500, "Failed to process job: Server is stopping; job cancelled")

@@ -155,10 +155,7 @@ async def list_llm_servers(request: web.Request) -> web.Response:
 
 
 async def add_llm_server(request: web.Request, body: LLMServerRequest) -> web.Response:
-    llm = request.app[PIPELINE].llm
-    server = llm.add(body.url)
-    await llm.check_health()
-    return json_response(server.info(), status=201)
+    return json_response(await request.app[PIPELINE].llm.check(body.url), status=201)
 
 
 async def remove_llm_server(request: web.Request, query: LLMServerQuery) -> web.Response:

@@ -25,7 +25,7 @@ from typing import Any
 from prorl_adapter.tasks import Environment, EpisodeState, TaskConfigError, TaskHandler
 from sandbox_runtime.client import SandboxAPIError
 
-from .swe_grading import agent_changes, graded_tree, parse_test_log, tests_verdict
+from .swe_grading import agent_changes, graded_tree, parse_test_log, tests_verdict, unified_patch
 
 REPO = "repo"
 TEST_LOG_BYTES = 8 << 20  # a verbose log in full: a named test cut out of the middle would count as missing
@@ -42,13 +42,13 @@ class SweTask(TaskHandler):
     def from_prorl_instance(self, data_source: str, row: dict[str, Any]) -> dict[str, Any]:
         """A ProRL `swebench` row runs here when it carries the repository itself, as this task's rows do; a
         SWE-Gym or SWE-bench row names an image with the repository instead, which this task cannot run yet."""
-        missing = [name for name in ROW_FIELDS if not row.get(name)]
-        if missing:
+        if not any(row.get(name) for name in ("files", "test_files", "test_command")):
             raise TaskConfigError(
-                f"the row lacks {', '.join(map(repr, missing))}: this service's swe task brings the repository in "
-                "the row (files, test_files, test_command); SWE-bench rows whose repository lives in a "
-                f"per-instance image ({row.get('instance_id', 'its instance_id')}) are not served yet"
+                "the row brings no repository ('files', 'test_files', 'test_command'): this service's swe task "
+                "takes the repository in the row; SWE-bench rows whose repository lives in a per-instance image "
+                f"({row.get('instance_id', 'its instance_id')}) are not served yet"
             )
+        check_row(row)
         return row
 
     def system_prompt(self, instance: dict[str, Any]) -> str:
@@ -61,10 +61,7 @@ class SweTask(TaskHandler):
         return f"{instance['problem_statement']}\n\nRun the tests with: cd {REPO} && {instance['test_command']}"
 
     async def init(self, env: Environment, instance: dict[str, Any]) -> None:
-        for field in ROW_FIELDS:
-            if not instance.get(field):
-                raise TaskConfigError(f"an swe instance needs {field!r}")
-        named_tests(instance, "FAIL_TO_PASS"), named_tests(instance, "PASS_TO_PASS")  # malformed: fail in init
+        check_row(instance)
         for path, content in {**instance["files"], **instance["test_files"]}.items():
             await env.write_file(f"{REPO}/{path}", content)
         result = await env.exec(
@@ -82,6 +79,7 @@ class SweTask(TaskHandler):
             changes = agent_changes(await env.download_archive(repo), original)
         except (SandboxAPIError, ValueError):  # no readable repository (replaced by a link, too large): no patch
             return {"outcome": 0.0}
+        state.artifacts["git_patch"] = unified_patch(changes, original)
         await env.wipe()
         try:  # the runtime refuses a patch whose links lead out of the repository: such a patch scores nothing
             await env.upload_archive(repo, graded_tree(original, instance["test_files"], changes))
@@ -100,6 +98,21 @@ class SweTask(TaskHandler):
         framework = instance.get("test_framework") or ("pytest" if "pytest" in instance["test_command"] else "unittest")
         passed, _ = tests_verdict(parse_test_log(result.output, framework), must_pass, framework)
         return {"outcome": 1.0 if passed else 0.0}
+
+
+def check_row(instance: dict[str, Any]) -> None:
+    """What an swe instance must hold, each of the right type (TaskConfigError naming the first that is not)."""
+    missing = [name for name in ROW_FIELDS if not instance.get(name)]
+    if missing:
+        raise TaskConfigError(f"an swe instance needs {', '.join(map(repr, missing))}")
+    for name in ("problem_statement", "test_command"):
+        if not isinstance(instance[name], str):
+            raise TaskConfigError(f"{name!r} must be a string")
+    for name in ("files", "test_files"):
+        files = instance[name]
+        if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+            raise TaskConfigError(f"{name!r} must map each path to its content (strings)")
+    named_tests(instance, "FAIL_TO_PASS"), named_tests(instance, "PASS_TO_PASS")
 
 
 def named_tests(instance: dict[str, Any], field: str) -> list[str]:

@@ -25,6 +25,7 @@ What this does not defend against:
 
 from __future__ import annotations
 
+import difflib
 import gzip
 import io
 import re
@@ -102,6 +103,47 @@ def agent_changes(agent_tree: bytes, original: Mapping[str, str | bytes], max_by
         symlinks={path: target for path, target in symlinks.items() if staged(path)},
         deleted=frozenset(path for path in originals if path not in files and path not in symlinks),
     )
+
+
+def unified_patch(changes: AgentChanges, original: Mapping[str, str | bytes]) -> str:
+    """The agent's changes as a git-style unified diff (what ProRL's clients read as `git_patch`): text files line
+    by line, a binary file as `Binary files ... differ`, a symlink as its target. For a person or a trainer to read;
+    grading never applies it (it writes `changes` itself)."""
+    originals = {path: _as_bytes(content) for path, content in original.items()}
+    parts: list[str] = []
+    for path in sorted({*changes.written, *changes.symlinks, *changes.deleted}):
+        before = originals.get(path)
+        if path in changes.symlinks:
+            after: bytes | None = changes.symlinks[path].encode()
+            mode = "120000"
+        elif path in changes.written:
+            after, file_mode = changes.written[path]
+            mode = "100755" if file_mode == EXECUTABLE else "100644"
+        else:
+            after, mode = None, "100644"
+        header = [f"diff --git a/{path} b/{path}"]
+        if before is None:
+            header.append(f"new file mode {mode}")
+        elif after is None:
+            header.append(f"deleted file mode {mode}")
+        elif mode != "100644":
+            header += ["old mode 100644", f"new mode {mode}"]
+        old_name = "/dev/null" if before is None else f"a/{path}"
+        new_name = "/dev/null" if after is None else f"b/{path}"
+        try:
+            old_lines = (before or b"").decode().splitlines(keepends=True)
+            new_lines = (after or b"").decode().splitlines(keepends=True)
+        except UnicodeDecodeError:
+            parts.append("\n".join([*header, f"Binary files {old_name} and {new_name} differ"]) + "\n")
+            continue
+        body = "".join(_ended(line) for line in difflib.unified_diff(old_lines, new_lines, old_name, new_name))
+        parts.append("\n".join(header) + "\n" + body)
+    return "".join(parts)
+
+
+def _ended(line: str) -> str:
+    """A diff line as git writes it: a last line without its newline is marked so."""
+    return line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
 
 
 def _read_tree(archive: bytes, max_bytes: int) -> _Tree:

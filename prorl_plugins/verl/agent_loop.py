@@ -117,9 +117,10 @@ def _settings(config) -> ProrlVerlConfig:
     return _checked[key]
 
 
-async def verl_server_urls(server_manager: Any) -> list[str]:
+async def verl_server_urls(server_manager: Any, engine: str | None = None) -> list[str]:
     """The HTTP addresses of verl's LLM server replicas, from the registry of the client's load balancer
-    (`ip:port` there; the OpenAI-compatible API of each replica's vLLM server)."""
+    (`ip:port` there). With verl's SGLang engine (`actor_rollout_ref.rollout.name=sglang`) they name SGLang's
+    protocol, which the service's pool then speaks; else they are vLLM's OpenAI-compatible servers."""
     balancer = getattr(server_manager, "_load_balancer", None)
     if balancer is None:
         raise ProrlVerlConfigError(
@@ -129,7 +130,8 @@ async def verl_server_urls(server_manager: Any) -> list[str]:
     addresses = await balancer.get_all_servers.remote()
     if not addresses:
         raise ProrlVerlConfigError(f"verl has no LLM server replicas registered; or set +{BLOCK}.llm_servers=[...]")
-    return [a if a.startswith(("http://", "https://")) else f"http://{a}" for a in addresses]
+    urls = [a if a.startswith(("http://", "https://")) else f"http://{a}" for a in addresses]
+    return [f"sglang+{url}" for url in urls] if engine == "sglang" else urls
 
 
 @register(AGENT_LOOP_NAME)
@@ -140,7 +142,9 @@ class ProrlAgentLoop(AgentLoopBase):
         prorl = _settings(self.config)
         session = _session(prorl)
         await session.check_sections(prorl)
-        await session.register_llm_servers(list(prorl.llm_servers or await verl_server_urls(self.server_manager)))
+        engine = getattr(self.rollout_config, "name", None)
+        urls = prorl.llm_servers or await verl_server_urls(self.server_manager, engine)
+        await session.register_llm_servers(list(urls))
         sample = VerlSample(row=kwargs, sampling_params=sampling_params, rollout=self.rollout_config)
         try:
             output = await session.call("running an episode", session.driver(prorl).generate(sample))

@@ -29,7 +29,7 @@ from urllib.parse import urlparse
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from prorl_adapter.hooks import PluginConfigError, PluginLoadError, PluginSet
-from prorl_adapter.models import SamplingParams
+from prorl_adapter.models import LLM_PROTOCOLS, SamplingParams
 from prorl_plugins.staleness import StalenessConfig
 
 AGENT_LOOP_NAME = "prorl_agent"
@@ -63,9 +63,6 @@ _KEYS = (
 
 class ProrlVerlConfigError(ValueError):
     """A wrong plugin line; the message names the verl config key and what to write."""
-
-
-LLM_PROTOCOLS = ("openai", "sglang", "prorl")  # an LLM server's URL may name its protocol: sglang+http://...
 
 
 def _url(value: Any, key: str, protocols: tuple[str, ...] = ()) -> str:
