@@ -38,7 +38,9 @@ class ToyBackend:
     def prorl_backend_requests(self, batch: ToyBatch, config: dict[str, Any]) -> list[JobRequest]:
         template = shell_job(*batch.commands, max_turns=config["max_turns"])
         return [
-            job_request("shell", template.instance, group=f"g{i}", sampling=template.sampling, max_turns=1)
+            job_request(
+                "shell", template.instance, group=f"g{i}", sampling=template.sampling, max_turns=template.max_turns
+            )
             for i, _ in enumerate(batch.commands)
         ]
 
@@ -61,7 +63,8 @@ async def test_a_coupled_toy_batch_comes_back_in_the_toy_type(vllm, sandbox_serv
     rollout = start_rollout([sandbox_server.url], [vllm.url])
     try:
         async with RolloutClient(rollout.url) as client:
-            driver = RolloutDriver(client, plugins(), {"max_turns": 1}, wait_s=300)
+            # Two turns: the first turn's tool results are in the context (the last turn's are not appended).
+            driver = RolloutDriver(client, plugins(), {"max_turns": 2}, wait_s=300)
             answer = await driver.generate(ToyBatch(commands=["pwd", "ls"], step=3))
             assert (await client.status()).policy_version == 3  # the backend's version, published first
     finally:
