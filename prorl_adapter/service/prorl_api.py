@@ -431,8 +431,10 @@ async def prorl_process(request: web.Request, body: ProRLProcessRequest) -> web.
     except CallerGone:
         log.info("job %s: its /process caller went away; cancelled", job_request.job_id)
         return _refuse(499, "the client closed its connection")  # nobody reads it
-    if job.id in legacy.stopping:
-        legacy.stopping.discard(job.id)
+    finally:
+        stopped = job_request.job_id in legacy.stopping
+        legacy.stopping.discard(job_request.job_id)
+    if stopped:
         return _refuse(500, "Failed to process job: Server is stopping; job cancelled")
     return json_response(await prorl_result(job, body.instance, legacy.pipeline.chat))
 
