@@ -131,6 +131,18 @@ def operations_under(
     return make
 
 
+def metrics_operation(handler: Handler, tag: str) -> Operation:
+    """`GET /metrics`, as both servers serve it: Prometheus text behind the token."""
+    return Operation(
+        "GET",
+        "/metrics",
+        handler,
+        "Prometheus metrics",
+        (Reply(200, "Prometheus text exposition format", media_type="text/plain"),),
+        tag=tag,
+    )
+
+
 async def parse_body(request: web.Request, model: type[BaseModel], required: bool = True) -> BaseModel:
     """The request's JSON body as `model`. A body must come as application/json: a browser cannot send that
     cross-site without a CORS preflight, which these servers never grant."""

@@ -38,7 +38,7 @@ from .models import (
     ServerInfo,
     SessionDeleted,
 )
-from .openapi import API, Link, Operation, Reply, operations_under
+from .openapi import API, Link, Operation, Reply, metrics_operation, operations_under
 from .session import SessionError, key_bytes
 from .webapp import json_api, json_response, serve_app
 
@@ -240,14 +240,7 @@ RUNTIME_API = API(
     default_port=8765,
     operations=(
         Operation("GET", "/healthz", healthz, "Liveness", (Reply(200, "serving", Health),), public=True, tag="server"),
-        Operation(
-            "GET",
-            "/metrics",
-            metrics,
-            "Prometheus metrics",
-            (Reply(200, "Prometheus text exposition format", media_type="text/plain"),),
-            tag="server",
-        ),
+        metrics_operation(metrics, tag="server"),
         Operation(
             "GET", "/v1/info", server_info, "Backends, limits and policy", (Reply(200, "", ServerInfo),), tag="server"
         ),

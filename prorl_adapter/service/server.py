@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from sandbox_runtime.openapi import API, Link, Operation, Reply, operations_under
+from sandbox_runtime.openapi import API, Link, Operation, Reply, metrics_operation, operations_under
 from sandbox_runtime.webapp import json_api, json_response, serve_app
 
 from .. import __version__
@@ -238,14 +238,7 @@ ROLLOUT_API = API(
             public=True,
             tag="service",
         ),
-        Operation(
-            "GET",
-            "/metrics",
-            metrics,
-            "Prometheus metrics",
-            (Reply(200, "Prometheus text exposition format", media_type="text/plain"),),
-            tag="service",
-        ),
+        metrics_operation(metrics, tag="service"),
         Operation(
             "GET",
             "/v1/status",
