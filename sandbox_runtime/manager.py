@@ -210,6 +210,8 @@ class SandboxManager:
                 403,
             )
         backend = self.backend(name)
+        if spec.forwards and not backend.forwards:
+            raise PolicyError(f"the {backend.name} backend cannot forward ports; the bwrap backend can")
         image_root = self.resolve_image(spec.image)
         spec = spec.model_copy(update={"backend": backend.name, "limits": self._limits(spec.limits)})
         uid = self._allocate_uid() if self.sandbox_uids is not None else None

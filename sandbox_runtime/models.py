@@ -66,6 +66,34 @@ Environment = Annotated[
 ]
 MAX_WORKDIR_BYTES = 1024
 _IMAGE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*(/[A-Za-z0-9_][A-Za-z0-9_.+-]*)*$")
+MAX_FORWARDS = 8
+
+
+class PortForward(_Strict):
+    """A port on the sandbox's own loopback that leads to one address the server reaches (forwards.py), e.g. an
+    agent harness's LLM gateway; the sandbox reaches nothing else. Only with `network: none`."""
+
+    port: int = Field(ge=1, le=65535, description="the port on 127.0.0.1 inside the sandbox")
+    target: str = Field(
+        pattern=r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253}):[0-9]{1,5}$",
+        description="HOST:PORT as the server reaches it ([::1]:PORT for IPv6)",
+        examples=["127.0.0.1:8766"],
+    )
+
+    @field_validator("target")
+    @classmethod
+    def _target_port(cls, value: str) -> str:
+        if not 0 < int(value.rpartition(":")[2]) < 65536:
+            raise ValueError(f"target {value!r} names no port between 1 and 65535")
+        return value
+
+    @property
+    def target_host(self) -> str:
+        return self.target.rpartition(":")[0].strip("[]")
+
+    @property
+    def target_port(self) -> int:
+        return int(self.target.rpartition(":")[2])
 
 
 class SandboxSpec(_Strict):
@@ -87,6 +115,11 @@ class SandboxSpec(_Strict):
     env: Environment = Field(default_factory=dict, description="environment of the sandboxed shell only")
     workdir: str = Field("/workspace", max_length=1024)
     network: Literal["none", "host"] = "none"
+    forwards: list[PortForward] = Field(
+        default_factory=list,
+        max_length=MAX_FORWARDS,
+        description="ports on the sandbox's loopback, each leading to one address (network: none only)",
+    )
     limits: Limits = Field(default_factory=Limits)
     ttl_s: float | None = Field(None, gt=0, description="delete the sandbox this long after creation")
     idle_timeout_s: float | None = Field(None, gt=0, description="delete it after this long without a request")
@@ -122,6 +155,15 @@ class SandboxSpec(_Strict):
     @classmethod
     def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
         return check_env(value)
+
+    @model_validator(mode="after")
+    def _forwards_need_own_network(self) -> SandboxSpec:
+        if self.forwards and self.network != "none":
+            raise ValueError("forwards need network: none (with network: host the sandbox has the host's ports)")
+        ports = [f.port for f in self.forwards]
+        if len(set(ports)) != len(ports):
+            raise ValueError(f"two forwards on one port: {sorted(ports)}")
+        return self
 
 
 MAX_ENV_ENTRY_BYTES = 128 * 1024  # the kernel's MAX_ARG_STRLEN: one NAME=value string, its NUL included
@@ -166,6 +208,7 @@ class SandboxInfo(BaseModel):
     image: str | None
     workdir: str
     network: str
+    forwards: list[PortForward] = Field(default_factory=list)
     limits: Limits
     labels: dict[str, str]
     created_at: float

@@ -65,7 +65,8 @@ class Sandbox:
         old = self._sessions.pop(name, None)
         if old is not None:
             await old.close()
-        session = ShellSession(name, self.backend.launch(self.dirs, self.spec), self._output_limit)
+        launch = self.backend.launch(self.dirs, self.spec)
+        session = ShellSession(name, launch, self._output_limit, self.spec.forwards)
         try:
             await session.start()
         except SessionError as exc:
@@ -195,6 +196,7 @@ class Sandbox:
             image=spec.image,
             workdir=self.workdir,
             network=spec.network,
+            forwards=spec.forwards,
             limits=spec.limits,
             labels=spec.labels,
             created_at=self.created_at,

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from ptyprocess import PtyProcess
 
 from . import procs
-from .models import ExecResult, ExecStatus
+from .forwards import ForwardError, Forwards
+from .models import ExecResult, ExecStatus, PortForward
 from .output import OutputBuffer
 
 MARKER_START = b"\x1e"
@@ -138,9 +139,12 @@ def _resolve(future: asyncio.Future[None]) -> None:
 class ShellSession:
     """One bash process in a PTY. Commands run one at a time; `busy` while one is in flight."""
 
-    def __init__(self, name: str, launch: Launch, default_output_limit: int) -> None:
+    def __init__(
+        self, name: str, launch: Launch, default_output_limit: int, forwards: list[PortForward] | None = None
+    ) -> None:
         self.name = name
         self._launch = launch
+        self._forwards = Forwards(forwards or [])
         self._default_limit = default_output_limit
         self._proc: PtyProcess | None = None
         self.pid = 0
@@ -181,6 +185,20 @@ class ShellSession:
             await self.close()
             raise SessionError(f"shell did not start: {output.strip() or 'no output'}", status=500)
         self.cwd = result[1]
+        if self._forwards.specs:
+            await self._open_forwards()
+
+    async def _open_forwards(self) -> None:
+        """The spec's forwards, in the network namespace of the session's init (the shell is up, so it exists),
+        before the first command can look for them."""
+        inits = procs.children(self.pid) if self._launch.pid_namespace else []
+        try:
+            if len(inits) != 1:
+                raise ForwardError("the sandbox's namespace init was not found")
+            await self._forwards.open(inits[0])
+        except ForwardError as exc:
+            await self.close()
+            raise SessionError(f"shell did not start: {exc}", status=500) from None
 
     @property
     def dead(self) -> bool:
@@ -192,6 +210,7 @@ class ShellSession:
 
     async def close(self) -> None:
         """Kill every process of the session (its whole Unix session) and wait until the shell is reaped."""
+        await self._forwards.close()
         if self._proc is None:
             return
         self._stop_reading()

@@ -100,6 +100,7 @@ class SandboxDirs:
 class Backend(ABC):
     name: str
     isolated: bool = True
+    forwards: bool = False  # whether its sessions have a network namespace of their own to open forwards in
 
     @classmethod
     @abstractmethod

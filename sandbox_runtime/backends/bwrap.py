@@ -30,6 +30,7 @@ HIDDEN = frozenset({"proc", "dev", "sys", "tmp", "home", "root", "run", "mnt", "
 class BwrapBackend(Backend):
     name = "bwrap"
     isolated = True
+    forwards = True
 
     def __init__(self, state_dir: Path, binary: str = "bwrap") -> None:
         self.state_dir = state_dir.resolve()
