@@ -75,6 +75,26 @@ class SamplingParams(_Strict):
     regex: str | None = None
 
 
+def _no_dots(path: str) -> str:
+    if any(part in (".", "..") for part in path.split("/")):
+        raise ValueError(f"{path!r}: no '.' or '..' in a file's path")
+    return path
+
+
+class AgentProgram(_Strict):
+    """An agent harness of the user's own that runs the episode instead of the built-in agent loop: `command`
+    runs in the episode's sandbox with `OPENAI_BASE_URL` and `OPENAI_API_KEY` naming the episode's LLM gateway
+    (docs/gateway.md), and `PRORL_TASK_PROMPT` the task's prompt. Init and eval are the task's as usual."""
+
+    command: str = Field(min_length=1, max_length=64 * 1024, description="a bash command line, run in the sandbox")
+    env: dict[str, str] = Field(default_factory=dict, description="more environment for the program")
+    files: dict[Annotated[str, Field(pattern=r"^/tmp(/[^/\x00]+)+$"), AfterValidator(_no_dots)], str] = Field(
+        default_factory=dict,
+        description="files written into the sandbox's /tmp at init, by path: the program's code where the image "
+        "does not hold it",
+    )
+
+
 class JobRequest(_Strict):
     """Body of POST /v1/jobs: one episode of one task instance."""
 
@@ -99,6 +119,9 @@ class JobRequest(_Strict):
     max_context_tokens: int = Field(4096, gt=0)
     timeout_s: float | None = Field(None, gt=0, description="budget for init + run + eval; queueing not counted")
     labels: dict[str, str] = Field(default_factory=dict)
+    agent: AgentProgram | None = Field(
+        None, description="run this program through the LLM gateway instead of the built-in agent loop"
+    )
 
 
 class JobState(str, Enum):  # noqa: UP042 - StrEnum would change str(state), which logs and messages use
@@ -116,7 +139,8 @@ class JobState(str, Enum):  # noqa: UP042 - StrEnum would change str(state), whi
 
 
 ErrorClass = Literal["init", "run", "eval", "timeout", "cancelled"]
-FinishReason = Literal["finish", "max_turns", "max_context", "no_tool_call", "error"]
+# `agent_exit`: an agent program (JobRequest.agent) ended; `agent_timeout`: it ran out of time and was stopped.
+FinishReason = Literal["finish", "max_turns", "max_context", "no_tool_call", "error", "agent_exit", "agent_timeout"]
 
 
 class JobError(BaseModel):
@@ -130,10 +154,12 @@ class ToolCall(BaseModel):
 
 
 class Turn(BaseModel):
-    """One policy turn and the tool results that followed it. The policy's tokens of the turn are
-    `response_ids[response_start : response_start + response_tokens]` of the trajectory."""
+    """One policy turn (for an agent program: one LLM gateway call) and the tool results that followed it. The
+    policy's tokens of the turn are `response_ids[response_start : response_start + response_tokens]` of the
+    trajectory's segment `segment` (0: the trajectory's own fields; k: `segments[k - 1]`)."""
 
     index: int
+    segment: int = 0
     policy_version: int
     llm_server: str
     response_start: int = Field(ge=0)
@@ -158,12 +184,26 @@ class StageTimings(BaseModel):
     tools_s: float = 0.0
 
 
+class Segment(BaseModel):
+    """One token sequence of an episode, trainable on its own: a prompt, then the policy's and the context's
+    tokens interleaved (mask 1 where the policy sampled, 0 elsewhere), as in a Trajectory's own fields."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    response_logprobs: list[float]
+
+
 class Trajectory(BaseModel):
     """A finished episode, as the trainer consumes it.
 
     `response_ids` holds every token after the prompt, the policy's and the tools' interleaved;
     `response_mask[i]` is 1 where the policy sampled token i and 0 where a tool result or template put it;
     `response_logprobs[i]` is the policy's logprob of token i (0.0 where the mask is 0).
+
+    An agent program that rewrote its history (a summary, a truncation) made several token sequences: the first
+    is in the trajectory's own fields, the others in `segments`, each with its own prompt (docs/gateway.md).
+    Every sampled token is in exactly one of them; the reward is the episode's, shared by all.
     """
 
     job_id: str
@@ -187,6 +227,19 @@ class Trajectory(BaseModel):
     artifacts: dict[str, str] = Field(
         default_factory=dict, description="what the task's eval produced besides the reward (swe: git_patch)"
     )
+    segments: list[Segment] = Field(
+        default_factory=list, description="the episode's further token sequences, after the first (agent programs)"
+    )
+
+    def all_segments(self) -> list[Segment]:
+        """Every token sequence of the episode, the trajectory's own first."""
+        own = Segment(
+            prompt_ids=self.prompt_ids,
+            response_ids=self.response_ids,
+            response_mask=self.response_mask,
+            response_logprobs=self.response_logprobs,
+        )
+        return [own, *self.segments]
 
 
 class JobStatus(BaseModel):

@@ -70,7 +70,8 @@ def bearer_auth(token: str | None, open_paths: frozenset[str]) -> Middleware:
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if token and request.path not in open_paths:
+        resource = request.match_info.route.resource  # a public path may hold parameters (/gateway/{key}/...)
+        if token and (resource.canonical if resource is not None else request.path) not in open_paths:
             # aiohttp decodes header bytes as UTF-8 with surrogateescape: encode them back the same way.
             sent = request.headers.get("Authorization", "").encode("utf-8", errors="surrogateescape")
             if not hmac.compare_digest(sent, expected):

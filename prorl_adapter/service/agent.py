@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..models import FinishReason, JobRequest, ToolCall, Turn
+from ..models import FinishReason, JobRequest, SamplingParams, Segment, ToolCall, Turn
 from ..tasks import Environment, EpisodeState, TaskHandler, Tool
 from .chat import ChatTokenizer, parse_tool_calls
-from .llm import LLMPool, Pin
+from .llm import Generation, LLMPool, Pin
 
 MAX_OBSERVATION_CHARS = 8000
 
@@ -30,6 +30,7 @@ class Episode:
     turns: list[Turn] = field(default_factory=list)
     finish_reason: FinishReason = "max_turns"
     state: EpisodeState = field(default_factory=EpisodeState)
+    segments: list[Segment] = field(default_factory=list)  # token sequences after the first (agent programs)
     generate_s: float = 0.0
     tools_s: float = 0.0
 
@@ -64,6 +65,20 @@ class PromptTooLong(Exception):
     """The task's prompt alone does not fit the episode's context: there is nothing to sample."""
 
 
+async def sample(
+    llm: LLMPool, chat: ChatTokenizer, prompt_ids: list[int], sampling: SamplingParams, pin: Pin
+) -> Generation:
+    """One turn from the pool, with its text and finish reason filled in whatever the server's protocol gave."""
+    generation = await llm.generate(prompt_ids, sampling, pin)
+    ids = generation.token_ids
+    closed = bool(ids) and ids[-1] == chat.eos_id
+    if generation.text is None:  # the server's protocol returns ids only; the text of a turn ends before its eos
+        generation.text = await chat.off_loop(chat.decode, ids[:-1] if closed else ids)
+    if generation.finish_reason is None and not closed and len(ids) >= sampling.max_tokens:
+        generation.finish_reason = "length"  # a protocol that says no reason (ProRL's): cut at its token limit
+    return generation
+
+
 async def start_episode(
     request: JobRequest, handler: TaskHandler, chat: ChatTokenizer
 ) -> tuple[Episode, dict[str, Tool]]:
@@ -91,13 +106,7 @@ async def policy_turn(
         episode.finish_reason = "max_context"
         return None
     sampling = request.sampling.model_copy(update={"max_tokens": min(request.sampling.max_tokens, room)})
-    generation = await llm.generate(episode.prompt_ids + episode.response_ids, sampling, pin)
-    ids = generation.token_ids
-    closed = bool(ids) and ids[-1] == chat.eos_id
-    if generation.text is None:  # the server's protocol returns ids only; the text of a turn ends before its eos
-        generation.text = await chat.off_loop(chat.decode, ids[:-1] if closed else ids)
-    if generation.finish_reason is None and not closed and len(ids) >= sampling.max_tokens:
-        generation.finish_reason = "length"  # a protocol that says no reason (ProRL's): cut at its token limit
+    generation = await sample(llm, chat, episode.prompt_ids + episode.response_ids, sampling, pin)
     start = len(episode.response_ids)
     episode.append(generation.token_ids, 1, generation.logprobs)
     episode.generate_s += generation.seconds

@@ -30,6 +30,7 @@ class ChatTokenizer:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" banner
         from transformers import AutoTokenizer  # heavy import, paid once per process
 
+        self.name = name_or_path
         self.tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         if not self.tokenizer.chat_template:
             raise ValueError(f"tokenizer {name_or_path!r} has no chat template")
@@ -40,7 +41,7 @@ class ChatTokenizer:
         if end < 0:
             raise ValueError("the chat template does not end an assistant turn with the eos token")
         # What the template writes after the eos that closes an assistant turn (ChatML: a newline).
-        self._after_eos = rendered[end + len(self.eos_text) :]
+        self.after_eos = rendered[end + len(self.eos_text) :]
         self._dummy_rendered = rendered
         # One thread for the service's tokenisation: a megabyte prompt takes seconds, which must not stall the
         # event loop, and one thread keeps a tokenizer that is not safe to share off concurrent calls.
@@ -73,7 +74,7 @@ class ChatTokenizer:
         with_tools = self.render(_DUMMY + tool_messages, tools=None, add_generation_prompt=True)
         if not with_tools.startswith(self._dummy_rendered):
             raise ValueError("the chat template re-renders earlier turns when a tool message follows")
-        text = self._after_eos + with_tools[len(self._dummy_rendered) :]
+        text = self.after_eos + with_tools[len(self._dummy_rendered) :]
         return self.encode(text if closed_by_eos else self.eos_text + text)
 
 
@@ -114,6 +115,14 @@ def parse_tool_calls(text: str) -> ParsedCalls:
             else:
                 calls.append(call)
     return ParsedCalls(calls, errors)
+
+
+def strip_tool_calls(text: str) -> str:
+    """The text of a turn that made tool calls, without them: what an OpenAI answer carries as `content`. A
+    turn that was one JSON call as a whole leaves nothing."""
+    if not _TOOL_CALL.search(text):
+        return ""
+    return _TOOL_CALL.sub("", text).strip()
 
 
 def _to_call(item: Any) -> tuple[ToolCall | None, str | None]:

@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="labels this service's sandboxes; a restart with the same id deletes what the last run left "
         "(default: prorl-rollout@HOST:PORT)",
     )
+    serve.add_argument(
+        "--gateway-address",
+        default=None,
+        help="HOST:PORT at which the sandbox runtimes reach this service's LLM gateway (agent programs); "
+        "default: this service's own address (127.0.0.1 when it listens on all interfaces)",
+    )
     serve.add_argument("--log-level", default="INFO")
     plugins = sub.add_parser("plugins", help="list the plugins and task handlers that would be loaded")
     plugins.add_argument("--plugin", action="append", default=[])
@@ -77,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     openapi = sub.add_parser("openapi", help="print the API's OpenAPI document, or write it and its reference")
     openapi.add_argument("--out", type=Path, default=None, help="write rollout.json and rollout.md in this folder")
     return parser
+
+
+def default_gateway_address(host: str, port: int) -> str:
+    """Where a runtime on this machine reaches the service: its host, or loopback for a wildcard address."""
+    if host in ("", "0.0.0.0", "::"):
+        host = "127.0.0.1"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             max_run_workers=args.max_run_workers,
             max_eval_workers=args.max_eval_workers,
             default_timeout_s=args.timeout,
+            gateway_address=args.gateway_address or default_gateway_address(args.host, args.port),
         ),
         plugins=args.plugin,
         blocked_plugins=args.block_plugin,

@@ -29,7 +29,9 @@ from ..hooks.plugin_set import PluginSet, RewardComponentConflict
 from ..models import ErrorClass, JobError, JobRequest, JobState, JobStatus, StageTimings, Trajectory
 from ..tasks import Environment, TaskConfigError, TaskHandler
 from .agent import Episode, PromptTooLong, run_episode
+from .agent_program import ProgramFailed, run_program
 from .chat import ChatTokenizer
+from .gateway import SANDBOX_PORT, Gateway
 from .llm import LLMPool, LLMRequestError, LLMUnavailable
 from .sandboxes import SandboxPool, SandboxServerError
 
@@ -44,6 +46,8 @@ class PipelineConfig:
     default_timeout_s: float = 1800.0
     max_init_attempts: int = 2
     keep_finished: int = 100_000  # finished jobs kept for their results; the oldest are forgotten first
+    # HOST:PORT at which the sandbox runtimes reach this service's LLM gateway (agent programs); None: none can.
+    gateway_address: str | None = None
 
 
 SANDBOX_TTL_MARGIN_S = 600.0
@@ -125,6 +129,7 @@ class RolloutPipeline:
         self._finish_times: deque[float] = deque(maxlen=10_000)
         self._queues = {name: asyncio.Queue() for name in ("init", "run", "eval")}
         self._workers: list[asyncio.Task] = []
+        self.gateway = Gateway(llm, chat, lambda: self.policy_version)
 
     @property
     def policy_version(self) -> int:
@@ -221,6 +226,10 @@ class RolloutPipeline:
         # and ten minutes): the budget counts stage time, while the sandbox also lives through queue waits.
         budget = job.budget_left(self.config.default_timeout_s)
         spec.setdefault("ttl_s", 2 * budget + SANDBOX_TTL_MARGIN_S)
+        if job.request.agent is not None:  # its program reaches the gateway, and nothing else
+            if self.config.gateway_address is None:
+                raise StageFailed("init", "this service has no gateway address for agent programs (--gateway-address)")
+            spec["forwards"] = [{"port": SANDBOX_PORT, "target": self.config.gateway_address}]
         failed_on: set[str] = set()
         last_error = ""
         for _ in range(self.config.max_init_attempts):
@@ -228,6 +237,8 @@ class RolloutPipeline:
             try:
                 job.env = await self.sandboxes.acquire(spec, exclude=failed_on)
                 await job.handler.init(job.env.for_task(), job.request.instance)
+                for path, content in (job.request.agent.files if job.request.agent else {}).items():
+                    await job.env.write_file(path, content)
                 return
             except TaskConfigError as exc:
                 raise StageFailed("init", f"task set-up failed: {exc}") from exc
@@ -240,9 +251,15 @@ class RolloutPipeline:
 
     async def _run(self, job: Job) -> None:
         try:
-            job.episode = await run_episode(
-                job.request, job.handler, job.env, self.chat, self.llm, lambda: self.policy_version
-            )
+            if job.request.agent is not None:
+                budget = job.budget_left(self.config.default_timeout_s)
+                job.episode = await run_program(job.id, job.request, job.handler, job.env, self.gateway, budget)
+            else:
+                job.episode = await run_episode(
+                    job.request, job.handler, job.env, self.chat, self.llm, lambda: self.policy_version
+                )
+        except ProgramFailed as exc:
+            raise StageFailed("run", str(exc)) from exc
         except (LLMUnavailable, LLMRequestError) as exc:
             raise StageFailed("run", f"LLM: {exc}") from exc
         except PromptTooLong as exc:
@@ -395,6 +412,7 @@ class RolloutPipeline:
             filter=job.error is not None,
             labels=job.request.labels,
             artifacts=episode.state.artifacts,
+            segments=episode.segments,
         )
 
     def _forget_old_jobs(self) -> None:

@@ -43,7 +43,7 @@ from ..models import (
     Trajectory,
     WaitQuery,
 )
-from . import prorl_api
+from . import gateway, prorl_api
 from .chat import ChatTokenizer
 from .config import RolloutConfig
 from .decoupled import Producer
@@ -383,6 +383,7 @@ ROLLOUT_API = API(
             (Reply(200, "", BufferStatus),),
             tag="decoupled",
         ),
+        *gateway.OPERATIONS,
         *prorl_api.OPERATIONS,
     ),
 )
@@ -429,6 +430,7 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
         tokenizer = chat or ChatTokenizer(config.tokenizer)
         app[PIPELINE] = RolloutPipeline(app[PLUGINS], tasks, app[SANDBOXES], app[LLM], tokenizer, config.pipeline)
         app[prorl_api.LEGACY] = prorl_api.ProRLLegacy(app[PIPELINE])
+        app[gateway.GATEWAY] = app[PIPELINE].gateway
         await app[PIPELINE].start()
         yield
         await app[PIPELINE].stop()

@@ -19,8 +19,10 @@ _OFFSET = 16  # character c is id ord(c) + _OFFSET, clear of the special ids
 
 
 class CharChat:
+    name = "char-chat"
     eos_id = SPECIAL[END]
     eos_text = END
+    after_eos = "\n"  # what the template writes after the eos that closes an assistant turn
 
     async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
         return work(*args)

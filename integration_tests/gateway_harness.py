@@ -1,0 +1,112 @@
+"""An agent harness for the gateway tests (NOT a real agent): it runs inside the episode's sandbox, as a team's
+own harness would, on the official `openai` client or on `litellm`, and does exactly what a test asks through
+its environment. It knows the gateway only as OPENAI_BASE_URL and OPENAI_API_KEY.
+
+    HARNESS_CLIENT=openai|litellm   HARNESS_STREAM=0|1   HARNESS_STEPS=N
+    HARNESS_EDIT=1                  send the first answer back edited (a harness that rewrites its history)
+    HARNESS_FOREIGN_KEY=KEY         first try a call with another episode's key and print what happened
+    HARNESS_PROBE_PORT=PORT         print whether 127.0.0.1:PORT (a host port, not forwarded) can be reached
+    HARNESS_CONTINUE=1              after an answer without tool calls, say "Go on." instead of stopping
+
+Each step prints one JSON line: {"step", "tool_calls", "content", "finish_reason"}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+
+BASE, KEY = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "bash",
+            "description": "Run a bash command in the sandbox.",
+            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+        },
+    }
+]
+
+
+def ask(messages: list[dict], key: str = KEY) -> dict:
+    """One chat call; the answer as a message dict (the streamed chunks put together) plus its finish reason."""
+    stream = os.environ.get("HARNESS_STREAM") == "1"
+    if os.environ.get("HARNESS_CLIENT") == "litellm":
+        import litellm
+
+        answer = litellm.completion(
+            model="openai/policy", api_base=BASE, api_key=key, messages=messages, tools=TOOLS, stream=stream
+        )
+    else:
+        import openai
+
+        client = openai.OpenAI(base_url=BASE.replace(KEY, key), api_key=key, max_retries=0)
+        answer = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, stream=stream)
+    if not stream:
+        choice = answer.choices[0]
+        message = choice.message.model_dump(exclude_none=True)
+        return {"message": message, "finish_reason": choice.finish_reason}
+    content, calls, finish = "", {}, None
+    for chunk in answer:
+        if not chunk.choices:
+            continue
+        delta, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason or finish
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            slot = calls.setdefault(
+                call.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+            )
+            slot["id"] = call.id or slot["id"]
+            slot["function"]["name"] += call.function.name or ""
+            slot["function"]["arguments"] += call.function.arguments or ""
+    message = {"role": "assistant", "content": content or None}
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return {"message": message, "finish_reason": finish}
+
+
+def run_tool(call: dict) -> str:
+    command = json.loads(call["function"]["arguments"]).get("command", "")
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=30)
+    return (done.stdout + done.stderr)[-2000:] + f"[exit {done.returncode}]"
+
+
+def main() -> None:
+    if os.environ.get("HARNESS_PROBE_PORT"):
+        with socket.socket() as s:
+            s.settimeout(3)
+            reached = s.connect_ex(("127.0.0.1", int(os.environ["HARNESS_PROBE_PORT"]))) == 0
+        print(json.dumps({"probe": "reachable" if reached else "unreachable"}), flush=True)
+    if os.environ.get("HARNESS_FOREIGN_KEY"):
+        try:
+            ask([{"role": "user", "content": "hi"}], key=os.environ["HARNESS_FOREIGN_KEY"])
+            print(json.dumps({"foreign": "accepted"}), flush=True)
+        except Exception as exc:  # the client's own error type: what a harness would see
+            print(json.dumps({"foreign": getattr(exc, "status_code", str(exc))}), flush=True)
+    messages = [
+        {"role": "system", "content": "You work in a Linux sandbox."},
+        {"role": "user", "content": os.environ.get("PRORL_TASK_PROMPT", "")},
+    ]
+    for step in range(int(os.environ.get("HARNESS_STEPS", "2"))):
+        answer = ask(messages)
+        message = answer["message"]
+        calls = message.get("tool_calls") or []
+        print(json.dumps({"step": step, "tool_calls": calls, "content": message.get("content"), **answer}), flush=True)
+        if step == 0 and os.environ.get("HARNESS_EDIT") == "1":
+            message = {"role": "assistant", "content": "I will look around first."}  # the history, rewritten
+            calls = []
+            messages += [message, {"role": "user", "content": "Go on."}]
+            continue
+        messages.append(message)
+        if not calls and os.environ.get("HARNESS_CONTINUE") == "1":
+            messages.append({"role": "user", "content": "Go on."})
+        elif not calls:
+            break
+        messages += [{"role": "tool", "tool_call_id": c["id"], "content": run_tool(c)} for c in calls]
+
+
+if __name__ == "__main__":
+    main()

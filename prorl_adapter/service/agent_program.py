@@ -1,0 +1,77 @@
+"""The run stage of an episode driven by an agent program of the user's own (JobRequest.agent).
+
+The program runs in the episode's sandbox, in the agent's shell session, with the gateway's base URL and the
+episode's key in its environment (the sandbox reaches the gateway through a forward made at init, and nothing
+else). Its own tools run in the sandbox because it does. When it exits (or runs out of the job's time and is
+stopped) the key is refused, and the calls it made become the trajectory's segments and turns
+(token_history.py). A program that made no call produced nothing to train on: the run fails, with its exit
+code and the end of its output, so a harness that cannot start is seen at once.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+
+from ..models import JobRequest
+from ..tasks import Environment, TaskHandler
+from .agent import Episode, clip
+from .gateway import Gateway
+
+STOP_MARGIN_S = 3.0  # the runtime's interrupt and kill graces, so the program is stopped before the stage is
+MAX_PROGRAM_S = 3600.0  # the runtime's default longest command (its --max-timeout)
+OUTPUT_ARTIFACT_CHARS = 8000
+
+
+class ProgramFailed(Exception):
+    """The program made no LLM call."""
+
+
+def program_command(command: str, env: dict[str, str]) -> str:
+    """`command` with `env` exported, in a subshell so nothing of it stays in the session's shell."""
+    exports = "".join(f"export {name}={shlex.quote(value)}; " for name, value in env.items())
+    return f"( {exports}{command}\n)"
+
+
+async def run_program(
+    job_id: str, request: JobRequest, handler: TaskHandler, env: Environment, gateway: Gateway, budget_s: float
+) -> Episode:
+    agent = request.agent
+    episode = gateway.open(job_id, request)
+    try:
+        variables = {
+            **agent.env,
+            "OPENAI_BASE_URL": episode.base_url(),
+            "OPENAI_API_KEY": episode.key,
+            "PRORL_TASK_PROMPT": handler.user_prompt(request.instance),
+        }
+        started = time.perf_counter()
+        result = await env.exec(
+            program_command(agent.command, variables), timeout=min(max(budget_s - STOP_MARGIN_S, 1.0), MAX_PROGRAM_S)
+        )
+    finally:
+        gateway.close(episode)
+    elapsed = time.perf_counter() - started
+    output = clip(result.output, OUTPUT_ARTIFACT_CHARS)
+    if not episode.log.calls:
+        raise ProgramFailed(
+            f"the agent program made no LLM call (status {result.status}, exit code {result.exit_code}): "
+            f"{output[-2000:]}"
+        )
+    segments, turns = episode.log.segments()
+    first, more = segments[0], segments[1:]
+    run = Episode(
+        prompt_ids=first.prompt_ids,
+        response_ids=first.response_ids,
+        response_mask=first.response_mask,
+        response_logprobs=first.response_logprobs,
+        turns=turns,
+        finish_reason="agent_timeout" if result.status == "timeout" else "agent_exit",
+        segments=more,
+        generate_s=sum(t.generate_s for t in turns),
+    )
+    run.tools_s = max(elapsed - run.generate_s, 0.0)  # the program's own time: its tools and its thinking
+    run.state.turns = len(turns)
+    run.state.response_tokens = sum(t.response_tokens for t in turns)
+    run.state.artifacts.update({"agent_output": output, "agent_exit_code": str(result.exit_code)})
+    return run

@@ -1,0 +1,366 @@
+"""The LLM gateway: an OpenAI-compatible endpoint per episode, served in token space, every call recorded.
+
+An agent program (JobRequest.agent) gets `OPENAI_BASE_URL=http://127.0.0.1:8766/gateway/<key>/v1` in its sandbox,
+where port 8766 is forwarded to this service by the runtime (sandbox_runtime/forwards.py) and nothing else is
+reachable. The key is random, made when the episode's run starts and refused once it ends: it is both the
+credential and the episode's identity, so no bearer token is needed on these paths, and a call can only ever
+land in its own episode's record.
+
+Each chat call's prompt is built by the token-history rule (token_history.py) and sampled through the LLM pool
+as the built-in agent loop samples (balancing, health, failover, the policy version of the moment); the answer
+carries text, parsed `tool_calls` and the exact ids. Sampling settings are the job's: a harness's temperature
+or top_p would make the recorded logprobs those of another policy, so they are ignored; its max_tokens and stop
+strings are honoured. A streamed call is sampled whole, then sent as chunks (docs/gateway.md).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+from sandbox_runtime.openapi import Operation, Reply
+from sandbox_runtime.webapp import json_response
+
+from ..models import JobRequest, ToolCall
+from .agent import sample
+from .chat import ChatTokenizer, parse_tool_calls, strip_tool_calls
+from .llm import LLMPool, LLMRequestError, LLMUnavailable, Pin
+from .openai_wire import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChoiceLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    FunctionCall,
+    ModelCard,
+    ModelList,
+    TokenLogprob,
+    ToolCallOut,
+    Usage,
+)
+from .token_history import Call, CallLog, canonical, tools_key
+
+SANDBOX_PORT = 8766  # where the gateway is on a sandbox's own loopback
+
+
+class GatewayError(Exception):
+    """A call the gateway refuses; `status` is the HTTP status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class GatewayEpisode:
+    key: str
+    job_id: str
+    request: JobRequest
+    log: CallLog = field(default_factory=CallLog)
+    pin: Pin = field(default_factory=Pin)
+    calls_started: int = 0
+    open: bool = True
+
+    def base_url(self, port: int = SANDBOX_PORT) -> str:
+        return f"http://127.0.0.1:{port}/gateway/{self.key}/v1"
+
+
+class Gateway:
+    def __init__(self, llm: LLMPool, chat: ChatTokenizer, policy_version: Callable[[], int]) -> None:
+        self.llm = llm
+        self.chat = chat
+        self.policy_version = policy_version
+        self._episodes: dict[str, GatewayEpisode] = {}
+
+    @property
+    def model(self) -> str:
+        """The model id the gateway answers with: the policy's tokenizer's name."""
+        return Path(self.chat.name).name or "policy"
+
+    def open(self, job_id: str, request: JobRequest) -> GatewayEpisode:
+        episode = GatewayEpisode(secrets.token_urlsafe(32), job_id, request)
+        self._episodes[episode.key] = episode
+        return episode
+
+    def close(self, episode: GatewayEpisode) -> None:
+        """The episode's run is over: its key is refused from now on, and calls still in flight are not recorded."""
+        episode.open = False
+        self._episodes.pop(episode.key, None)
+
+    def episode(self, key: str) -> GatewayEpisode:
+        episode = self._episodes.get(key)
+        if episode is None:
+            raise GatewayError(404, "no running episode has this key (it is another's, made up, or its run is over)")
+        return episode
+
+    @property
+    def open_episodes(self) -> int:
+        return len(self._episodes)
+
+    # -- calls ------------------------------------------------------------------------------------------
+    async def chat_completion(self, episode: GatewayEpisode, body: ChatCompletionRequest) -> ChatCompletion:
+        self._count_call(episode)
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        tools = body.tools or None
+        prompt_ids = await self.chat.off_loop(episode.log.chat_prompt, self.chat, messages, tools)
+        limit = body.max_completion_tokens or body.max_tokens
+        call, text = await self._sample(episode, prompt_ids, limit, body.stops())
+        calls = [] if body.tool_choice == "none" else parse_tool_calls(text).calls
+        content = strip_tool_calls(text) if calls else text
+        out_calls = [
+            ToolCallOut(
+                id=f"call_{uuid.uuid4().hex[:24]}",
+                function=FunctionCall(name=c.name, arguments=json.dumps(c.arguments)),
+            )
+            for c in calls
+        ]
+        message = AssistantMessage(content=content or (None if calls else ""), tool_calls=out_calls or None)
+        call.messages = [canonical(m) for m in messages]
+        call.tools = tools_key(tools)
+        call.reply = canonical(message.model_dump(exclude_none=True))
+        call.tool_calls = [ToolCall(name=c.name, arguments=c.arguments) for c in calls]
+        self._record(episode, call)
+        finish = "tool_calls" if calls else _finish(call.finish_reason)
+        logprobs = None
+        if body.logprobs:
+            pieces = await self.chat.off_loop(self.chat.tokenizer.convert_ids_to_tokens, call.response_ids)
+            logprobs = ChoiceLogprobs(
+                content=[TokenLogprob(token=t, logprob=p) for t, p in zip(pieces, call.response_logprobs)]
+            )
+        return ChatCompletion(
+            id=f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=body.model or self.model,
+            choices=[ChatChoice(message=message, finish_reason=finish, logprobs=logprobs, token_ids=call.response_ids)],
+            usage=_usage(call),
+            prompt_token_ids=call.prompt_ids,
+        )
+
+    async def completion(self, episode: GatewayEpisode, body: CompletionRequest) -> Completion:
+        self._count_call(episode)
+        if isinstance(body.prompt, str):
+            prompt_ids = await self.chat.off_loop(self.chat.encode, body.prompt)
+        else:
+            prompt_ids = list(body.prompt)
+        call, text = await self._sample(episode, prompt_ids, body.max_tokens, body.stops())
+        self._record(episode, call)
+        logprobs = None
+        if body.logprobs:
+            pieces = await self.chat.off_loop(self.chat.tokenizer.convert_ids_to_tokens, call.response_ids)
+            logprobs = CompletionLogprobs(tokens=pieces, token_logprobs=call.response_logprobs)
+        return Completion(
+            id=f"cmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=body.model or self.model,
+            choices=[
+                CompletionChoice(
+                    text=text, finish_reason=_finish(call.finish_reason), logprobs=logprobs, token_ids=call.response_ids
+                )
+            ],
+            usage=_usage(call),
+            prompt_token_ids=call.prompt_ids,
+        )
+
+    def _count_call(self, episode: GatewayEpisode) -> None:
+        if episode.calls_started >= episode.request.max_turns:
+            raise GatewayError(400, f"this episode's turn limit is reached: max_turns={episode.request.max_turns}")
+        episode.calls_started += 1
+
+    async def _sample(
+        self, episode: GatewayEpisode, prompt_ids: list[int], max_tokens: int | None, stops: list[str]
+    ) -> tuple[Call, str]:
+        job = episode.request
+        room = job.max_context_tokens - len(prompt_ids)
+        if room <= 0:
+            limit = job.max_context_tokens
+            raise GatewayError(
+                400, f"the prompt is {len(prompt_ids)} tokens; the episode's max_context_tokens: {limit}"
+            )
+        sampling = job.sampling.model_copy(
+            update={
+                "max_tokens": min(job.sampling.max_tokens, max_tokens or job.sampling.max_tokens, room),
+                "stop": [*job.sampling.stop, *stops],
+            }
+        )
+        version = self.policy_version()
+        try:
+            generation = await sample(self.llm, self.chat, prompt_ids, sampling, episode.pin)
+        except LLMUnavailable as exc:
+            raise GatewayError(503, f"no LLM server can answer now: {exc}") from exc
+        except LLMRequestError as exc:
+            raise GatewayError(400, f"the LLM server refused the request: {exc}") from exc
+        text = generation.text or ""
+        call = Call(
+            prompt_ids=prompt_ids,
+            response_ids=generation.token_ids,
+            response_logprobs=generation.logprobs,
+            messages=None,
+            tools=None,
+            reply=None,
+            policy_version=version,
+            server=generation.server,
+            finish_reason=generation.finish_reason,
+            text=text,
+            tool_calls=[],
+            generate_s=generation.seconds,
+        )
+        return call, text
+
+    @staticmethod
+    def _record(episode: GatewayEpisode, call: Call) -> None:
+        if not episode.open:  # answered after the run ended: the trajectory is already built without it
+            raise GatewayError(404, "the episode's run ended while this call was sampled; it was not recorded")
+        episode.log.record(call)
+
+
+def _finish(reason: str | None) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def _usage(call: Call) -> Usage:
+    return Usage(
+        prompt_tokens=len(call.prompt_ids),
+        completion_tokens=len(call.response_ids),
+        total_tokens=len(call.prompt_ids) + len(call.response_ids),
+    )
+
+
+# -- HTTP -----------------------------------------------------------------------------------------------
+GATEWAY = web.AppKey("gateway", Gateway)
+
+
+def _episode(request: web.Request) -> GatewayEpisode:
+    return request.app[GATEWAY].episode(request.match_info["key"])
+
+
+async def gateway_models(request: web.Request) -> web.Response:
+    _episode(request)
+    gateway = request.app[GATEWAY]
+    return json_response(ModelList(data=[ModelCard(id=gateway.model, created=int(time.time()))]))
+
+
+async def gateway_chat_completions(request: web.Request, body: ChatCompletionRequest) -> web.StreamResponse:
+    gateway = request.app[GATEWAY]
+    answer = await gateway.chat_completion(_episode(request), body)
+    if not body.stream:
+        return json_response(answer)
+    return await _stream(
+        request, _chat_chunks(answer, include_usage=bool(body.stream_options and body.stream_options.include_usage))
+    )
+
+
+async def gateway_completions(request: web.Request, body: CompletionRequest) -> web.StreamResponse:
+    gateway = request.app[GATEWAY]
+    answer = await gateway.completion(_episode(request), body)
+    if not body.stream:
+        return json_response(answer)
+    return await _stream(
+        request,
+        _completion_chunks(answer, include_usage=bool(body.stream_options and body.stream_options.include_usage)),
+    )
+
+
+def _usage_wanted(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+async def _stream(request: web.Request, chunks: list[dict]) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    for chunk in chunks:
+        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def _chat_chunks(answer: ChatCompletion, include_usage: bool) -> list[dict]:
+    """The answer as OpenAI's stream of chunks: the role, the text, the tool calls, the finish reason."""
+    choice = answer.choices[0]
+    head = {"id": answer.id, "object": "chat.completion.chunk", "created": answer.created, "model": answer.model}
+
+    def chunk(delta: dict, finish: str | None = None, **extra) -> dict:
+        return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]}
+
+    chunks = [chunk({"role": "assistant", "content": ""})]
+    if choice.message.content:
+        logprobs = choice.logprobs.model_dump() if choice.logprobs else None
+        chunks.append(chunk({"content": choice.message.content}, logprobs=logprobs))
+    for index, call in enumerate(choice.message.tool_calls or []):
+        chunks.append(chunk({"tool_calls": [{"index": index, **call.model_dump()}]}))
+    chunks.append(chunk({}, choice.finish_reason, token_ids=choice.token_ids))
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": answer.usage.model_dump()})
+    return chunks
+
+
+def _completion_chunks(answer: Completion, include_usage: bool) -> list[dict]:
+    choice = answer.choices[0]
+    head = {"id": answer.id, "object": "text_completion", "created": answer.created, "model": answer.model}
+    chunks = [
+        {**head, "choices": [{"index": 0, "text": choice.text, "finish_reason": None, "logprobs": None}]},
+        {
+            **head,
+            "choices": [{"index": 0, "text": "", "finish_reason": choice.finish_reason, "token_ids": choice.token_ids}],
+        },
+    ]
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": answer.usage.model_dump()})
+    return chunks
+
+
+KEY = {"key": {"type": "string", "description": "the episode's key, as OPENAI_API_KEY gives it", "maxLength": 128}}
+REFUSED = {
+    404: "no running episode has this key",
+    400: "the turn limit or the context is used up, or the LLM server refused it",
+}
+_STREAM = "JSON; with `stream: true`, text/event-stream chunks as OpenAI sends them, ending with `data: [DONE]`"
+
+OPERATIONS = (
+    Operation(
+        "GET",
+        "/gateway/{key}/v1/models",
+        gateway_models,
+        "LLM gateway: the model that answers (the episode's policy)",
+        (Reply(200, "", ModelList),),
+        errors={404: REFUSED[404]},
+        path_parameters=KEY,
+        public=True,
+        tag="gateway",
+    ),
+    Operation(
+        "POST",
+        "/gateway/{key}/v1/chat/completions",
+        gateway_chat_completions,
+        "LLM gateway: one chat turn, sampled in token space and recorded in the episode",
+        (Reply(200, _STREAM, ChatCompletion),),
+        errors={**REFUSED, 503: "no LLM server can answer now (OpenAI clients retry it)"},
+        body=ChatCompletionRequest,
+        path_parameters=KEY,
+        public=True,
+        tag="gateway",
+    ),
+    Operation(
+        "POST",
+        "/gateway/{key}/v1/completions",
+        gateway_completions,
+        "LLM gateway: one completion of a text or token-id prompt, recorded in the episode",
+        (Reply(200, _STREAM, Completion),),
+        errors={**REFUSED, 503: "no LLM server can answer now (OpenAI clients retry it)"},
+        body=CompletionRequest,
+        path_parameters=KEY,
+        public=True,
+        tag="gateway",
+    ),
+)
