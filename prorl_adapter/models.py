@@ -7,6 +7,7 @@ trainer relies on is written down exactly once. It imports nothing of the projec
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -122,6 +123,30 @@ class JobRequest(_Strict):
     agent: AgentProgram | None = Field(
         None, description="run this program through the LLM gateway instead of the built-in agent loop"
     )
+    num_samples: int = Field(
+        1, ge=1, le=1024, description="episodes of this instance, one GRPO group (their `group` label is shared)"
+    )
+
+    def samples(self) -> list[JobRequest]:
+        """The episodes this request asks for: itself, or `num_samples` copies of one GRPO group. A copy's job id
+        is the request's with `.i` appended (so a retried submission is idempotent), its `group` label the
+        request's own or the submission's id, and a given seed is varied per copy (the same seed would sample
+        the same episode n times)."""
+        if self.num_samples == 1:
+            return [self]
+        base = self.job_id or uuid.uuid4().hex
+        labels = {**self.labels, GROUP_LABEL: self.labels.get(GROUP_LABEL, base)}
+        copies = []
+        for i in range(self.num_samples):
+            seed = None if self.sampling.seed is None else self.sampling.seed + i
+            update = {
+                "job_id": f"{base}.{i}" if self.job_id else None,
+                "num_samples": 1,
+                "labels": labels,
+                "sampling": self.sampling.model_copy(update={"seed": seed}),
+            }
+            copies.append(self.model_copy(update=update))
+        return copies
 
 
 class JobState(str, Enum):  # noqa: UP042 - StrEnum would change str(state), which logs and messages use
@@ -250,6 +275,9 @@ class JobStatus(BaseModel):
     timings: StageTimings
     error: JobError | None = None
     attempts: int = 0
+    samples: list[str] = Field(
+        default_factory=list, description="a submission with num_samples > 1: the job id of every sample, this first"
+    )
 
 
 # The wire formats an LLM server may speak (service/llm_protocols.py); a URL may name one: `sglang+http://...`.
@@ -381,6 +409,36 @@ class BatchItem(BaseModel):
             end = min(turn.response_start + turn.response_tokens, len(versions))
             versions[turn.response_start : end] = [turn.policy_version] * (end - turn.response_start)
         return versions
+
+    def segment_items(self) -> list[BatchItem]:
+        """One item per token sequence of the episode (`Trajectory.segments`: an agent program that rewrote its
+        history), each with its sequence in the trajectory's own fields and its own turns, in the episode's
+        order. All carry the episode's reward, group and sample weight: a trainer computes the episode's
+        advantage once and gives it to every sequence. Per-token weights, aligned with the first sequence, stay
+        with it. An item of one sequence is itself."""
+        t = self.trajectory
+        if not t.segments:
+            return [self]
+        items = []
+        for k, segment in enumerate(t.all_segments()):
+            turns = [turn.model_copy(update={"segment": 0}) for turn in t.turns if turn.segment == k]
+            own = t.model_copy(update={**dict(segment), "turns": turns, "segments": []})
+            weight = self.weight if k == 0 else replace(self.weight, tokens=None)
+            items.append(self.model_copy(update={"trajectory": own, "weight": weight}))
+        return items
+
+    def one_sequence(self) -> BatchItem:
+        """For a trainer that takes one token sequence per episode (verl 0.9.1's agent loop, SkyRL without
+        step-wise trajectories): the item's sequence with the most policy tokens, the first of equals. The
+        others are not trained on; `dropped_policy_tokens` counts their tokens."""
+        return max(self.segment_items(), key=lambda i: sum(i.trajectory.response_mask))
+
+    @property
+    def dropped_policy_tokens(self) -> int:
+        """Policy tokens `one_sequence` leaves out."""
+        return sum(sum(s.response_mask) for s in self.trajectory.all_segments()) - sum(
+            self.one_sequence().trajectory.response_mask
+        )
 
     def truncated(self, max_response_tokens: int) -> BatchItem:
         """The item cut to a trainer's fixed response length. The reward stays on the (new) last token: an

@@ -81,3 +81,26 @@ def test_untrainable_samples_get_their_groups_trainable_mean():
     samples = [sample(1.0, "a"), sample(0.0, "a"), sample(1.0, "a", weight=0.0), sample(0.0, "a", failed=True)]
     samples.append(sample(1.0, "b", weight=0.0))  # a group with nothing trainable
     assert group_neutral_rewards(samples) == [1.0, 0.0, 0.5, 0.5, 0.0]
+
+
+def two_segment_trajectory():
+    """Turn 0 in the trajectory's own fields; turn 1 in a second sequence (a harness rewrote its history)."""
+    from prorl_adapter.models import Segment
+
+    t = two_turn_trajectory((3, 4))
+    second = t.turns[1].model_copy(update={"segment": 1, "response_start": 0, "response_tokens": 2})
+    segment = Segment(prompt_ids=[1, 7], response_ids=[11, 12], response_mask=[1, 1], response_logprobs=[-0.1, -0.2])
+    return t.model_copy(update={"turns": [t.turns[0], second], "segments": [segment]})
+
+
+def test_segment_items_are_one_per_sequence_with_the_episodes_reward_and_their_own_turns():
+    weight = TrajectoryWeight(sample=0.5, tokens=[1.0, 2.0, 1.0, 0.5, 1.0])
+    first, second = item(two_segment_trajectory(), weight).segment_items()
+    assert (first.trajectory.prompt_ids, first.trajectory.response_ids) == ([1, 2], [5, 6, 7, 8, 9])
+    assert (second.trajectory.prompt_ids, second.trajectory.response_ids) == ([1, 7], [11, 12])
+    assert second.trajectory.segments == [] and [t.segment for t in second.trajectory.turns] == [0]
+    assert second.token_versions() == [4, 4]  # its own turn's span, now in its own fields
+    assert {first.trajectory.reward, second.trajectory.reward} == {0.75} and first.group == second.group
+    # The token weights are aligned with the first sequence; the second keeps the sample weight only.
+    assert first.loss_weights() == [0.5, 1.0, 0.5, 0.25, 0.5] and second.loss_weights() == [0.5, 0.5]
+    assert item(two_turn_trajectory()).segment_items()[0].trajectory == two_turn_trajectory()

@@ -89,6 +89,8 @@ async def test_every_rollout_client_method_speaks_the_service_models():
         assert isinstance(trajectory, Trajectory) and trajectory.reward == 1.0 and trajectory.policy_version_min == 2
         [again] = await client.run_many([shell_job()], wait=600)
         assert isinstance(again, Trajectory) and again.error is None
+        group = await client.run_samples(shell_job(job_id="g", num_samples=2), wait=600)
+        assert [t.job_id for t in group] == ["g.0", "g.1"] and {t.labels["group"] for t in group} == {"g"}
         job = await client.submit(shell_job(job_id="by-hand"))
         assert isinstance(job, JobStatus) and job.job_id == "by-hand"
         assert (await client.result(job.job_id, wait=600)).job_id == "by-hand"
@@ -102,7 +104,7 @@ async def test_every_rollout_client_method_speaks_the_service_models():
         stack.llm.release()
 
         status = await client.status()
-        assert isinstance(status, ServiceStatus) and status.policy_version == 2 and status.finished["done"] == 3
+        assert isinstance(status, ServiceStatus) and status.policy_version == 2 and status.finished["done"] == 5
         assert [server.url for server in status.llm_servers] == [stack.llm.url]
 
         # LLM servers

@@ -5,7 +5,7 @@ import torch
 
 pytest.importorskip("verl", reason="the CPU trainer uses verl's core_algos: install the project's [train] extra")
 
-from prorl_adapter.models import TrajectoryWeight
+from prorl_adapter.models import GROUP_LABEL, TrajectoryWeight
 from prorl_plugins.cpu_trainer.batch import pad_items
 from prorl_plugins.cpu_trainer.constrained import FiniteActionMask
 from tests.test_batch_item import item, two_turn_trajectory
@@ -45,3 +45,35 @@ def test_padded_batch_puts_the_reward_on_the_last_token_and_tags_versions():
     assert batch.token_versions.tolist() == [[3, 3, -1, 4, -1], [4, 4, -1, -1, -1]]
     assert batch.loss_weights.tolist() == [[0.5] * 5, [1, 1, 0, 0, 0]]
     assert batch.response_mask.tolist() == [[1, 1, 0, 1, 0], [1, 1, 0, 0, 0]]
+
+
+def test_an_episode_of_two_sequences_is_two_rows_with_one_advantage():
+    """GRPO over episodes, not rows: a two-sequence episode counts once in its group's mean and std, and both
+    its rows get its advantage; with one row per episode it is verl's own GRPO advantage."""
+    from verl.trainer.ppo import core_algos
+
+    from prorl_plugins.cpu_trainer.actor import episode_advantages
+    from tests.test_batch_item import two_segment_trajectory
+
+    def in_group(trajectory, **update):
+        return item(trajectory.model_copy(update={"labels": {GROUP_LABEL: "g"}, **update}))
+
+    split = in_group(two_segment_trajectory())  # reward 0.75
+    plain = in_group(two_turn_trajectory(), reward=0.25, job_id="other")
+    batch = pad_items([split, plain], pad_token_id=0)
+    assert batch.last_step.tolist() == [False, True, True] and list(batch.groups) == ["g", "g", "g"]
+    advantages = episode_advantages(batch, epsilon=1e-6)
+    # Two episodes, rewards 0.75 and 0.25: mean 0.5, (unbiased) std 0.3536, so +-0.7071; the split episode's
+    # second row does not make it count twice.
+    for row, value in ((0, 0.7071), (1, 0.7071), (2, -0.7071)):
+        policy = batch.response_mask[row].bool()
+        assert torch.allclose(advantages[row][policy], torch.full((int(policy.sum()),), value), atol=1e-3)
+        assert (advantages[row][~policy] == 0).all()
+    one_row_each = pad_items([plain, in_group(two_turn_trajectory(), job_id="third")], pad_token_id=0)
+    verl_own, _ = core_algos.compute_grpo_outcome_advantage(
+        token_level_rewards=one_row_each.token_level_rewards,
+        response_mask=one_row_each.response_mask,
+        index=one_row_each.groups,
+        epsilon=1e-6,
+    )
+    assert torch.allclose(episode_advantages(one_row_each, epsilon=1e-6), verl_own)

@@ -194,3 +194,38 @@ def test_entry_point_overrides_get_generator_and_strips_the_override_argument():
     exp = object.__new__(entrypoint.ProRLPPOExp)  # BasePPOExp.__init__ loads datasets and a model's tokenizer
     generator = exp.get_generator(cfg, SimpleNamespace(eos_token_id=2), inference_engine_client=None)
     assert isinstance(generator, ProRLGenerator) and generator.rollout_url == "http://rollout:8766"
+
+
+def with_second_sequence(t, policy_tokens: int):
+    """`t` plus a second token sequence (its harness rewrote its history) of `policy_tokens` sampled tokens."""
+    from prorl_adapter.models import Segment
+
+    segment = Segment(
+        prompt_ids=[1, 9],
+        response_ids=list(range(40, 40 + policy_tokens)),
+        response_mask=[1] * policy_tokens,
+        response_logprobs=[-0.3] * policy_tokens,
+    )
+    return t.model_copy(update={"segments": [segment]})
+
+
+def test_step_wise_trajectories_give_each_sequence_a_row_as_skyrl_checks_them():
+    split = BatchItem(id="a", trajectory=with_second_sequence(trajectory("a", 4, [1, 0, 1], reward=1.0), 2))
+    plain = BatchItem(id="b", trajectory=trajectory("b", 4, [1, 1], reward=0.0))
+    batch = generator_input([("shell", {"instance": SHELL})], n=2, step=5)
+    output = SkyRLBackend(filler_token_id=0, step_wise=True).prorl_backend_batch(items=[split, plain], batch=batch)
+    validate_generator_output(2, output, step_wise=True)  # SkyRL's own check, step-wise rules included
+    assert output["is_last_step"] == [False, True, True]
+    assert output["response_ids"] == [[10, 11, 12], [40, 41], [10, 11]]
+    assert output["prompt_token_ids"][1] == [1, 9] and output["rewards"] == [1.0, 1.0, 0.0]
+    ids = batch["trajectory_ids"]
+    assert output["trajectory_ids"] == [ids[0], ids[0], ids[1]]
+
+
+def test_without_step_wise_trajectories_the_sequence_with_most_policy_tokens_is_trained():
+    split = BatchItem(id="a", trajectory=with_second_sequence(trajectory("a", 4, [1, 0, 0]), 3))
+    batch = generator_input([("shell", {"instance": SHELL})], n=1, step=5)
+    output = SkyRLBackend(filler_token_id=0).prorl_backend_batch(items=[split], batch=batch)
+    validate_generator_output(1, output)
+    assert output["response_ids"] == [[40, 41, 42]] and output["is_last_step"] is None
+    assert output["rollout_metrics"]["prorl/dropped_policy_tokens"] == 1.0

@@ -373,3 +373,23 @@ async def test_verls_sglang_replicas_are_registered_as_sglang_servers():
     manager = SimpleNamespace(_load_balancer=SimpleNamespace(get_all_servers=Registry()))
     assert await verl_server_urls(manager, "sglang") == ["sglang+http://10.0.0.1:30000", "sglang+http://10.0.0.2:30000"]
     assert await verl_server_urls(manager, "vllm") == ["http://10.0.0.1:30000", "http://10.0.0.2:30000"]
+
+
+def test_verl_gets_the_episodes_sequence_with_the_most_policy_tokens():
+    """verl 0.9.1's agent loop takes one sequence per sample: of an agent program's episode that rewrote its
+    history, the sequence with the most policy tokens."""
+    from prorl_adapter.models import BatchItem, Segment
+    from prorl_adapter.trainer.samples import trajectory_from_tensors
+    from prorl_plugins.verl.backend import VerlBackend, VerlSample
+
+    first = trajectory_from_tensors([1, 2], [5, 6, 7], [1, 0, 0], [-0.5, 0.0, 0.0], 3, 3, 1.0, "j", task="shell")
+    longer = Segment(prompt_ids=[1, 9], response_ids=[8, 8, 8], response_mask=[1, 1, 1], response_logprobs=[-1.0] * 3)
+    item = BatchItem(id="j", trajectory=first.model_copy(update={"segments": [longer]}))
+    prorl = ProrlVerlConfig.from_block({"service_url": "http://127.0.0.1:1", "task": "shell"})
+    rollout = SimpleNamespace(prompt_length=64, response_length=16, temperature=1.0, top_p=1.0)
+    row = {"extra_info": {"instance": {"goal": "g", "check": "true"}}, "uid": "u1"}
+    output = VerlBackend(prorl).prorl_backend_batch(
+        items=[item], batch=VerlSample(row=row, sampling_params={}, rollout=rollout)
+    )
+    assert (output.prompt_ids, output.response_ids, output.response_mask) == ([1, 9], [8, 8, 8], [1, 1, 1])
+    assert output.reward_score == 1.0

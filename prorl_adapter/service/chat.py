@@ -62,6 +62,10 @@ class ChatTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's own text, as OpenAI's logprobs name tokens."""
+        return self.tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
+
     def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
         return self.encode(self.render(messages, tools, add_generation_prompt=True))
 

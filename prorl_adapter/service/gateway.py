@@ -134,7 +134,7 @@ class Gateway:
         finish = "tool_calls" if calls else _finish(call.finish_reason)
         logprobs = None
         if body.logprobs:
-            pieces = await self.chat.off_loop(self.chat.tokenizer.convert_ids_to_tokens, call.response_ids)
+            pieces = await self.chat.off_loop(self.chat.token_texts, call.response_ids)
             logprobs = ChoiceLogprobs(
                 content=[TokenLogprob(token=t, logprob=p) for t, p in zip(pieces, call.response_logprobs)]
             )
@@ -157,7 +157,7 @@ class Gateway:
         self._record(episode, call)
         logprobs = None
         if body.logprobs:
-            pieces = await self.chat.off_loop(self.chat.tokenizer.convert_ids_to_tokens, call.response_ids)
+            pieces = await self.chat.off_loop(self.chat.token_texts, call.response_ids)
             logprobs = CompletionLogprobs(tokens=pieces, token_logprobs=call.response_logprobs)
         return Completion(
             id=f"cmpl-{uuid.uuid4().hex}",

@@ -179,6 +179,16 @@ class RolloutPipeline:
         self._queues["init"].put_nowait(job)
         return job, True
 
+    def submit_samples(self, request: JobRequest) -> list[tuple[Job, bool]]:
+        """Queue every sample a request asks for (`num_samples`), or none: a conflict or an unknown task in any
+        of them refuses the whole submission before one is queued."""
+        samples = request.samples()
+        for sample in samples:
+            known = self.jobs.get(sample.job_id) if sample.job_id else None
+            if known is not None and known.request != sample:
+                raise JobConflict(f"job id {sample.job_id!r} is taken by a different request; use a new id")
+        return [self.submit(sample) for sample in samples]
+
     async def cancel(self, job_id: str) -> Job:
         job = self.jobs[job_id]
         if job.state.finished:

@@ -112,8 +112,12 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def submit_job(request: web.Request, body: JobRequest) -> web.Response:
-    job, created = request.app[PIPELINE].submit(body)
-    return json_response(job.status(), status=202 if created else 200)
+    submitted = request.app[PIPELINE].submit_samples(body)
+    first, created = submitted[0]
+    status = first.status()
+    if body.num_samples > 1:
+        status.samples = [sample.id for sample, _ in submitted]
+    return json_response(status, status=202 if created else 200)
 
 
 async def get_job(request: web.Request) -> web.Response:
@@ -182,7 +186,8 @@ async def enqueue_prompts(request: web.Request, body: PromptsRequest) -> web.Res
     unknown = sorted({r.task for r in body.requests} - set(request.app[PIPELINE].tasks))
     if unknown:
         raise web.HTTPBadRequest(text=f"unknown task(s) {', '.join(unknown)}")
-    return json_response(PromptsQueued(upcoming=await request.app[PRODUCER].enqueue(body.requests)), status=202)
+    samples = [sample for r in body.requests for sample in r.samples()]
+    return json_response(PromptsQueued(upcoming=await request.app[PRODUCER].enqueue(samples)), status=202)
 
 
 async def take_batch(request: web.Request, body: BatchRequest) -> web.Response:

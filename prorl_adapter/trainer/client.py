@@ -111,18 +111,29 @@ class RolloutClient:
                 raise TimeoutError(f"job {job_id} did not finish within {wait:g} s (it is {job.state.value})")
 
     async def run(self, request: JobRequest, wait: float = 3600.0) -> Trajectory:
-        """Submit and wait for the trajectory. A caller that gives up (timeout, cancellation, an error) cancels
-        the job, so that its sandbox does not run on for nobody."""
+        """Submit one episode and wait for its trajectory (`run_samples` for num_samples > 1)."""
+        if request.num_samples != 1:
+            raise ValueError("run() is for one episode; run_samples() returns the trajectories of num_samples")
+        [trajectory] = await self.run_samples(request, wait)
+        return trajectory
+
+    async def run_samples(self, request: JobRequest, wait: float = 3600.0) -> list[Trajectory]:
+        """Submit and wait for the trajectories of every sample (one GRPO group for num_samples > 1). A caller
+        that gives up (timeout, cancellation, an error) cancels the jobs, so that their sandboxes do not run on
+        for nobody."""
         job = await self.submit(request)
+        ids = job.samples or [job.job_id]
         try:
-            return await self.result(job.job_id, wait)
+            return list(await asyncio.gather(*(self.result(job_id, wait) for job_id in ids)))
         except BaseException:
             with contextlib.suppress(Exception):
-                await asyncio.shield(self.cancel(job.job_id))
+                await asyncio.shield(asyncio.gather(*(self.cancel(job_id) for job_id in ids)))
             raise
 
     async def run_many(self, requests: list[JobRequest], wait: float = 3600.0) -> list[Trajectory]:
-        return list(await asyncio.gather(*(self.run(r, wait) for r in requests)))
+        """Every request's trajectories, in order (a request with num_samples n gives n)."""
+        groups = await asyncio.gather(*(self.run_samples(r, wait) for r in requests))
+        return [trajectory for group in groups for trajectory in group]
 
     async def cancel(self, job_id: str) -> JobStatus:
         return await self._answer(JobStatus, "DELETE", f"/v1/jobs/{job_id}")

@@ -24,6 +24,22 @@ class UpdateStats:
     advantage_abs_mean: float
 
 
+def episode_advantages(batch: PaddedBatch, epsilon: float) -> torch.Tensor:
+    """GRPO advantages, one per episode, on every policy token of each of its rows: computed by verl's estimator
+    over the episodes' last rows (an all-ones mask makes it return the scalar at every position), then given to
+    each row of the episode (SkyRL's step-wise rule), so an episode of several sequences counts once in its
+    group's statistics. With one row per episode it is verl's GRPO advantage exactly."""
+    last = batch.last_step
+    per_episode, _ = core_algos.compute_grpo_outcome_advantage(
+        token_level_rewards=batch.token_level_rewards[last],
+        response_mask=torch.ones_like(batch.response_mask[last]),
+        index=batch.groups[last.numpy()],
+        epsilon=epsilon,
+    )
+    episode_of_row = torch.cat([torch.tensor([0]), last[:-1].long()]).cumsum(0)
+    return per_episode[episode_of_row] * batch.response_mask
+
+
 class TorchActor:
     def __init__(self, model_dir: Path, learning_rate: float, clip_ratio: float = 0.2, seed: int = 0) -> None:
         torch.manual_seed(seed)
@@ -73,12 +89,7 @@ class TorchActor:
         weights the server has now. The behaviour logprobs are the PPO ratio's denominator (decoupled PPO: the
         policy that sampled each token, whatever its version), and the staleness weights go in as verl's
         per-token `rollout_is_weights`."""
-        advantages, _ = core_algos.compute_grpo_outcome_advantage(
-            token_level_rewards=batch.token_level_rewards,
-            response_mask=batch.response_mask,
-            index=batch.groups,
-            epsilon=epsilon,
-        )
+        advantages = episode_advantages(batch, epsilon)
         before = None
         for _ in range(epochs):  # PPO epochs: the clipped ratio keeps repeated steps on one batch safe
             self.optimizer.zero_grad()

@@ -1,7 +1,9 @@
 """Training samples as the padded tensors the CPU trainer's actor and verl's `core_algos` consume.
 
 This is the CPU backend's `prorl_backend_batch`: verl's and SkyRL's backends build their own batch types from
-the same `BatchItem`s.
+the same `BatchItem`s. An episode of several token sequences (an agent program that rewrote its history,
+`BatchItem.segment_items`) is one row per sequence, its rows next to each other with `last_step` on the last,
+as SkyRL lays out step-wise trajectories: the episode's advantage is computed once and given to all its rows.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class PaddedBatch:
     token_level_rewards: torch.Tensor  # [B, R]: the shaped reward on each sample's last response token
     token_versions: torch.Tensor  # [B, R]: the policy version that sampled each token, -1 elsewhere
     groups: np.ndarray  # [B] GRPO group of each sample
+    last_step: torch.Tensor  # [B] bool: the row is its episode's last sequence (one row per episode: all True)
     allowed: torch.Tensor | None = None  # [B, R, V]: the grammar's allowed tokens at each policy position
 
     def __len__(self) -> int:
@@ -45,6 +48,9 @@ def pad_items(
 ) -> PaddedBatch:
     if not items:
         raise ValueError("no samples to pad")
+    episodes = [item.segment_items() for item in items]
+    last_step = torch.tensor([k == len(rows) - 1 for rows in episodes for k in range(len(rows))])
+    items = [row for rows in episodes for row in rows]
     trajectories = [i.trajectory for i in items]
     batch, length = len(items), max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
     width = max(len(t.response_ids) for t in trajectories)
@@ -84,5 +90,6 @@ def pad_items(
         token_level_rewards=floats["rewards"],
         token_versions=versions,
         groups=np.array([i.group for i in items], dtype=object),
+        last_step=last_step,
         allowed=allowed,
     )

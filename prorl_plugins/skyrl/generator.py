@@ -52,7 +52,7 @@ class ProRLGenerator(GeneratorInterface):
         return cls(
             prorl.rollout_url,
             plugin_config(prorl),
-            backend=SkyRLBackend(filler_token_id=filler),
+            backend=SkyRLBackend(filler_token_id=filler, step_wise=cfg.generator.step_wise_trajectories),
             plugins=prorl.plugins,
             request_config={
                 "max_turns": cfg.generator.max_turns,

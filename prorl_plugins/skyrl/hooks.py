@@ -19,6 +19,7 @@ How a SkyRL row becomes an episode:
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -50,12 +51,15 @@ _NEUTRAL_SAMPLING: Mapping[str, tuple[Any, ...]] = {
     "include_stop_str_in_output": (True, False, None),
 }
 # The agent loop's finish reason in SkyRL's words: "stop" ended by itself, "length" cut by a budget.
+log = logging.getLogger(__name__)
 STOP_REASONS: Mapping[str, str] = {
     "finish": "stop",
     "no_tool_call": "stop",
     "max_turns": "length",
     "max_context": "length",
     "error": "error",
+    "agent_exit": "stop",
+    "agent_timeout": "length",
 }
 _REQUEST_KEYS = ("max_turns", "max_context_tokens", "timeout_s")
 
@@ -120,7 +124,7 @@ def _filled(item: BatchItem, filler_token_id: int | None) -> BatchItem:
 
 
 def generator_output(
-    items: Sequence[BatchItem], batch: Mapping[str, Any], filler_token_id: int | None = None
+    items: Sequence[BatchItem], batch: Mapping[str, Any], filler_token_id: int | None = None, step_wise: bool = False
 ) -> GeneratorOutput:
     """Weighed items, in the order of the `GeneratorInput` rows they answer, in SkyRL's terms.
 
@@ -130,6 +134,29 @@ def generator_output(
     baseline, computed over every row, is not pulled by it; a linear staleness weight w scales its policy
     tokens to w.
     """
+    rewards = group_neutral_rewards(items)
+    metrics = rollout_metrics(items)
+    times = [i.trajectory.timings.init_s + i.trajectory.timings.run_s + i.trajectory.timings.eval_s for i in items]
+    trajectory_ids = batch.get("trajectory_ids")
+    if step_wise:  # one row per token sequence, an episode's rows together, the last one marked
+        episodes = [item.segment_items() for item in items]
+        is_last_step = [k == len(rows) - 1 for rows in episodes for k in range(len(rows))]
+        rewards = [reward for reward, rows in zip(rewards, episodes) for _ in rows]
+        if trajectory_ids is not None:
+            trajectory_ids = [tid for tid, rows in zip(trajectory_ids, episodes) for _ in rows]
+        items = [row for rows in episodes for row in rows]
+    else:
+        is_last_step = None
+        dropped = [item.dropped_policy_tokens for item in items]
+        if any(dropped):
+            log.warning(
+                "%d episodes rewrote their history: %d policy tokens of their other sequences are not trained on "
+                "(set generator.step_wise_trajectories=true to train on every sequence)",
+                sum(d > 0 for d in dropped),
+                sum(dropped),
+            )
+        metrics["prorl/dropped_policy_tokens"] = float(sum(dropped))
+        items = [item.one_sequence() for item in items]
     items = [_filled(i, filler_token_id) for i in items]
     masks = []
     for item in items:
@@ -140,15 +167,15 @@ def generator_output(
     return GeneratorOutput(
         prompt_token_ids=[t.prompt_ids for t in trajectories],
         response_ids=[t.response_ids for t in trajectories],
-        rewards=group_neutral_rewards(items),
+        rewards=rewards,
         loss_masks=masks,
         stop_reasons=[STOP_REASONS[t.finish_reason] for t in trajectories],
-        rollout_metrics=rollout_metrics(items),
+        rollout_metrics=metrics,
         rollout_logprobs=[t.response_logprobs for t in trajectories],
-        trajectory_ids=batch.get("trajectory_ids"),
-        trajectory_generation_times=[t.timings.init_s + t.timings.run_s + t.timings.eval_s for t in trajectories],
+        trajectory_ids=trajectory_ids,
+        trajectory_generation_times=times,
         rollout_expert_indices=None,
-        is_last_step=None,
+        is_last_step=is_last_step,
         env_metrics=None,
         pixel_values=None,
         image_grid_thw=None,
@@ -173,8 +200,11 @@ def global_step(batch: GeneratorInput) -> int | None:
 class SkyRLBackend:
     """The hook implementations: SkyRL's `GeneratorInput` in, SkyRL's `GeneratorOutput` out."""
 
-    def __init__(self, filler_token_id: int | None = None) -> None:
+    def __init__(self, filler_token_id: int | None = None, step_wise: bool = False) -> None:
+        """`step_wise`: SkyRL's `generator.step_wise_trajectories`, under which an episode of several token
+        sequences (an agent program that rewrote its history) is one row per sequence."""
         self.filler_token_id = filler_token_id
+        self.step_wise = step_wise
 
     @hookimpl
     def prorl_backend_policy_version(self, batch: GeneratorInput) -> int | None:
@@ -207,4 +237,4 @@ class SkyRLBackend:
     def prorl_backend_batch(self, items: list[BatchItem], batch: GeneratorInput) -> GeneratorOutput:
         if len(items) != len(batch["prompts"]):
             raise ValueError(f"{len(items)} trajectories for {len(batch['prompts'])} prompts")
-        return generator_output(items, batch, self.filler_token_id)
+        return generator_output(items, batch, self.filler_token_id, self.step_wise)

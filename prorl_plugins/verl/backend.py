@@ -20,6 +20,7 @@ asks the driver for its one sample.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +97,9 @@ def output_extra_fields(prorl: ProrlVerlConfig, trajectory: Trajectory, instance
     return fields
 
 
+log = logging.getLogger(__name__)
+
+
 class VerlBackend:
     """The backend hooks for `VerlSample`s, configured by the validated `prorl` block."""
 
@@ -140,9 +144,14 @@ class VerlBackend:
                 f"episode {item.trajectory.job_id} (row uid {batch.row.get('uid')}) failed in the rollout service: "
                 f"{error.error_class if error else '?'}: {error.message if error else 'no message'}"
             )
+        # verl's agent loop gives one sequence per sample: of an episode whose harness rewrote its history, the
+        # sequence with the most policy tokens (docs/gateway.md); the others' tokens are counted, not trained on.
+        dropped = item.dropped_policy_tokens
+        if dropped:
+            log.warning("episode %s: %d policy tokens of its other sequences are not trained on", item.id, dropped)
         # verl pads to fixed widths: the response is cut to response_length (the reward stays on the new last
         # token); the loop left-truncates the prompt to prompt_length as verl's own loops do.
-        t = item.truncated(batch.rollout.response_length).trajectory
+        t = item.one_sequence().truncated(batch.rollout.response_length).trajectory
         output = AgentLoopOutput(
             prompt_ids=list(t.prompt_ids),
             response_ids=list(t.response_ids),

@@ -36,6 +36,9 @@ class CharChat:
     def decode(self, ids: list[int]) -> str:
         return "".join(_SPECIAL_TEXT.get(i) or (chr(i - _OFFSET) if i >= _OFFSET else "\ufffd") for i in ids)
 
+    def token_texts(self, ids: list[int]) -> list[str]:
+        return [self.decode([i]) for i in ids]
+
     def render(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         text = ""
         for message in messages:
