@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 SYSTEM_PACKAGES := bwrap:bubblewrap redis-server:redis-server
 
-.PHONY: demo rollout-demo runtime-demo test lint system-packages llm bench openapi
+.PHONY: demo rollout-demo runtime-demo agent-demo test lint system-packages llm agent-env bench openapi
 
 # torch first, pinned: it is the CPU build on disk here, and nothing later may pull a CUDA build instead.
 # verl brings torchcodec, built for another torch: it breaks transformers' model imports, so it goes.
@@ -36,6 +36,12 @@ rollout-demo: system-packages $(VENV)/.installed llm
 runtime-demo: system-packages $(VENV)/.installed
 	$(PY) examples/runtime_standalone/demo.py
 
+agent-env:  # idempotent: the environment agent programs run in inside the sandboxes (/opt/prorl-agent)
+	scripts/agent-env.sh
+
+agent-demo: system-packages $(VENV)/.installed llm agent-env  # your own agent program through the gateway
+	$(PY) examples/own_agent/run.py
+
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
@@ -44,7 +50,7 @@ openapi: $(VENV)/.installed  # docs/openapi/: both servers' OpenAPI documents an
 	$(VENV)/bin/prorl-sandbox openapi --out docs/openapi
 	$(VENV)/bin/prorl-rollout openapi --out docs/openapi
 
-test: system-packages lint llm
+test: system-packages lint llm agent-env
 	PRORL_REQUIRE_BACKENDS=1 $(PY) -m pytest
 
 bench: system-packages $(VENV)/.installed llm
