@@ -14,7 +14,7 @@ from enum import Enum
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 
 @dataclass
@@ -124,7 +124,7 @@ class JobRequest(_Strict):
         None, description="run this program through the LLM gateway instead of the built-in agent loop"
     )
     num_samples: int = Field(
-        1, ge=1, le=1024, description="episodes of this instance, one GRPO group (their `group` label is shared)"
+        1, ge=1, le=256, description="episodes of this instance, one GRPO group (their `group` label is shared)"
     )
 
     def samples(self) -> list[JobRequest]:
@@ -337,10 +337,20 @@ class PolicyVersion(_Strict):
     raise_only: bool = False
 
 
+MAX_PROMPTS_PER_CALL = 65536
+
+
 class PromptsRequest(_Strict):
     """Body of POST /v1/prompts: upcoming episodes for decoupled mode, started as admission control allows."""
 
     requests: list[JobRequest] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> PromptsRequest:
+        episodes = sum(r.num_samples for r in self.requests)
+        if episodes > MAX_PROMPTS_PER_CALL:
+            raise ValueError(f"{episodes} episodes in one call (num_samples counted); at most {MAX_PROMPTS_PER_CALL}")
+        return self
 
 
 class BatchRequest(_Strict):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import re
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
@@ -66,12 +67,15 @@ def errors_as_json(max_body_bytes: int) -> Middleware:
 
 
 def bearer_auth(token: str | None, open_paths: frozenset[str]) -> Middleware:
+    """The token on every path but the open ones, which may hold parameters (`/gateway/{key}/v1/models`):
+    matched against the request's path itself, so a wrong method on an open path is its 405, not a 401."""
     expected = f"Bearer {token}".encode()
+    templates = (re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(path)) for path in sorted(open_paths))
+    open_path = re.compile("|".join(f"(?:{t})" for t in templates) or "(?!)")
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        resource = request.match_info.route.resource  # a public path may hold parameters (/gateway/{key}/...)
-        if token and (resource.canonical if resource is not None else request.path) not in open_paths:
+        if token and not open_path.fullmatch(request.path):
             # aiohttp decodes header bytes as UTF-8 with surrogateescape: encode them back the same way.
             sent = request.headers.get("Authorization", "").encode("utf-8", errors="surrogateescape")
             if not hmac.compare_digest(sent, expected):

@@ -153,9 +153,10 @@ class RolloutPipeline:
                 self._workers.append(asyncio.create_task(self._worker(name, state, work, following)))
 
     async def stop(self) -> None:
-        for job in list(self.jobs.values()):
-            if not job.state.finished:
-                await self.cancel(job.id)
+        """Cancel every unfinished job, all at once: a graceful stop with thousands queued and hundreds holding
+        sandboxes must release them all before the operator's patience (or the TTL) runs out."""
+        unfinished = [job.id for job in self.jobs.values() if not job.state.finished]
+        await asyncio.gather(*(self.cancel(job_id) for job_id in unfinished), return_exceptions=True)
         for worker in self._workers:
             worker.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
