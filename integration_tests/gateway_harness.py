@@ -7,6 +7,7 @@ its environment. It knows the gateway only as OPENAI_BASE_URL and OPENAI_API_KEY
     HARNESS_FOREIGN_KEY=KEY         first try a call with another episode's key and print what happened
     HARNESS_PROBE_PORT=PORT         print whether 127.0.0.1:PORT (a host port, not forwarded) can be reached
     HARNESS_CONTINUE=1              after an answer without tool calls, say "Go on." instead of stopping
+    HARNESS_PROBE_API=1             print what the service's own API answers through the gateway's address
 
 Each step prints one JSON line: {"step", "tool_calls", "content", "finish_reason"}.
 """
@@ -17,6 +18,8 @@ import json
 import os
 import socket
 import subprocess
+import urllib.error
+import urllib.request
 
 BASE, KEY = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
 TOOLS = [
@@ -80,6 +83,16 @@ def main() -> None:
             s.settimeout(3)
             reached = s.connect_ex(("127.0.0.1", int(os.environ["HARNESS_PROBE_PORT"]))) == 0
         print(json.dumps({"probe": "reachable" if reached else "unreachable"}), flush=True)
+    if os.environ.get("HARNESS_PROBE_API"):  # what a policy's code would try: the trainer-facing API
+        origin = BASE.split("/gateway/")[0]
+        answers = {}
+        for method, path in (("GET", "/v1/status"), ("PUT", "/v1/policy-version"), ("POST", "/v1/batches")):
+            request = urllib.request.Request(origin + path, data=b"{}" if method != "GET" else None, method=method)
+            try:
+                answers[path] = urllib.request.urlopen(request, timeout=10).status
+            except urllib.error.HTTPError as exc:
+                answers[path] = exc.code
+        print(json.dumps({"api": answers}), flush=True)
     if os.environ.get("HARNESS_FOREIGN_KEY"):
         try:
             ask([{"role": "user", "content": "hi"}], key=os.environ["HARNESS_FOREIGN_KEY"])

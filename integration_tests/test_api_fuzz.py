@@ -36,6 +36,7 @@ import schemathesis
 from schemathesis.checks import not_a_server_error
 
 from prorl_adapter.dev.localstack import Service
+from prorl_adapter.service.gateway import GATEWAY_API
 from prorl_adapter.service.server import ROLLOUT_API
 from sandbox_runtime.server import RUNTIME_API
 
@@ -65,11 +66,12 @@ def tar_bytes(ctx, value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def config(token: str, **more: Any) -> schemathesis.Config:
+def config(token: str | None, **more: Any) -> schemathesis.Config:
+    auth = {"auth": {"openapi": {"bearer": {"bearer": token}}}} if token else {}  # the documents' scheme, by name
     return schemathesis.Config.from_dict(
         {
             "seed": 20261201,
-            "auth": {"openapi": {"bearer": {"bearer": token}}},  # the documents' security scheme, by name
+            **auth,
             "generation": {
                 "max-examples": EXAMPLES,
                 "mode": "all",
@@ -273,6 +275,24 @@ def test_rollout_sequences_follow_the_links(fuzzed_rollout):
     # The service's jobs stay (finished ones are forgotten in time, not through the API): its scenarios start
     # from whatever the earlier ones left, which is the Flaky case fuzz_stateful describes.
     fuzz_stateful(rollout_api, fuzzed_rollout.url, clean=lambda: None)
+
+
+# The LLM gateway, on its own port: what a sandbox's code reaches. Its keys are random, so a generated call is
+# refused (404) or, with a bad body, a 400; what it checks is that no input breaks it, and that it says so as
+# documented.
+gateway_api = schemathesis.openapi.from_dict(GATEWAY_API.document(), config=config(None))
+
+
+@pytest.fixture(scope="module")
+def fuzzed_gateway(fuzzed_rollout) -> str:
+    headers = {"Authorization": f"Bearer {ROLLOUT_TOKEN}"}
+    status = requests.get(f"{fuzzed_rollout.url}/v1/status", headers=headers, timeout=30).json()
+    return f"http://{status['gateway_address']}"
+
+
+@gateway_api.parametrize()
+def test_every_gateway_operation_answers_as_documented(case, fuzzed_gateway):
+    case.call_and_validate(base_url=fuzzed_gateway)
 
 
 def test_the_rollout_service_leaves_no_sandbox_behind(fuzzed_rollout, rollout_runtime):

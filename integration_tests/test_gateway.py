@@ -88,11 +88,14 @@ def assert_ids_are_what_vllm_sampled(trajectory: Trajectory, sampled: list) -> N
 
 async def test_an_openai_client_harness_runs_a_multi_turn_episode_in_token_space(gateway_stack, vllm):
     http, standin = gateway_stack
-    trajectory = await run_job(http, job(steps=3, HARNESS_PROBE_PORT=str(vllm.url.rsplit(":", 1)[1])))
+    request = job(steps=3, HARNESS_PROBE_PORT=str(vllm.url.rsplit(":", 1)[1]), HARNESS_PROBE_API="1")
+    trajectory = await run_job(http, request)
     assert trajectory.error is None, trajectory.error
     assert trajectory.finish_reason == "agent_exit" and trajectory.artifacts["agent_exit_code"] == "0"
     lines = harness_lines(trajectory)
-    assert lines[0] == {"probe": "unreachable"}  # the sandbox reaches the gateway and nothing else
+    # The sandbox reaches the gateway and nothing else: not vLLM, not the service's own (token-less) API.
+    assert lines[0] == {"probe": "unreachable"}
+    assert lines[1] == {"api": {"/v1/status": 404, "/v1/policy-version": 404, "/v1/batches": 404}}
     steps = [line for line in lines if "step" in line]
     assert len(steps) == 3 and all(s["tool_calls"] and s["finish_reason"] == "tool_calls" for s in steps)
     assert [t.tool_calls[0].name for t in trajectory.turns] == ["bash"] * 3
@@ -164,11 +167,13 @@ async def test_another_episodes_key_is_refused(gateway_stack):
     assert trajectory.error is None, trajectory.error
     assert {"foreign": 404} in harness_lines(trajectory)
     assert trajectory.num_turns == 1  # its own call, under its own key, is recorded; the refused one nowhere
-    # A key nobody was given, from outside the sandboxes: the same answer.
+    # A key nobody was given, from outside the sandboxes, on the gateway's own port: the same answer.
+    gateway = "http://" + (await http.get("/v1/status")).json()["gateway_address"]
     made_up = secrets.token_urlsafe(32)
     call = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
-    assert (await http.post(f"/gateway/{made_up}/v1/chat/completions", json=call)).status_code == 404
-    assert (await http.get(f"/gateway/{made_up}/v1/models")).status_code == 404
+    async with httpx.AsyncClient(base_url=gateway, timeout=60) as direct:
+        assert (await direct.post(f"/gateway/{made_up}/v1/chat/completions", json=call)).status_code == 404
+        assert (await direct.get(f"/gateway/{made_up}/v1/models")).status_code == 404
 
 
 async def key_of_a_finished_episode(http: httpx.AsyncClient) -> str:

@@ -488,6 +488,9 @@ class ServiceStatus(BaseModel):
     workers: dict[str, int] = Field(description="each stage's worker count")
     llm_servers: list[LLMServerInfo]
     degraded: str | None
+    gateway_address: str | None = Field(
+        None, description="HOST:PORT at which the sandbox runtimes reach the LLM gateway (agent programs)"
+    )
 
 
 class TaskList(BaseModel):

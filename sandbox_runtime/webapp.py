@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import re
 import logging
+import re
 import signal
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -148,25 +149,49 @@ def json_api(api: API, token: str | None, max_body_bytes: int, requests: Counter
     return app
 
 
+@dataclass(frozen=True)
+class Site:
+    """One application on one address."""
+
+    app: web.Application
+    host: str
+    port: int  # 0: a free port, chosen by the kernel
+    name: str
+
+
 async def serve_app(app: web.Application, host: str, port: int, name: str) -> None:
-    """Run `app` until SIGTERM or SIGINT, then shut it down cleanly (its cleanup contexts run).
+    await serve_sites([Site(app, host, port, name)])
+
+
+async def serve_sites(sites: list[Site], started: Callable[[list[int]], None] | None = None) -> None:
+    """Run the applications until SIGTERM or SIGINT, then shut them down cleanly (their cleanup contexts run,
+    the last started first). Each is set up in order, so an application's start-up may prepare the next one;
+    `started` gets the port each listens on once all do.
 
     The listen backlog is large: at hundreds of concurrent clients, the default 128 costs 1 s SYN retries.
     """
-    # A request line may carry a query parameter of up to 4096 characters (a file path), percent-encoded: far
-    # more than aiohttp's default 8190 bytes, whose refusal is a plain-text 400 from below the middlewares.
-    runner = web.AppRunner(app, access_log=None, max_line_size=MAX_REQUEST_LINE)
-    await runner.setup()
-    await web.TCPSite(runner, host, port, backlog=4096).start()
-    log.info("%s listening on http://%s:%d", name, host, port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+    runners: list[web.AppRunner] = []
     try:
+        ports = []
+        for site in sites:
+            # A request line may carry a query parameter of up to 4096 characters (a file path), percent-encoded:
+            # far more than aiohttp's default 8190 bytes, whose refusal is a plain-text 400 below the middlewares.
+            runner = web.AppRunner(site.app, access_log=None, max_line_size=MAX_REQUEST_LINE)
+            await runner.setup()
+            runners.append(runner)
+            await web.TCPSite(runner, site.host, site.port, backlog=4096).start()
+            ports.append(runner.addresses[0][1])
+            log.info("%s listening on http://%s:%d", site.name, site.host, ports[-1])
+        if started is not None:
+            started(ports)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
         await stop.wait()
     finally:
-        await runner.cleanup()
+        for runner in reversed(runners):
+            await runner.cleanup()
 
 
 def run_forever(main: Coroutine[Any, Any, None]) -> None:

@@ -21,7 +21,7 @@ def open_episode(stack, **request):
 
 
 async def chat(stack, key: str, **body):
-    return await stack.http.post(f"/gateway/{key}/v1/chat/completions", json={"model": "any", **body})
+    return await stack.gateway.post(f"/gateway/{key}/v1/chat/completions", json={"model": "any", **body})
 
 
 async def test_a_chat_turn_answers_with_tool_calls_and_the_next_extends_its_ids():
@@ -70,7 +70,7 @@ async def test_a_completion_of_token_ids_returns_text_ids_and_logprobs():
     async with rollout_stack(script=["hello"]) as stack:
         episode = open_episode(stack)
         prompt = stack.chat.encode("say hello")
-        reply = await stack.http.post(
+        reply = await stack.gateway.post(
             f"/gateway/{episode.key}/v1/completions", json={"model": "m", "prompt": prompt, "logprobs": 1}
         )
         assert reply.status == 200
@@ -78,7 +78,7 @@ async def test_a_completion_of_token_ids_returns_text_ids_and_logprobs():
         choice = answer["choices"][0]
         assert answer["prompt_token_ids"] == prompt and stack.chat.decode(choice["token_ids"]).startswith("hello")
         assert len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"])
-        models = await (await stack.http.get(f"/gateway/{episode.key}/v1/models")).json()
+        models = await (await stack.gateway.get(f"/gateway/{episode.key}/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["char-chat"]
 
 
@@ -128,6 +128,16 @@ async def test_keys_of_no_running_episode_are_refused_and_no_token_is_needed_for
         after = await chat(stack, episode.key, messages=USER)
         assert after.status == 404 and len(episode.log.calls) == 1
         assert (await chat(stack, "made-up-key", messages=USER)).status == 404
+
+
+async def test_the_gateways_port_serves_the_gateway_and_nothing_else():
+    """What a sandbox's code reaches through its forward: the gateway's paths, never the service's API (jobs,
+    batches, the policy version), with or without the service's token."""
+    async with rollout_stack(script=["x"]) as stack:
+        for method, path in (("GET", "/v1/status"), ("POST", "/v1/jobs"), ("PUT", "/v1/policy-version")):
+            assert (await stack.gateway.request(method, path, json={})).status == 404
+        episode = open_episode(stack)
+        assert (await stack.http.post(f"/gateway/{episode.key}/v1/chat/completions", json={})).status == 404
 
 
 async def test_one_submission_of_num_samples_is_one_group_and_idempotent():

@@ -10,6 +10,7 @@ import pytest
 from openapi_spec_validator import validate
 
 from prorl_adapter.service.config import RolloutConfig
+from prorl_adapter.service.gateway import GATEWAY_API
 from prorl_adapter.service.server import ROLLOUT_API
 from prorl_adapter.service.server import create_app as create_rollout_app
 from sandbox_runtime.config import ServerConfig
@@ -20,7 +21,7 @@ from sandbox_runtime.server import create_app as create_runtime_app
 from .fakes.rigs import rollout_stack
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "openapi"
-APIS = pytest.mark.parametrize("api", [RUNTIME_API, ROLLOUT_API], ids=lambda api: api.name)
+APIS = pytest.mark.parametrize("api", [RUNTIME_API, ROLLOUT_API, GATEWAY_API], ids=lambda api: api.name)
 
 
 @APIS

@@ -70,10 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: prorl-rollout@HOST:PORT)",
     )
     serve.add_argument(
+        "--gateway-host", default=None, help="where the LLM gateway for agent programs listens (default: --host)"
+    )
+    serve.add_argument("--gateway-port", type=int, default=0, help="its port (default: a free one)")
+    serve.add_argument(
         "--gateway-address",
         default=None,
-        help="HOST:PORT at which the sandbox runtimes reach this service's LLM gateway (agent programs); "
-        "default: this service's own address (127.0.0.1 when it listens on all interfaces)",
+        help="HOST:PORT at which the sandbox runtimes reach the gateway (default: its own address, 127.0.0.1 when "
+        "it listens on all interfaces); give it where runtimes on other machines must reach it",
     )
     serve.add_argument("--log-level", default="INFO")
     plugins = sub.add_parser("plugins", help="list the plugins and task handlers that would be loaded")
@@ -81,15 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.add_argument("--block-plugin", action="append", default=[])
     plugins.add_argument("--plugin-config", type=Path, default=None, help="check this plugin configuration too")
     openapi = sub.add_parser("openapi", help="print the API's OpenAPI document, or write it and its reference")
-    openapi.add_argument("--out", type=Path, default=None, help="write rollout.json and rollout.md in this folder")
+    openapi.add_argument(
+        "--out", type=Path, default=None, help="write rollout.{json,md} and gateway.{json,md} in this folder"
+    )
+    openapi.add_argument("--gateway", action="store_true", help="print the LLM gateway's document instead")
     return parser
-
-
-def default_gateway_address(host: str, port: int) -> str:
-    """Where a runtime on this machine reaches the service: its host, or loopback for a wildcard address."""
-    if host in ("", "0.0.0.0", "::"):
-        host = "127.0.0.1"
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,9 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "openapi":
         from sandbox_runtime.openapi import openapi_command
 
+        from .gateway import GATEWAY_API
         from .server import ROLLOUT_API
 
-        return openapi_command(ROLLOUT_API, args.out)
+        if args.out is None:
+            return openapi_command(GATEWAY_API if args.gateway else ROLLOUT_API, None)
+        return openapi_command(ROLLOUT_API, args.out) or openapi_command(GATEWAY_API, args.out)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = RolloutConfig(
         sandbox_urls=args.sandbox_url,
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             max_run_workers=args.max_run_workers,
             max_eval_workers=args.max_eval_workers,
             default_timeout_s=args.timeout,
-            gateway_address=args.gateway_address or default_gateway_address(args.host, args.port),
+            gateway_address=args.gateway_address,
         ),
         plugins=args.plugin,
         blocked_plugins=args.block_plugin,
@@ -125,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             lease_s=args.lease_s, max_deliveries=args.max_deliveries, max_buffered=args.max_buffered
         ),
         service_id=args.service_id,
+        gateway_host=args.gateway_host or args.host,
+        gateway_port=args.gateway_port,
     )
     try:
         config.plugin_config = read_plugin_config(args.plugin_config)

@@ -32,6 +32,9 @@ class RolloutConfig:
     # crash left; None: `prorl-rollout@HOST:PORT`.
     service_id: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
+    # The LLM gateway's own listener (agent programs reach it through the runtimes' forwards, and only it).
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 0  # 0: a free port; pipeline.gateway_address says where the runtimes reach it
 
     @property
     def sandbox_owner(self) -> str:

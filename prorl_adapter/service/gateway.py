@@ -1,10 +1,11 @@
 """The LLM gateway: an OpenAI-compatible endpoint per episode, served in token space, every call recorded.
 
 An agent program (JobRequest.agent) gets `OPENAI_BASE_URL=http://127.0.0.1:8766/gateway/<key>/v1` in its sandbox,
-where port 8766 is forwarded to this service by the runtime (sandbox_runtime/forwards.py) and nothing else is
-reachable. The key is random, made when the episode's run starts and refused once it ends: it is both the
-credential and the episode's identity, so no bearer token is needed on these paths, and a call can only ever
-land in its own episode's record.
+where port 8766 is forwarded by the runtime (sandbox_runtime/forwards.py) to this gateway and nothing else is
+reachable. The gateway is an application of its own on a port of its own (`--gateway-port`), serving these paths
+only: the sandbox's code can reach the gateway, never the service's job, batch or policy-version API. The key is
+random, made when the episode's run starts and refused once it ends: it is both the credential and the episode's
+identity, so no bearer token is needed, and a call can only ever land in its own episode's record.
 
 Each chat call's prompt is built by the token-history rule (token_history.py) and sampled through the LLM pool
 as the built-in agent loop samples (balancing, health, failover, the policy version of the moment); the answer
@@ -24,10 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
+from prometheus_client import Counter
 
-from sandbox_runtime.openapi import Operation, Reply
-from sandbox_runtime.webapp import json_response
+from sandbox_runtime.openapi import API, Operation, Reply
+from sandbox_runtime.webapp import json_api, json_response
 
+from .. import __version__
 from ..models import JobRequest, ToolCall
 from .agent import sample
 from .chat import ChatTokenizer, parse_tool_calls, strip_tool_calls
@@ -364,3 +367,22 @@ OPERATIONS = (
         tag="gateway",
     ),
 )
+
+
+GATEWAY_API = API(
+    name="gateway",
+    program="prorl-rollout",
+    title="prorl-rollout: the LLM gateway",
+    version=__version__,
+    description="OpenAI-compatible calls of agent programs, one base URL per episode (`/gateway/{key}/v1`), served "
+    "in token space and recorded in the episode's trajectory. Served on the rollout service's gateway port, which "
+    "sandboxes reach through the runtime's forward; see docs/gateway.md.",
+    default_port=0,
+    operations=OPERATIONS,
+)
+
+
+def create_gateway_app(max_body_bytes: int, requests: Counter) -> web.Application:
+    """The gateway's application: its paths only. `app[GATEWAY]` is set by the service once its pipeline runs,
+    before this application starts."""
+    return json_api(GATEWAY_API, None, max_body_bytes, requests)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from sandbox_runtime.openapi import API, Link, Operation, Reply, metrics_operation, operations_under
-from sandbox_runtime.webapp import json_api, json_response, serve_app
+from sandbox_runtime.webapp import Site, json_api, json_response, serve_sites
 
 from .. import __version__
 from ..hooks.plugin_set import PluginSet
@@ -63,6 +63,7 @@ PROMPTS = web.AppKey("prompts", PromptQueue)
 PIPELINE = web.AppKey("pipeline", RolloutPipeline)
 PRODUCER = web.AppKey("producer", Producer)
 METRICS = web.AppKey("metrics", RolloutMetrics)
+GATEWAY_APP = web.AppKey("gateway_app", web.Application)
 MAX_WAIT_S = 3600.0
 DECOUPLED_FIGURES = (
     "upcoming",
@@ -139,7 +140,12 @@ async def cancel_job(request: web.Request) -> web.Response:
 async def service_status(request: web.Request) -> web.Response:
     pipeline, producer = request.app[PIPELINE], request.app[PRODUCER]
     return json_response(
-        ServiceStatus(**pipeline.status(), llm_servers=pipeline.llm.servers(), degraded=producer.stats.degraded)
+        ServiceStatus(
+            **pipeline.status(),
+            llm_servers=pipeline.llm.servers(),
+            degraded=producer.stats.degraded,
+            gateway_address=pipeline.config.gateway_address,
+        )
     )
 
 
@@ -388,7 +394,6 @@ ROLLOUT_API = API(
             (Reply(200, "", BufferStatus),),
             tag="decoupled",
         ),
-        *gateway.OPERATIONS,
         *prorl_api.OPERATIONS,
     ),
 )
@@ -400,6 +405,7 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
     app_metrics = RolloutMetrics()
     app = json_api(ROLLOUT_API, config.token, config.max_body_bytes, app_metrics.requests)
     app[METRICS] = app_metrics
+    app[GATEWAY_APP] = gateway.create_gateway_app(config.max_body_bytes, app_metrics.requests)
 
     async def plugins(app: web.Application):
         # A bad plugin or plugin configuration fails here, at start-up.
@@ -435,7 +441,7 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
         tokenizer = chat or ChatTokenizer(config.tokenizer)
         app[PIPELINE] = RolloutPipeline(app[PLUGINS], tasks, app[SANDBOXES], app[LLM], tokenizer, config.pipeline)
         app[prorl_api.LEGACY] = prorl_api.ProRLLegacy(app[PIPELINE])
-        app[gateway.GATEWAY] = app[PIPELINE].gateway
+        app[GATEWAY_APP][gateway.GATEWAY] = app[PIPELINE].gateway  # set before the gateway's app starts
         await app[PIPELINE].start()
         yield
         await app[PIPELINE].stop()
@@ -453,4 +459,23 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
 
 async def serve(config: RolloutConfig) -> None:
     config.check_exposure()
-    await serve_app(create_app(config), config.host, config.port, "prorl-rollout")
+    app = create_app(config)
+
+    def started(ports: list[int]) -> None:
+        # Where the runtimes reach the gateway, unless the operator said: the port it got, on this machine.
+        pipeline = app[PIPELINE]
+        if pipeline.config.gateway_address is None:
+            pipeline.config.gateway_address = gateway_address(config.gateway_host, ports[1])
+
+    sites = [
+        Site(app, config.host, config.port, "prorl-rollout"),
+        Site(app[GATEWAY_APP], config.gateway_host, config.gateway_port, "prorl-rollout's LLM gateway"),
+    ]
+    await serve_sites(sites, started)
+
+
+def gateway_address(host: str, port: int) -> str:
+    """Where a runtime on this machine reaches the gateway: its host, or loopback for a wildcard address."""
+    if host in ("", "0.0.0.0", "::"):
+        host = "127.0.0.1"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -31,7 +31,7 @@ from prorl_adapter.service.config import RolloutConfig
 from prorl_adapter.service.decoupled import ProducerConfig
 from prorl_adapter.service.llm import LLMPool
 from prorl_adapter.service.pipeline import PipelineConfig
-from prorl_adapter.service.server import create_app
+from prorl_adapter.service.server import GATEWAY_APP, create_app
 from prorl_adapter.tasks import Environment, TaskHandler
 from prorl_adapter.trainer.client import RolloutClient
 from sandbox_runtime.client import SandboxClient
@@ -52,6 +52,7 @@ class Stack:
     http: TestClient
     client: RolloutClient
     url: str
+    gateway: TestClient  # the LLM gateway's own application, on its own port
 
     @property
     def sandbox(self) -> SandboxStandIn:
@@ -89,10 +90,10 @@ async def rollout_stack(
         )
         chat = CharChat()
         app = create_app(config, chat=chat)  # type: ignore[arg-type]  # a stand-in for ChatTokenizer
-        async with TestClient(TestServer(app)) as http:
+        async with TestClient(TestServer(app)) as http, TestClient(TestServer(app[GATEWAY_APP])) as gateway:
             url = str(http.make_url("")).rstrip("/")
             async with RolloutClient(url, token=token) as client:
-                yield Stack(llm, sandboxes, chat, app, http, client, url)
+                yield Stack(llm, sandboxes, chat, app, http, client, url, gateway)
 
 
 def shell_job(script: str | None = None, **fields: Any) -> JobRequest:
