@@ -95,6 +95,36 @@ async def test_forwards_leave_no_descriptor_behind(bwrap_runtime, echo_server):
         assert open_fds(pid) <= before
 
 
+async def test_a_sandbox_opening_many_connections_holds_a_bounded_number_of_the_servers_descriptors(
+    bwrap_runtime, echo_server
+):
+    """Each relayed connection costs the server two descriptors; a sandbox's code opening hundreds (and keeping
+    them) gets MAX_RELAYS_PER_SESSION relayed, the rest closed, so it cannot exhaust the server's."""
+    from sandbox_runtime.forwards import MAX_RELAYS_PER_SESSION
+
+    pid = bwrap_runtime.process.pid
+    async with bwrap_runtime.client() as client:
+        box = await client.create_sandbox(forwards=[{"port": 8000, "target": f"127.0.0.1:{echo_server}"}])
+        try:
+            before = open_fds(pid)
+            # Open 300 connections and keep them until told; say when they are open.
+            hold = (
+                'python3 -c \'import os,socket,time; s=[socket.create_connection(("127.0.0.1",8000),5) for _ in'
+                ' range(300)]; open("/tmp/held","w").close()\nwhile not os.path.exists("/tmp/release"):'
+                " time.sleep(0.05)\nprint(len(s))'"
+            )
+            task = asyncio.ensure_future(client.exec(box.id, hold, timeout=60))
+            while not (await client.exec(box.id, "test -e /tmp/held && echo yes", session="probe")).output.strip():
+                pass  # each probe is a round trip to the sandbox: the held connections are open once it says so
+            held = open_fds(pid) - before
+            assert held <= 2 * MAX_RELAYS_PER_SESSION + 8, held
+            await client.write_file(box.id, "/tmp/release", "")
+            assert (await task).output.strip() == "300"
+            assert (await client.exec(box.id, PROBE.format(port=8000), timeout=20)).output.strip() == "echo:ping"
+        finally:
+            await client.delete_sandbox(box.id)
+
+
 async def test_forward_to_a_closed_port_fails_the_connection_not_the_sandbox(bwrap_runtime):
     async with bwrap_runtime.client() as client:
         box = await client.create_sandbox(forwards=[{"port": 8000, "target": "127.0.0.1:1"}])

@@ -36,6 +36,9 @@ HELPER_TIMEOUT_S = 10.0
 NS_GET_USERNS = 0xB701  # _IO(0xb7, 0x1), linux/nsfs.h
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 RELAY_CHUNK = 64 * 1024
+# Connections one session may have relayed at once: each costs the server two descriptors, and a sandbox's code
+# may open as many as its limits allow. Past it a new connection is closed at once.
+MAX_RELAYS_PER_SESSION = 64
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -93,7 +96,6 @@ def _bind_in_child(netns: int, userns: int | None, port: int, back: socket.socke
         if _libc.setns(netns, CLONE_NEWNET) != 0:
             raise OSError(ctypes.get_errno(), f"joining the network namespace: {os.strerror(ctypes.get_errno())}")
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", port))
         listener.listen(1024)
         socket.send_fds(back, [b"ok"], [listener.fileno()])
@@ -139,6 +141,9 @@ class Forwards:
             raise
 
     def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, spec: PortForward) -> None:
+        if len(self._relays) >= MAX_RELAYS_PER_SESSION:
+            writer.close()
+            return
         task = asyncio.ensure_future(self._relay(reader, writer, spec))
         self._relays.add(task)
         task.add_done_callback(self._relays.discard)
