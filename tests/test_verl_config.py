@@ -393,3 +393,18 @@ def test_verl_gets_the_episodes_sequence_with_the_most_policy_tokens():
     )
     assert (output.prompt_ids, output.response_ids, output.response_mask) == ([1, 9], [8, 8, 8], [1, 1, 1])
     assert output.reward_score == 1.0
+
+
+def test_an_agent_program_in_the_block_runs_each_rows_episode():
+    from prorl_plugins.verl.backend import VerlBackend, VerlSample
+
+    block = {"service_url": "http://127.0.0.1:1", "task": "shell", "agent": {"command": "python3 /opt/agent.py"}}
+    prorl = ProrlVerlConfig.from_block(block)
+    rollout = SimpleNamespace(prompt_length=64, response_length=16, temperature=1.0, top_p=1.0)
+    row = {"extra_info": {"instance": {"goal": "g", "check": "true"}}, "uid": "u1"}
+    [request] = VerlBackend(prorl).prorl_backend_requests(
+        batch=VerlSample(row=row, sampling_params={}, rollout=rollout)
+    )
+    assert request.agent.command == "python3 /opt/agent.py"
+    with pytest.raises(ProrlVerlConfigError, match=r"prorl\.agent is not an agent program"):
+        ProrlVerlConfig.from_block({**block, "agent": {"cmd": "x"}})

@@ -10,7 +10,16 @@ from collections.abc import Mapping, Sequence
 from statistics import fmean
 from typing import Any
 
-from ..models import GROUP_LABEL, BatchItem, FinishReason, JobRequest, SamplingParams, StageTimings, Trajectory
+from ..models import (
+    GROUP_LABEL,
+    AgentProgram,
+    BatchItem,
+    FinishReason,
+    JobRequest,
+    SamplingParams,
+    StageTimings,
+    Trajectory,
+)
 
 
 def group_neutral_rewards(items: Sequence[BatchItem]) -> list[float]:
@@ -36,8 +45,10 @@ def job_request(
     max_context_tokens: int = 4096,
     timeout_s: float | None = None,
     labels: Mapping[str, str] | None = None,
+    agent: AgentProgram | None = None,
 ) -> JobRequest:
-    """A dataset row's episode as a job; `group` ties the row's GRPO samples together."""
+    """A dataset row's episode as a job; `group` ties the row's GRPO samples together; `agent`, an agent program
+    of the user's own, runs it instead of the built-in agent loop."""
     if not isinstance(sampling, SamplingParams):
         sampling = SamplingParams.model_validate(dict(sampling or {}))
     return JobRequest(
@@ -48,6 +59,7 @@ def job_request(
         max_context_tokens=max_context_tokens,
         timeout_s=timeout_s,
         labels={**(labels or {}), GROUP_LABEL: group},
+        agent=agent,
     )
 
 

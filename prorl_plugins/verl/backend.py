@@ -132,6 +132,7 @@ class VerlBackend:
             max_context_tokens=prorl.max_context_tokens or rollout.prompt_length + rollout.response_length,
             timeout_s=prorl.timeout_s,
             labels=labels,
+            agent=prorl.agent,
         )
         return [request]
 

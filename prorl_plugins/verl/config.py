@@ -29,7 +29,7 @@ from urllib.parse import urlparse
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from prorl_adapter.hooks import PluginConfigError, PluginLoadError, PluginSet
-from prorl_adapter.models import LLM_PROTOCOLS, SamplingParams
+from prorl_adapter.models import LLM_PROTOCOLS, AgentProgram, SamplingParams
 from prorl_plugins.staleness import StalenessConfig
 
 AGENT_LOOP_NAME = "prorl_agent"
@@ -58,6 +58,7 @@ _KEYS = (
     "reward_source",
     "staleness",
     "reward",
+    "agent",
 )
 
 
@@ -75,6 +76,17 @@ def _url(value: Any, key: str, protocols: tuple[str, ...] = ()) -> str:
     except ValueError as exc:
         raise ProrlVerlConfigError(f"{key}={value!r} has a bad port: {exc}") from exc
     return value.rstrip("/")
+
+
+def _agent(value: Any) -> AgentProgram | None:
+    if value is None:
+        return None
+    try:
+        return AgentProgram.model_validate(dict(value) if isinstance(value, Mapping) else value)
+    except ValueError as exc:
+        raise ProrlVerlConfigError(
+            f"{BLOCK}.agent is not an agent program: {exc}; write e.g. +{BLOCK}.agent.command='python3 agent.py'"
+        ) from exc
 
 
 def _positive_int(value: Any, key: str, allow_none: bool = True) -> int | None:
@@ -101,6 +113,7 @@ class ProrlVerlConfig:
     reward_source: str = "service"
     staleness: dict[str, Any] | None = None
     reward: dict[str, Any] | None = None
+    agent: AgentProgram | None = None  # an agent program of the user's own runs each episode (docs/gateway.md)
 
     @classmethod
     def from_block(cls, block: Any) -> ProrlVerlConfig:
@@ -167,6 +180,7 @@ class ProrlVerlConfig:
             reward_source=reward_source,
             staleness=dict(block["staleness"]) if block.get("staleness") is not None else None,
             reward=dict(block["reward"]) if block.get("reward") is not None else None,
+            agent=_agent(block.get("agent")),
         )
         config.plugins()  # the shared plugins validate their own sections now, not mid-training
         return config
