@@ -66,6 +66,8 @@ async def test_ttl_and_idle_timeout_reap_sandboxes(tmp_path):
         async with server.client() as client:
             ttl = await client.create_sandbox(ttl_s=0.5)
             idle = await client.create_sandbox(idle_timeout_s=0.5)
+            # A TTL shorter than the start-up itself: the creator still gets its sandbox (201), reaped after.
+            instant = await client.create_sandbox(ttl_s=5e-324)
             kept = await client.create_sandbox()
             pid = ttl.sessions[0].pid
             url = server.url + "/v1/sandboxes/"
@@ -73,12 +75,12 @@ async def test_ttl_and_idle_timeout_reap_sandboxes(tmp_path):
             def gone(box_id: str) -> bool:
                 return httpx.get(url + box_id).status_code == 404
 
-            assert wait_until(lambda: gone(ttl.id) and gone(idle.id))
+            assert wait_until(lambda: gone(ttl.id) and gone(idle.id) and gone(instant.id))
             assert not gone(kept.id)
             assert procs.session_members(pid) == []
             assert not (server.state_dir / "sandboxes" / ttl.id).exists()
             metrics = httpx.get(server.url + "/metrics").text
-            assert 'prorl_sandbox_reaped_total{reason="ttl"} 1.0' in metrics
+            assert 'prorl_sandbox_reaped_total{reason="ttl"} 2.0' in metrics
             assert 'prorl_sandbox_reaped_total{reason="idle"} 1.0' in metrics
     finally:
         stop_server(server)

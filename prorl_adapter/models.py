@@ -88,7 +88,9 @@ class AgentProgram(_Strict):
     (docs/gateway.md), and `PRORL_TASK_PROMPT` the task's prompt. Init and eval are the task's as usual."""
 
     command: str = Field(min_length=1, max_length=64 * 1024, description="a bash command line, run in the sandbox")
-    env: dict[str, str] = Field(default_factory=dict, description="more environment for the program")
+    env: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")], str] = Field(
+        default_factory=dict, description="more environment for the program"
+    )
     files: dict[Annotated[str, Field(pattern=r"^/tmp(/[^/\x00]+)+$"), AfterValidator(_no_dots)], str] = Field(
         default_factory=dict,
         description="files written into the sandbox's /tmp at init, by path: the program's code where the image "
@@ -126,6 +128,12 @@ class JobRequest(_Strict):
     num_samples: int = Field(
         1, ge=1, le=256, description="episodes of this instance, one GRPO group (their `group` label is shared)"
     )
+
+    @model_validator(mode="after")
+    def _sample_ids_fit(self) -> JobRequest:
+        if self.job_id and self.num_samples > 1 and len(self.job_id) + len(f".{self.num_samples - 1}") > 128:
+            raise ValueError(f"job_id is too long for {self.num_samples} samples: their ids <job_id>.<i> exceed 128")
+        return self
 
     def samples(self) -> list[JobRequest]:
         """The episodes this request asks for: itself, or `num_samples` copies of one GRPO group. A copy's job id

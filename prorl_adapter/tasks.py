@@ -166,6 +166,9 @@ class TaskHandler(ABC):
     # ProRL Agent's dataset names (`instance.data_source` of its POST /process) that this task serves; their rows
     # become this task's instances through `from_prorl_instance` (docs/compat.md).
     prorl_data_sources: ClassVar[tuple[str, ...]] = ()
+    # Whether an agent program of the user's own (JobRequest.agent) can run this task's episodes: False for a task
+    # whose eval reads what only the built-in loop records (the `finish` tool's answer), which would score 0.
+    supports_agent_programs: ClassVar[bool] = True
 
     def from_prorl_instance(self, data_source: str, row: dict[str, Any]) -> dict[str, Any]:
         """This task's instance from a row of ProRL dataset `data_source`; raise TaskConfigError naming what the

@@ -11,7 +11,7 @@ Each component is recorded in `trajectory.reward_components` as a signed contrib
 its weight, and only when its weight is non-zero:
 
 - `safety`:    -weight per `bash` command / `python` program that matches a dangerous pattern;
-- `concision`: -weight * max(0, policy tokens - budget_tokens), policy tokens being sum(response_mask);
+- `concision`: -weight * max(0, policy tokens - budget_tokens), policy tokens being every mask-1 token;
 - `format`:    -weight per malformed tool call (`Turn.tool_call_errors`, as the agent parsed them);
 - `step_cost`: -weight * num_turns;
 - `user`:      weight * f(trajectory, instance).
@@ -140,7 +140,9 @@ def safety_penalty(trajectory: Trajectory, patterns: Iterable[re.Pattern[str]], 
 
 
 def policy_tokens(trajectory: Trajectory) -> int:
-    return sum(trajectory.response_mask)
+    """Every token the policy sampled in the episode, in all its sequences (an agent program that rewrote its
+    history has several): splitting an episode must not dodge the budget."""
+    return sum(sum(segment.response_mask) for segment in trajectory.all_segments())
 
 
 def concision_penalty(trajectory: Trajectory, budget_tokens: int, weight: float) -> float:

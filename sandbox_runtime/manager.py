@@ -229,6 +229,7 @@ class SandboxManager:
             box.write_record()
             await backend.create(dirs, spec)
             await box.session("default")
+            box.created = True
         except BaseException as exc:
             await self.delete(sandbox_id)
             if isinstance(exc, SessionError) and exc.status >= 500 and spec.image:  # the client's image is at fault

@@ -34,6 +34,7 @@ class Sandbox:
         self.last_used = time.monotonic()
         self.closing = False
         self.started = False  # a shell of it started once: with this spec, the sandbox works
+        self.created = False  # its creation returned (the reaper leaves a sandbox alone until then)
         self.deleted = asyncio.Event()
         self._output_limit = output_limit
         self._sessions: dict[str, ShellSession] = {}
@@ -208,7 +209,10 @@ class Sandbox:
         )
 
     def expired(self, now_wall: float, now_mono: float) -> str | None:
-        """Why the reaper should delete this sandbox now, or None."""
+        """Why the reaper should delete this sandbox now, or None. Never while it is being created: its creator
+        would get a sandbox deleted under it (a TTL shorter than the start-up, say) instead of its answer."""
+        if not self.created:
+            return None
         if self.spec.ttl_s is not None and now_wall - self.created_at > self.spec.ttl_s:
             return "ttl"
         busy = any(s.busy for s in self._sessions.values())

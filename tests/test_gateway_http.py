@@ -3,6 +3,7 @@ and sandbox stand-ins of tests/fakes; the real parts are in integration_tests/te
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -169,3 +170,47 @@ async def test_decoupled_prompts_with_num_samples_are_one_group_each():
         batch = await stack.client.take_batch(4, timeout=60)
         groups = [item.group for item in batch.items]
         assert len(batch.items) == 4 and len(set(groups)) == 2 and all(groups.count(g) == 2 for g in groups)
+
+
+@pytest.mark.parametrize(
+    "calls",
+    [[{"function": None}], [{"function": "bash"}], [{"id": "a"}], [{"function": {"arguments": "{}"}}]],
+)
+async def test_malformed_tool_calls_sent_back_are_a_400(calls):
+    async with rollout_stack(script=["x"]) as stack:
+        episode = open_episode(stack)
+        messages = [*USER, {"role": "assistant", "content": None, "tool_calls": calls}]
+        reply = await chat(stack, episode.key, messages=messages)
+        assert reply.status == 400 and "tool_calls" in (await reply.json())["error"]
+        assert episode.log.calls == []
+
+
+async def test_the_developer_role_is_rendered_as_system():
+    async with rollout_stack(script=["x"]) as stack:
+        episode = open_episode(stack)
+        answer = await (await chat(stack, episode.key, messages=[{"role": "developer", "content": "be brief"}])).json()
+        assert "<|im_start|>system\nbe brief" in stack.chat.decode(answer["prompt_token_ids"])
+
+
+async def test_a_call_without_a_running_episodes_key_is_refused_before_its_body_is_read():
+    async with rollout_stack(script=["x"]) as stack:
+        reply = await stack.gateway.post("/gateway/nobody/v1/chat/completions", data=b"not json at all")
+        assert reply.status == 404  # not the body's 400: no key, nothing parsed
+
+
+async def test_an_episode_has_a_few_calls_in_flight_and_the_rest_wait():
+    from prorl_adapter.service.gateway import CALLS_IN_FLIGHT
+
+    from .fakes.standin import HANG
+
+    async with rollout_stack(script=["x"]) as stack:
+        episode = open_episode(stack)
+        stack.llm.cue(*[HANG] * CALLS_IN_FLIGHT)
+        calls = [asyncio.ensure_future(chat(stack, episode.key, messages=USER)) for _ in range(CALLS_IN_FLIGHT + 2)]
+        await stack.llm.until(lambda: stack.llm.held == CALLS_IN_FLIGHT)
+        while episode.calls_started < len(calls):  # the other two are in the gateway (no event tells it)
+            await asyncio.sleep(0.01)
+        assert stack.llm.held == CALLS_IN_FLIGHT and len(stack.llm.requests) == CALLS_IN_FLIGHT  # two wait
+        stack.llm.release()
+        assert [r.status for r in await asyncio.gather(*calls)] == [200] * len(calls)
+        assert len(episode.log.calls) == len(calls)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prorl_adapter.service.token_history import Call, CallLog, canonical, tools_key
+from prorl_adapter.service.token_history import CallLog, ChatKey, Sampled, canonical, tools_key
 
 from .fakes.chat import END, CharChat
 
@@ -10,26 +10,17 @@ chat = CharChat()
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
 
 
-def answered(log: CallLog, messages, tools, sampled: str, reply: dict, closed: bool = True) -> Call:
+def answered(log: CallLog, messages, tools, sampled: str, reply: dict, closed: bool = True) -> Sampled:
     """Record a call of `messages` whose sampled ids decode to `sampled` (+ the eos where `closed`)."""
-    prompt = log.chat_prompt(chat, messages, tools)
+    prompt, digest = log.chat_prompt(chat, messages, tools)
     ids = chat.encode(sampled) + ([chat.eos_id] if closed else [])
-    call = Call(
-        prompt_ids=prompt,
-        response_ids=ids,
-        response_logprobs=[-0.5] * len(ids),
-        messages=[canonical(m) for m in messages],
-        tools=tools_key(tools),
-        reply=canonical(reply),
-        policy_version=3,
-        server="http://llm",
-        finish_reason="stop",
-        text=sampled,
-        tool_calls=[],
-        generate_s=0.1,
-    )
-    log.record(call)
+    call = Sampled(prompt, ids, [-0.5] * len(ids), 3, "http://llm", "stop", sampled, 0.1)
+    log.record(call, ChatKey(digest, len(messages), tools_key(tools), canonical(reply)))
     return call
+
+
+def history(call: Sampled) -> list[int]:
+    return call.prompt_ids + call.response_ids
 
 
 FIRST = [{"role": "system", "content": "s"}, {"role": "user", "content": "list the files"}]
@@ -54,17 +45,17 @@ TOOL_RESULT = {"role": "tool", "tool_call_id": "call_9", "content": "a.txt"}
 def test_a_history_sent_back_unchanged_extends_the_sampled_ids():
     log = CallLog()
     first = answered(log, FIRST, TOOLS, SAMPLED, REPLY)
-    prompt = log.chat_prompt(chat, [*FIRST, SENT_BACK, TOOL_RESULT], TOOLS)
+    prompt = log.chat_prompt(chat, [*FIRST, SENT_BACK, TOOL_RESULT], TOOLS)[0]
     # The exact history, then only the new message's template text: the sampled ids are never re-encoded.
-    assert prompt[: len(first.history)] == first.history
-    assert chat.decode(prompt[len(first.history) :]) == f"\n<|im_start|>tool\na.txt{END}\n<|im_start|>assistant\n"
+    assert prompt[: len(history(first))] == history(first)
+    assert chat.decode(prompt[len(history(first)) :]) == f"\n<|im_start|>tool\na.txt{END}\n<|im_start|>assistant\n"
 
 
 def test_a_turn_cut_by_its_token_limit_gets_the_eos_as_context():
     log = CallLog()
     first = answered(log, FIRST, TOOLS, SAMPLED, REPLY, closed=False)
-    prompt = log.chat_prompt(chat, [*FIRST, SENT_BACK, TOOL_RESULT], TOOLS)
-    assert prompt[len(first.history)] == chat.eos_id
+    prompt = log.chat_prompt(chat, [*FIRST, SENT_BACK, TOOL_RESULT], TOOLS)[0]
+    assert prompt[len(history(first))] == chat.eos_id
 
 
 def test_calls_that_extend_each_other_make_one_segment_with_masks():
@@ -75,8 +66,8 @@ def test_calls_that_extend_each_other_make_one_segment_with_masks():
     assert len(segments) == 1
     seg = segments[0]
     assert seg.prompt_ids == first.prompt_ids
-    assert seg.prompt_ids + seg.response_ids == second.prompt_ids + second.response_ids
-    context = len(second.prompt_ids) - len(first.history)
+    assert seg.prompt_ids + seg.response_ids == history(second)
+    context = len(second.prompt_ids) - len(history(first))
     assert seg.response_mask == [1] * len(first.response_ids) + [0] * context + [1] * len(second.response_ids)
     assert [t.segment for t in turns] == [0, 0]
     assert turns[1].response_start == len(first.response_ids) + context
@@ -117,5 +108,5 @@ def test_every_sampled_token_is_in_exactly_one_segment_when_a_call_branches():
     segments, _ = log.segments()
     assert len(segments) == 2
     sampled = sum(sum(s.response_mask) for s in segments)
-    assert sampled == sum(len(c.response_ids) for c in log.calls)
+    assert sampled == sum(len(c.sampled.response_ids) for c in log.calls)
     assert segments[1].prompt_ids == b.prompt_ids and a.prompt_ids == b.prompt_ids

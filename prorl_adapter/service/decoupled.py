@@ -35,7 +35,7 @@ from functools import partial
 
 from ..hooks.specs import hookimpl
 from ..models import AdmissionState, BatchItem, JobRequest, JobState, ProducerStats, Trajectory
-from .pipeline import Job, RolloutPipeline
+from .pipeline import Job, JobConflict, RolloutPipeline, UnknownTask
 from .storage.buffer import ExperienceBuffer, ExperienceBufferError
 from .storage.prompts import MemoryPromptQueue, PromptQueue
 
@@ -167,17 +167,23 @@ class Producer:
         """Prompts recorded as running that no episode here is running (an earlier incarnation admitted them,
         or a reply was lost) run again: admission was granted. Those in flight here are left alone."""
         for request in await self.prompts.recover():
-            self._submit(request)
+            await self._submit(request)
 
     async def _admit_while_allowed(self) -> None:
         while await self._admitted():
             request = await self.prompts.pop()
             if request is None:
                 break
-            self._submit(request)
+            await self._submit(request)
 
-    def _submit(self, request: JobRequest) -> None:
-        job, _ = self.pipeline.submit(request)  # a known job id gives back that job (idempotent)
+    async def _submit(self, request: JobRequest) -> None:
+        try:
+            job, _ = self.pipeline.submit(request)  # a known job id gives back that job (idempotent)
+        except (JobConflict, UnknownTask) as exc:  # this prompt can never run; the others can
+            log.error("prompt %s dropped: %s", request.job_id, exc)
+            self.stats.filtered += 1
+            await self.prompts.done(request.job_id)
+            return
         if job.id in self._in_flight:
             return
         version = self.pipeline.policy_version

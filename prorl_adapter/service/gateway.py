@@ -16,15 +16,18 @@ strings are honoured. A streamed call is sampled whole, then sent as chunks (doc
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import secrets
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
+from jinja2 import TemplateError
 from prometheus_client import Counter
 
 from sandbox_runtime.openapi import API, Operation, Reply
@@ -48,13 +51,16 @@ from .openai_wire import (
     FunctionCall,
     ModelCard,
     ModelList,
+    SamplingFields,
     TokenLogprob,
     ToolCallOut,
     Usage,
 )
-from .token_history import Call, CallLog, canonical, tools_key
+from .token_history import CallLog, ChatKey, Sampled, canonical, tools_key
 
 SANDBOX_PORT = 8766  # where the gateway is on a sandbox's own loopback
+CALLS_IN_FLIGHT = 4  # per episode; more wait for a slot
+MAX_BODY_BYTES = 4 * 1024 * 1024  # a call's body: messages of a long context, far from the service's 16 MiB
 
 
 class GatewayError(Exception):
@@ -74,6 +80,7 @@ class GatewayEpisode:
     pin: Pin = field(default_factory=Pin)
     calls_started: int = 0
     open: bool = True
+    slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(CALLS_IN_FLIGHT))
 
     def base_url(self, port: int = SANDBOX_PORT) -> str:
         return f"http://127.0.0.1:{port}/gateway/{self.key}/v1"
@@ -113,87 +120,93 @@ class Gateway:
 
     # -- calls ------------------------------------------------------------------------------------------
     async def chat_completion(self, episode: GatewayEpisode, body: ChatCompletionRequest) -> ChatCompletion:
-        self._count_call(episode)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        tools = body.tools or None
-        prompt_ids = await self.chat.off_loop(episode.log.chat_prompt, self.chat, messages, tools)
-        limit = body.max_completion_tokens or body.max_tokens
-        call, text = await self._sample(episode, prompt_ids, limit, body.stops())
-        calls = [] if body.tool_choice == "none" else parse_tool_calls(text).calls
-        content = strip_tool_calls(text) if calls else text
-        out_calls = [
-            ToolCallOut(
-                id=f"call_{uuid.uuid4().hex[:24]}",
-                function=FunctionCall(name=c.name, arguments=json.dumps(c.arguments)),
-            )
-            for c in calls
-        ]
-        message = AssistantMessage(content=content or (None if calls else ""), tool_calls=out_calls or None)
-        call.messages = [canonical(m) for m in messages]
-        call.tools = tools_key(tools)
-        call.reply = canonical(message.model_dump(exclude_none=True))
-        call.tool_calls = [ToolCall(name=c.name, arguments=c.arguments) for c in calls]
-        self._record(episode, call)
-        finish = "tool_calls" if calls else _finish(call.finish_reason)
+        async with self._call_slot(episode):
+            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            tools = body.tools or None
+            try:
+                prompt_ids, digest = await self.chat.off_loop(episode.log.chat_prompt, self.chat, messages, tools)
+            except (TemplateError, TypeError, ValueError, KeyError) as exc:  # what the template could not render
+                raise GatewayError(400, f"the chat template cannot render these messages: {exc}") from exc
+            sampled = await self._sample(episode, prompt_ids, body.max_completion_tokens or body.max_tokens, body)
+            parsed = parse_tool_calls(sampled.text) if body.tool_choice != "none" else None
+            calls = parsed.calls if parsed else []
+            out_calls = [
+                ToolCallOut(
+                    id=f"call_{uuid.uuid4().hex[:24]}",
+                    function=FunctionCall(name=c.name, arguments=json.dumps(c.arguments)),
+                )
+                for c in calls
+            ]
+            content = strip_tool_calls(sampled.text) if calls else sampled.text
+            message = AssistantMessage(content=content or (None if calls else ""), tool_calls=out_calls or None)
+            key = ChatKey(digest, len(messages), tools_key(tools), canonical(message.model_dump(exclude_none=True)))
+            self._record(episode, sampled, key, calls, parsed.errors if parsed else [])
         logprobs = None
         if body.logprobs:
-            pieces = await self.chat.off_loop(self.chat.token_texts, call.response_ids)
+            pieces = await self.chat.off_loop(self.chat.token_texts, sampled.response_ids)
             logprobs = ChoiceLogprobs(
-                content=[TokenLogprob(token=t, logprob=p) for t, p in zip(pieces, call.response_logprobs)]
+                content=[TokenLogprob(token=t, logprob=p) for t, p in zip(pieces, sampled.response_logprobs)]
             )
+        finish = "tool_calls" if calls else _finish(sampled.finish_reason)
+        choice = ChatChoice(message=message, finish_reason=finish, logprobs=logprobs, token_ids=sampled.response_ids)
         return ChatCompletion(
             id=f"chatcmpl-{uuid.uuid4().hex}",
             created=int(time.time()),
             model=body.model or self.model,
-            choices=[ChatChoice(message=message, finish_reason=finish, logprobs=logprobs, token_ids=call.response_ids)],
-            usage=_usage(call),
-            prompt_token_ids=call.prompt_ids,
+            choices=[choice],
+            usage=_usage(sampled),
+            prompt_token_ids=sampled.prompt_ids,
         )
 
     async def completion(self, episode: GatewayEpisode, body: CompletionRequest) -> Completion:
-        self._count_call(episode)
-        if isinstance(body.prompt, str):
-            prompt_ids = await self.chat.off_loop(self.chat.encode, body.prompt)
-        else:
-            prompt_ids = list(body.prompt)
-        call, text = await self._sample(episode, prompt_ids, body.max_tokens, body.stops())
-        self._record(episode, call)
+        async with self._call_slot(episode):
+            if isinstance(body.prompt, str):
+                prompt_ids = await self.chat.off_loop(self.chat.encode, body.prompt)
+            else:
+                prompt_ids = list(body.prompt)
+            sampled = await self._sample(episode, prompt_ids, body.max_tokens, body)
+            self._record(episode, sampled)
         logprobs = None
         if body.logprobs:
-            pieces = await self.chat.off_loop(self.chat.token_texts, call.response_ids)
-            logprobs = CompletionLogprobs(tokens=pieces, token_logprobs=call.response_logprobs)
+            pieces = await self.chat.off_loop(self.chat.token_texts, sampled.response_ids)
+            logprobs = CompletionLogprobs(tokens=pieces, token_logprobs=sampled.response_logprobs)
+        choice = CompletionChoice(
+            text=sampled.text,
+            finish_reason=_finish(sampled.finish_reason),
+            logprobs=logprobs,
+            token_ids=sampled.response_ids,
+        )
         return Completion(
             id=f"cmpl-{uuid.uuid4().hex}",
             created=int(time.time()),
             model=body.model or self.model,
-            choices=[
-                CompletionChoice(
-                    text=text, finish_reason=_finish(call.finish_reason), logprobs=logprobs, token_ids=call.response_ids
-                )
-            ],
-            usage=_usage(call),
-            prompt_token_ids=call.prompt_ids,
+            choices=[choice],
+            usage=_usage(sampled),
+            prompt_token_ids=sampled.prompt_ids,
         )
 
-    def _count_call(self, episode: GatewayEpisode) -> None:
+    @contextlib.asynccontextmanager
+    async def _call_slot(self, episode: GatewayEpisode) -> AsyncIterator[None]:
+        """A call counts against the episode's turns, and waits for one of its few slots: a program (or whatever
+        else runs in its sandbox) cannot put hundreds of generations in flight at the cost of other episodes."""
         if episode.calls_started >= episode.request.max_turns:
             raise GatewayError(400, f"this episode's turn limit is reached: max_turns={episode.request.max_turns}")
         episode.calls_started += 1
+        async with episode.slots:
+            yield
 
     async def _sample(
-        self, episode: GatewayEpisode, prompt_ids: list[int], max_tokens: int | None, stops: list[str]
-    ) -> tuple[Call, str]:
+        self, episode: GatewayEpisode, prompt_ids: list[int], max_tokens: int | None, body: SamplingFields
+    ) -> Sampled:
         job = episode.request
         room = job.max_context_tokens - len(prompt_ids)
         if room <= 0:
             limit = job.max_context_tokens
-            raise GatewayError(
-                400, f"the prompt is {len(prompt_ids)} tokens; the episode's max_context_tokens: {limit}"
-            )
+            raise GatewayError(400, f"the prompt is {len(prompt_ids)} tokens; max_context_tokens is {limit}")
         sampling = job.sampling.model_copy(
             update={
                 "max_tokens": min(job.sampling.max_tokens, max_tokens or job.sampling.max_tokens, room),
-                "stop": [*job.sampling.stop, *stops],
+                "stop": [*job.sampling.stop, *body.stops()],
             }
         )
         version = self.policy_version()
@@ -203,40 +216,38 @@ class Gateway:
             raise GatewayError(503, f"no LLM server can answer now: {exc}") from exc
         except LLMRequestError as exc:
             raise GatewayError(400, f"the LLM server refused the request: {exc}") from exc
-        text = generation.text or ""
-        call = Call(
+        return Sampled(
             prompt_ids=prompt_ids,
             response_ids=generation.token_ids,
             response_logprobs=generation.logprobs,
-            messages=None,
-            tools=None,
-            reply=None,
             policy_version=version,
             server=generation.server,
             finish_reason=generation.finish_reason,
-            text=text,
-            tool_calls=[],
+            text=generation.text or "",
             generate_s=generation.seconds,
         )
-        return call, text
 
     @staticmethod
-    def _record(episode: GatewayEpisode, call: Call) -> None:
+    def _record(
+        episode: GatewayEpisode,
+        sampled: Sampled,
+        chat: ChatKey | None = None,
+        calls: list[ToolCall] | None = None,
+        errors: list[str] | None = None,
+    ) -> None:
         if not episode.open:  # answered after the run ended: the trajectory is already built without it
             raise GatewayError(404, "the episode's run ended while this call was sampled; it was not recorded")
-        episode.log.record(call)
+        calls = [ToolCall(name=c.name, arguments=c.arguments) for c in calls or []]
+        episode.log.record(sampled, chat, calls, errors)
 
 
 def _finish(reason: str | None) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def _usage(call: Call) -> Usage:
-    return Usage(
-        prompt_tokens=len(call.prompt_ids),
-        completion_tokens=len(call.response_ids),
-        total_tokens=len(call.prompt_ids) + len(call.response_ids),
-    )
+def _usage(sampled: Sampled) -> Usage:
+    prompt, completion = len(sampled.prompt_ids), len(sampled.response_ids)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 # -- HTTP -----------------------------------------------------------------------------------------------
@@ -382,7 +393,18 @@ GATEWAY_API = API(
 )
 
 
-def create_gateway_app(max_body_bytes: int, requests: Counter) -> web.Application:
+def create_gateway_app(requests: Counter) -> web.Application:
     """The gateway's application: its paths only. `app[GATEWAY]` is set by the service once its pipeline runs,
-    before this application starts."""
-    return json_api(GATEWAY_API, None, max_body_bytes, requests)
+    before this application starts. A key no running episode holds is refused before the body is read, so a
+    caller without one costs nothing but the request line."""
+    app = json_api(GATEWAY_API, None, MAX_BODY_BYTES, requests)
+    app.middlewares.append(_known_key)
+    return app
+
+
+@web.middleware
+async def _known_key(request: web.Request, handler) -> web.StreamResponse:
+    key = request.match_info.get("key")
+    if key is not None:
+        request.app[GATEWAY].episode(key)  # 404 for any other
+    return await handler(request)

@@ -22,19 +22,31 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class FunctionCallIn(_Lenient):
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = Field("{}", description="JSON text (OpenAI's form) or an object")
+
+
+class ToolCallIn(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(BaseModel):
-    """A message as a harness sends it: role, content (text or parts), tool calls, the tool's call id."""
+    """A message as a harness sends it: role, content (text or parts), tool calls, the tool's call id.
+    `developer` is rendered as `system`, the role chat templates know."""
 
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     name: str | None = None
 
 
-class _Sampling(_Lenient):
+class SamplingFields(_Lenient):
     model: str = Field("", description="any name: the episode's policy answers")
     max_tokens: int | None = Field(None, gt=0, description="at most this many tokens (and at most the job's)")
     stop: str | list[str] | None = None
@@ -49,7 +61,7 @@ class _Sampling(_Lenient):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     """Body of POST /gateway/{key}/v1/chat/completions."""
 
     model_config = ConfigDict(
@@ -64,7 +76,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     """Body of POST /gateway/{key}/v1/completions: a text prompt, or token ids (what keeps a history exact)."""
 
     model_config = ConfigDict(extra="ignore", json_schema_extra={"examples": [{"model": "policy", "prompt": [1, 2]}]})

@@ -171,14 +171,24 @@ class RolloutPipeline:
             if job.request != request:
                 raise JobConflict(f"job id {request.job_id!r} is taken by a different request; use a new id")
             return job, False
-        handler = self.tasks.get(request.task)
-        if handler is None:
-            raise UnknownTask(f"unknown task {request.task!r}; known: {', '.join(sorted(self.tasks))}")
+        handler = self.handler_for(request)
         job = Job(request.job_id or uuid.uuid4().hex, request, handler)
         self.jobs[job.id] = job
         self._forget_old_jobs()
         self._queues["init"].put_nowait(job)
         return job, True
+
+    def handler_for(self, request: JobRequest) -> TaskHandler:
+        """The request's task handler; a 400 for a task this service does not have, or cannot run this way."""
+        handler = self.tasks.get(request.task)
+        if handler is None:
+            raise UnknownTask(f"unknown task {request.task!r}; known: {', '.join(sorted(self.tasks))}")
+        if request.agent is not None and not handler.supports_agent_programs:
+            raise UnknownTask(
+                f"task {request.task!r} cannot be run by an agent program (its eval grades what only the built-in "
+                "agent loop records)"
+            )
+        return handler
 
     def submit_samples(self, request: JobRequest) -> list[tuple[Job, bool]]:
         """Queue every sample a request asks for (`num_samples`), or none: a conflict or an unknown task in any

@@ -114,10 +114,10 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def submit_job(request: web.Request, body: JobRequest) -> web.Response:
     submitted = request.app[PIPELINE].submit_samples(body)
-    first, created = submitted[0]
-    status = first.status()
+    status = submitted[0][0].status()
     if body.num_samples > 1:
         status.samples = [sample.id for sample, _ in submitted]
+    created = any(new for _, new in submitted)  # 200: every one of them was there already (a retry)
     return json_response(status, status=202 if created else 200)
 
 
@@ -189,9 +189,8 @@ async def set_policy_version(request: web.Request, body: PolicyVersion) -> web.R
 
 
 async def enqueue_prompts(request: web.Request, body: PromptsRequest) -> web.Response:
-    unknown = sorted({r.task for r in body.requests} - set(request.app[PIPELINE].tasks))
-    if unknown:
-        raise web.HTTPBadRequest(text=f"unknown task(s) {', '.join(unknown)}")
+    for prompt in body.requests:  # a prompt that can never run is refused now, not dropped later
+        request.app[PIPELINE].handler_for(prompt)
     samples = [sample for r in body.requests for sample in r.samples()]
     return json_response(PromptsQueued(upcoming=await request.app[PRODUCER].enqueue(samples)), status=202)
 
@@ -405,7 +404,7 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
     app_metrics = RolloutMetrics()
     app = json_api(ROLLOUT_API, config.token, config.max_body_bytes, app_metrics.requests)
     app[METRICS] = app_metrics
-    app[GATEWAY_APP] = gateway.create_gateway_app(config.max_body_bytes, app_metrics.requests)
+    app[GATEWAY_APP] = gateway.create_gateway_app(app_metrics.requests)
 
     async def plugins(app: web.Application):
         # A bad plugin or plugin configuration fails here, at start-up.

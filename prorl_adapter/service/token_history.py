@@ -12,10 +12,15 @@ Anything else (an edited answer, a dropped or summarised message, other tools) i
 and starts a new segment: segments are the maximal chains of calls in which each call's prompt extends the
 previous call's prompt and response as tokens. Within a segment the new context is mask 0 and the sampled tokens
 mask 1, so each segment trains on its own; every sampled token is in exactly one segment.
+
+Memory is O(the episode's tokens), not O(calls x context): the ids live once, in the segments, as they are
+recorded; a call keeps its span in its segment and a digest of its messages (a chain of hashes, one per message,
+so a request's every prefix is compared in one pass).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,14 +52,12 @@ def _arguments(arguments: Any) -> Any:
 def canonical(message: dict[str, Any]) -> dict[str, Any]:
     """What of a message the chat template renders, in one form, for comparing histories: role, text, tool
     calls by name and parsed arguments, the tool message's name. Call ids are left out (templates do not render
-    them, and harnesses renumber them)."""
+    them, and harnesses renumber them). `tool_calls` were validated as function calls (openai_wire)."""
     out: dict[str, Any] = {"role": message.get("role"), "content": _text(message.get("content"))}
     calls = message.get("tool_calls") or []
     if calls:
         out["tool_calls"] = [
-            {"name": c.get("function", c).get("name"), "arguments": _arguments(c.get("function", c).get("arguments"))}
-            for c in calls
-            if isinstance(c, dict)
+            {"name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))} for c in calls
         ]
     if message.get("name"):
         out["name"] = message["name"]
@@ -62,130 +65,175 @@ def canonical(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def template_message(message: dict[str, Any]) -> dict[str, Any]:
-    """A message as chat templates read it: text content, tool-call arguments as objects."""
+    """A message as chat templates read it: text content, tool-call arguments as objects, and OpenAI's
+    `developer` role as the `system` role the templates know."""
     out = {k: v for k, v in message.items() if k != "content"}
     out["content"] = _text(message.get("content"))
+    if out.get("role") == "developer":
+        out["role"] = "system"
     if message.get("tool_calls"):
         out["tool_calls"] = [
             {**c, "function": {**c["function"], "arguments": _arguments(c["function"].get("arguments"))}}
-            if isinstance(c, dict) and isinstance(c.get("function"), dict)
-            else c
             for c in message["tool_calls"]
         ]
     return out
 
 
+def message_digests(messages: list[dict[str, Any]]) -> list[str]:
+    """digests[k] identifies messages[:k] (canonical forms): a chain, so every prefix costs one hash."""
+    digests = [hashlib.sha256(b"").hexdigest()]
+    for message in messages:
+        step = digests[-1] + json.dumps(canonical(message), sort_keys=True)
+        digests.append(hashlib.sha256(step.encode()).hexdigest())
+    return digests
+
+
+def tools_key(tools: list[dict] | None) -> str | None:
+    return None if not tools else json.dumps(tools, sort_keys=True)
+
+
 @dataclass
-class Call:
-    """One answered LLM call of the episode."""
+class Sampled:
+    """One sampled answer, as the gateway got it from the LLM pool."""
 
     prompt_ids: list[int]
     response_ids: list[int]
     response_logprobs: list[float]
-    messages: list[dict[str, Any]] | None  # canonical; None for a plain completion
-    tools: str | None  # the tools, as canonical JSON
-    reply: dict[str, Any] | None  # the canonical assistant message answered
     policy_version: int
     server: str
     finish_reason: str | None
     text: str
-    tool_calls: list[ToolCall]
     generate_s: float
 
+
+@dataclass(frozen=True)
+class ChatKey:
+    """What a later chat request must repeat to extend a call: its messages, its tools, its answer."""
+
+    digest: str  # of the call's messages
+    messages: int  # how many
+    tools: str | None
+    reply: dict[str, Any]  # the canonical assistant message answered
+
+
+@dataclass
+class Call:
+    """One answered call: its span in its segment, and what a later request is matched against."""
+
+    segment: int
+    response_start: int  # where its sampled ids start in the segment's response
+    sampled: Sampled
+    chat: ChatKey | None  # None for a plain completion
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_errors: list[str] = field(default_factory=list)
+
     @property
-    def history(self) -> list[int]:
-        return self.prompt_ids + self.response_ids
+    def history_end(self) -> int:
+        """How many of its segment's ids (prompt + response) are this call's prompt and answer."""
+        return self.response_start + len(self.sampled.response_ids)
 
 
 @dataclass
 class CallLog:
     calls: list[Call] = field(default_factory=list)
+    _segments: list[Segment] = field(default_factory=list)
 
-    def chat_prompt(self, chat: ChatTokenizer, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
-        """The prompt ids of a chat request, by the token-history rule. Called on the tokenizer's thread."""
-        rendered_messages = [template_message(m) for m in messages]
-        parent = self._extended_call(messages, tools)
+    # -- prompts ----------------------------------------------------------------------------------------
+    def chat_prompt(
+        self, chat: ChatTokenizer, messages: list[dict[str, Any]], tools: list[dict] | None
+    ) -> tuple[list[int], str]:
+        """The prompt ids of a chat request by the token-history rule, and its messages' digest (to record
+        with the call). Called on the tokenizer's thread."""
+        rendered = [template_message(m) for m in messages]
+        digests = message_digests(messages)
+        parent = self._extended_call(messages, digests, tools_key(tools))
         if parent is not None:
-            ids = self._extension(chat, parent, rendered_messages, tools)
+            ids = self._extension(chat, parent, rendered, tools)
             if ids is not None:
-                return ids
-        return chat.encode(chat.render(rendered_messages, tools, add_generation_prompt=True))
+                return ids, digests[-1]
+        return chat.encode(chat.render(rendered, tools, add_generation_prompt=True)), digests[-1]
 
-    def _extended_call(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> Call | None:
+    def _extended_call(self, messages: list[dict[str, Any]], digests: list[str], tools: str | None) -> Call | None:
         """The latest call whose messages and answer start `messages`, with the same tools."""
-        wanted = [canonical(m) for m in messages]
-        key = tools_key(tools)
         for call in reversed(self.calls):
-            if call.messages is None or call.tools != key or len(wanted) <= len(call.messages):
+            key = call.chat
+            if key is None or key.tools != tools or len(messages) <= key.messages:
                 continue
-            n = len(call.messages)
-            if wanted[:n] == call.messages and wanted[n] == call.reply:
+            if digests[key.messages] == key.digest and canonical(messages[key.messages]) == key.reply:
                 return call
         return None
 
-    @staticmethod
     def _extension(
-        chat: ChatTokenizer, parent: Call, messages: list[dict[str, Any]], tools: list[dict] | None
+        self, chat: ChatTokenizer, parent: Call, messages: list[dict[str, Any]], tools: list[dict] | None
     ) -> list[int] | None:
         """parent's history + the ids of what `messages` add after its answer; None where the template renders
         the earlier turns differently once more follow (then the history cannot be kept as it was sampled)."""
-        n = len(parent.messages or []) + 1
+        n = parent.chat.messages + 1
         before = chat.render(messages[:n], tools, add_generation_prompt=False)
         after = chat.render(messages, tools, add_generation_prompt=True)
         closing = chat.eos_text + chat.after_eos
         if not after.startswith(before) or not before.endswith(closing):
             return None
-        closed = bool(parent.response_ids) and parent.response_ids[-1] == chat.eos_id
+        ids = parent.sampled.response_ids
+        closed = bool(ids) and ids[-1] == chat.eos_id
         new_text = chat.after_eos + after[len(before) :]
-        return parent.history + chat.encode(new_text if closed else chat.eos_text + new_text)
+        return self.history(parent) + chat.encode(new_text if closed else chat.eos_text + new_text)
 
-    def record(self, call: Call) -> int:
+    def history(self, call: Call) -> list[int]:
+        """The call's prompt and answer, as ids."""
+        segment = self._segments[call.segment]
+        return segment.prompt_ids + segment.response_ids[: call.history_end]
+
+    # -- recording --------------------------------------------------------------------------------------
+    def record(
+        self,
+        sampled: Sampled,
+        chat: ChatKey | None = None,
+        tool_calls: list[ToolCall] | None = None,
+        tool_call_errors: list[str] | None = None,
+    ) -> Call:
+        """Add the call to the segment whose whole history its prompt extends, or start a segment with it."""
+        prompt = sampled.prompt_ids
+        index = next((k for k, s in enumerate(self._segments) if _extends(prompt, s)), None)
+        if index is None:
+            self._segments.append(Segment(prompt_ids=prompt, response_ids=[], response_mask=[], response_logprobs=[]))
+            index = len(self._segments) - 1
+        segment = self._segments[index]
+        context = prompt[len(segment.prompt_ids) + len(segment.response_ids) :]
+        segment.response_ids += context
+        segment.response_mask += [0] * len(context)
+        segment.response_logprobs += [0.0] * len(context)
+        start = len(segment.response_ids)
+        segment.response_ids += sampled.response_ids
+        segment.response_mask += [1] * len(sampled.response_ids)
+        segment.response_logprobs += list(sampled.response_logprobs)
+        call = Call(index, start, sampled, chat, list(tool_calls or []), list(tool_call_errors or []))
         self.calls.append(call)
-        return len(self.calls) - 1
+        return call
 
     def segments(self) -> tuple[list[Segment], list[Turn]]:
-        """The calls as segments (maximal chains of token extension, in call order) and one turn per call."""
-        segments: list[Segment] = []
-        tails: dict[int, int] = {}  # segment index -> length of its history so far, for the prefix test
-        turns: list[Turn] = []
-        for index, call in enumerate(self.calls):
-            target = next(
-                (
-                    k
-                    for k, seg in enumerate(segments)
-                    if len(call.prompt_ids) >= tails[k]
-                    and call.prompt_ids[: tails[k]] == seg.prompt_ids + seg.response_ids
-                ),
-                None,
+        """The segments, in the order they began, and one turn per call."""
+        turns = [
+            Turn(
+                index=index,
+                segment=call.segment,
+                policy_version=call.sampled.policy_version,
+                llm_server=call.sampled.server,
+                response_start=call.response_start,
+                response_tokens=len(call.sampled.response_ids),
+                finish_reason=call.sampled.finish_reason,
+                text=call.sampled.text,
+                tool_calls=call.tool_calls,
+                tool_call_errors=call.tool_call_errors,
+                generate_s=call.sampled.generate_s,
             )
-            if target is None:
-                segments.append(
-                    Segment(prompt_ids=call.prompt_ids, response_ids=[], response_mask=[], response_logprobs=[])
-                )
-                target = len(segments) - 1
-                tails[target] = len(call.prompt_ids)
-            seg = segments[target]
-            context = call.prompt_ids[tails[target] :]
-            seg.response_ids += context + call.response_ids
-            seg.response_mask += [0] * len(context) + [1] * len(call.response_ids)
-            seg.response_logprobs += [0.0] * len(context) + list(call.response_logprobs)
-            tails[target] = len(seg.prompt_ids) + len(seg.response_ids)
-            turns.append(
-                Turn(
-                    index=index,
-                    segment=target,
-                    policy_version=call.policy_version,
-                    llm_server=call.server,
-                    response_start=len(seg.response_ids) - len(call.response_ids),
-                    response_tokens=len(call.response_ids),
-                    finish_reason=call.finish_reason,
-                    text=call.text,
-                    tool_calls=call.tool_calls,
-                    generate_s=call.generate_s,
-                )
-            )
-        return segments, turns
+            for index, call in enumerate(self.calls)
+        ]
+        return [s.model_copy(deep=True) for s in self._segments], turns
 
 
-def tools_key(tools: list[dict] | None) -> str | None:
-    return None if not tools else json.dumps(tools, sort_keys=True)
+def _extends(prompt: list[int], segment: Segment) -> bool:
+    """Whether `prompt` starts with the segment's whole history (its prompt and response so far)."""
+    head, body = segment.prompt_ids, segment.response_ids
+    n = len(head) + len(body)
+    return len(prompt) >= n and prompt[: len(head)] == head and prompt[len(head) : n] == body

@@ -142,6 +142,7 @@ def generator_output(
         episodes = [item.segment_items() for item in items]
         is_last_step = [k == len(rows) - 1 for rows in episodes for k in range(len(rows))]
         rewards = [reward for reward, rows in zip(rewards, episodes) for _ in rows]
+        times = [seconds for seconds, rows in zip(times, episodes) for _ in rows]  # per row, as SkyRL's own
         if trajectory_ids is not None:
             trajectory_ids = [tid for tid, rows in zip(trajectory_ids, episodes) for _ in rows]
         items = [row for rows in episodes for row in rows]

@@ -56,6 +56,7 @@ def _json_or_value(value: Any) -> Any:
 class PythonMathTask(TaskHandler):
     name = "python_math"
     prorl_data_sources = ("deepscaler",)
+    supports_agent_programs = False  # graded on the `finish` tool's answer, which only the built-in loop has
 
     def from_prorl_instance(self, data_source: str, row: dict[str, Any]) -> dict[str, Any]:
         prompt = _json_or_value(row.get("prompt"))
