@@ -194,3 +194,16 @@ async def test_a_program_that_makes_no_call_fails_the_run_with_its_output(gatewa
     assert "exit code 3" in trajectory.error.message and "the harness cannot start" in trajectory.error.message
     async with sandbox_server.client() as sandboxes:
         assert [b for b in await sandboxes.list_sandboxes() if b.labels.get("job_id") == trajectory.job_id] == []
+
+
+async def test_a_program_that_runs_out_the_clock_is_stopped_and_graded_not_filtered(gateway_stack):
+    """A stall (a tool that never returns, a harness without timeouts) must not escape a bad score: the program
+    is stopped with time left for eval, and the episode is graded like any other."""
+    http, _ = gateway_stack
+    request = job(steps=1)
+    request["agent"]["command"] += "; sleep 1000"
+    request["timeout_s"] = 30
+    trajectory = await run_job(http, request)
+    assert trajectory.error is None and not trajectory.filter, trajectory.error
+    assert trajectory.finish_reason == "agent_timeout" and trajectory.num_turns == 1
+    assert "outcome" in trajectory.reward_components

@@ -33,6 +33,7 @@ from .models import PortForward
 log = logging.getLogger(__name__)
 
 HELPER_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = 2.0
 NS_GET_USERNS = 0xB701  # _IO(0xb7, 0x1), linux/nsfs.h
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 RELAY_CHUNK = 64 * 1024
@@ -54,15 +55,22 @@ def _same_netns(pid: int) -> bool:
 
 
 async def listen_in_namespace(pid: int, port: int) -> socket.socket:
-    """A socket listening on 127.0.0.1:`port` in the network namespace of process `pid`."""
-    if _same_netns(pid):  # never open a "sandbox" port on the host's own loopback
-        raise ForwardError("the sandbox has no network namespace of its own (network: host?)")
-    netns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    userns = None
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    """A socket listening on 127.0.0.1:`port` in the network namespace of process `pid`. Every failure, the
+    system's included (a process gone, no descriptor left, no fork), is a ForwardError, and nothing it opened
+    stays open; the helper child is always reaped, also when the caller is cancelled."""
+    opened: list[int] = []
+    pair: tuple[socket.socket, socket.socket] | None = None
+    child = 0
     try:
-        if os.geteuid() != 0:
-            userns = _owning_userns(netns)
+        if _same_netns(pid):  # never open a "sandbox" port on the host's own loopback
+            raise ForwardError("the sandbox has no network namespace of its own (network: host?)")
+        netns = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        opened.append(netns)
+        userns = None if os.geteuid() == 0 else _owning_userns(netns)
+        if userns is not None:
+            opened.append(userns)
+        pair = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours, theirs = pair
         child = os.fork()
         if child == 0:  # pragma: no cover - the child only binds the socket and exits
             _bind_in_child(netns, userns, port, theirs)
@@ -70,21 +78,26 @@ async def listen_in_namespace(pid: int, port: int) -> socket.socket:
         try:
             status = await asyncio.wait_for(procs.wait_exit(child), HELPER_TIMEOUT_S)
         except TimeoutError:
-            procs.kill(child)
-            await procs.wait_exit(child)
             raise ForwardError(f"opening port {port} in the sandbox took over {HELPER_TIMEOUT_S:g} s") from None
+        child = 0  # reaped
         message, fds, _, _ = socket.recv_fds(ours, 1024, 1, socket.MSG_DONTWAIT) if status == 0 else (b"", [], 0, 0)
         if status != 0 or not fds:
             raise ForwardError(f"cannot open port {port} in the sandbox: {_child_error(ours, message)}")
         listener = socket.socket(fileno=fds[0])
+        listener.set_inheritable(False)
         listener.setblocking(False)
         return listener
+    except OSError as exc:
+        raise ForwardError(f"cannot open port {port} in the sandbox: {exc}") from exc
     finally:
-        ours.close()
-        theirs.close()
-        os.close(netns)
-        if userns is not None:
-            os.close(userns)
+        if child:  # timed out or cancelled while the helper ran: end it and reap it
+            procs.kill(child)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(child, 0)
+        for sock in pair or ():
+            sock.close()
+        for fd in opened:
+            os.close(fd)
 
 
 def _bind_in_child(netns: int, userns: int | None, port: int, back: socket.socket) -> None:
@@ -129,19 +142,27 @@ class Forwards:
         self.specs = specs
         self._servers: list[asyncio.base_events.Server] = []
         self._relays: set[asyncio.Task[None]] = set()
+        self._closed = False
 
     async def open(self, pid: int) -> None:
         try:
             for spec in self.specs:
                 listener = await listen_in_namespace(pid, spec.port)
-                server = await asyncio.start_server(lambda r, w, s=spec: self._accept(r, w, s), sock=listener)
+                try:
+                    server = await asyncio.start_server(lambda r, w, s=spec: self._accept(r, w, s), sock=listener)
+                except BaseException:
+                    listener.close()
+                    raise
                 self._servers.append(server)
+        except OSError as exc:
+            await self.close()
+            raise ForwardError(f"cannot serve a forward: {exc}") from exc
         except BaseException:
             await self.close()
             raise
 
     def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, spec: PortForward) -> None:
-        if len(self._relays) >= MAX_RELAYS_PER_SESSION:
+        if self._closed or len(self._relays) >= MAX_RELAYS_PER_SESSION:
             writer.close()
             return
         task = asyncio.ensure_future(self._relay(reader, writer, spec))
@@ -149,19 +170,21 @@ class Forwards:
         task.add_done_callback(self._relays.discard)
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, spec: PortForward) -> None:
+        target_writer = None
         try:
             target_reader, target_writer = await asyncio.open_connection(spec.target_host, spec.target_port)
-        except OSError as exc:
-            log.warning("forward to %s:%d failed: %s", spec.target_host, spec.target_port, exc)
-            writer.close()
-            return
-        try:
             await asyncio.gather(_pipe(reader, target_writer), _pipe(target_reader, writer))
-        finally:
-            for w in (writer, target_writer):
-                w.close()
+        except OSError as exc:
+            log.warning("forward to %s failed: %s", spec.target, exc)
+        finally:  # whatever ended it (the target, the sandbox, a cancel): both sides are closed
+            writer.close()
+            if target_writer is not None:
+                target_writer.close()
 
     async def close(self) -> None:
+        """Stop listening and end every relayed connection. Bounded: from Python 3.12 a server's wait_closed
+        also waits for its connections, which the relays' cancellation has closed already."""
+        self._closed = True
         for server in self._servers:
             server.close()
         for task in list(self._relays):
@@ -169,7 +192,7 @@ class Forwards:
         await asyncio.gather(*self._relays, return_exceptions=True)
         for server in self._servers:
             with contextlib.suppress(Exception):
-                await server.wait_closed()
+                await asyncio.wait_for(server.wait_closed(), CLOSE_TIMEOUT_S)
         self._servers.clear()
 
 

@@ -196,9 +196,11 @@ class ShellSession:
             if len(inits) != 1:
                 raise ForwardError("the sandbox's namespace init was not found")
             await self._forwards.open(inits[0])
-        except ForwardError as exc:
-            await self.close()
-            raise SessionError(f"shell did not start: {exc}", status=500) from None
+        except BaseException as exc:  # the shell runs already: whatever happened, it must not be left running
+            await asyncio.shield(self.close())
+            if isinstance(exc, ForwardError):
+                raise SessionError(f"shell did not start: {exc}", status=500) from None
+            raise
 
     @property
     def dead(self) -> bool:

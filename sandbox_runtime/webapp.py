@@ -9,6 +9,7 @@ import hmac
 import logging
 import re
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from .config import is_loopback
 from .openapi import API, ErrorBody, describe_validation
 
 log = logging.getLogger(__name__)
+LISTEN_BACKLOG = 4096
 
 MAX_REQUEST_LINE = 64 * 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -151,39 +153,38 @@ def json_api(api: API, token: str | None, max_body_bytes: int, requests: Counter
 
 @dataclass(frozen=True)
 class Site:
-    """One application on one address."""
+    """One application on one address, or on a socket bound already (so its port is known before it starts)."""
 
     app: web.Application
     host: str
-    port: int  # 0: a free port, chosen by the kernel
+    port: int
     name: str
+    sock: socket.socket | None = None
 
 
 async def serve_app(app: web.Application, host: str, port: int, name: str) -> None:
     await serve_sites([Site(app, host, port, name)])
 
 
-async def serve_sites(sites: list[Site], started: Callable[[list[int]], None] | None = None) -> None:
+async def serve_sites(sites: list[Site]) -> None:
     """Run the applications until SIGTERM or SIGINT, then shut them down cleanly (their cleanup contexts run,
-    the last started first). Each is set up in order, so an application's start-up may prepare the next one;
-    `started` gets the port each listens on once all do.
+    the last started first). Each is set up in order, so an application's start-up may prepare the next one.
 
     The listen backlog is large: at hundreds of concurrent clients, the default 128 costs 1 s SYN retries.
     """
     runners: list[web.AppRunner] = []
     try:
-        ports = []
         for site in sites:
             # A request line may carry a query parameter of up to 4096 characters (a file path), percent-encoded:
             # far more than aiohttp's default 8190 bytes, whose refusal is a plain-text 400 below the middlewares.
             runner = web.AppRunner(site.app, access_log=None, max_line_size=MAX_REQUEST_LINE)
             await runner.setup()
             runners.append(runner)
-            await web.TCPSite(runner, site.host, site.port, backlog=4096).start()
-            ports.append(runner.addresses[0][1])
-            log.info("%s listening on http://%s:%d", site.name, site.host, ports[-1])
-        if started is not None:
-            started(ports)
+            if site.sock is not None:
+                await web.SockSite(runner, site.sock).start()
+            else:
+                await web.TCPSite(runner, site.host, site.port, backlog=LISTEN_BACKLOG).start()
+            log.info("%s listening on http://%s:%d", site.name, site.host, runner.addresses[0][1])
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -192,6 +193,12 @@ async def serve_sites(sites: list[Site], started: Callable[[list[int]], None] | 
     finally:
         for runner in reversed(runners):
             await runner.cleanup()
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: a free one), for a Site whose port must be known early."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
 
 
 def run_forever(main: Coroutine[Any, Any, None]) -> None:

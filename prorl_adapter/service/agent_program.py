@@ -20,6 +20,18 @@ from .gateway import Gateway
 
 STOP_MARGIN_S = 3.0  # the runtime's interrupt and kill graces, so the program is stopped before the stage is
 MAX_PROGRAM_S = 3600.0  # the runtime's default longest command (its --max-timeout)
+# Time kept from the job's budget for eval: a program that runs out the clock is stopped and graded like any
+# other, never left without time to grade (a timed-out eval would filter the episode: a stall would escape a
+# bad score).
+EVAL_RESERVE_S = 120.0
+
+
+def program_timeout(budget_s: float) -> float:
+    """How long the program may run: the budget less the eval reserve (at most half of what is left)."""
+    reserve = min(EVAL_RESERVE_S, budget_s / 2)
+    return min(max(budget_s - reserve - STOP_MARGIN_S, 1.0), MAX_PROGRAM_S)
+
+
 OUTPUT_ARTIFACT_CHARS = 8000
 
 
@@ -46,9 +58,7 @@ async def run_program(
             "PRORL_TASK_PROMPT": handler.user_prompt(request.instance),
         }
         started = time.perf_counter()
-        result = await env.exec(
-            program_command(agent.command, variables), timeout=min(max(budget_s - STOP_MARGIN_S, 1.0), MAX_PROGRAM_S)
-        )
+        result = await env.exec(program_command(agent.command, variables), timeout=program_timeout(budget_s))
     finally:
         gateway.close(episode)
     elapsed = time.perf_counter() - started

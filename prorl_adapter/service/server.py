@@ -13,7 +13,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from sandbox_runtime.openapi import API, Link, Operation, Reply, metrics_operation, operations_under
-from sandbox_runtime.webapp import Site, json_api, json_response, serve_sites
+from sandbox_runtime.webapp import Site, bound_socket, json_api, json_response, serve_sites
 
 from .. import __version__
 from ..hooks.plugin_set import PluginSet
@@ -458,19 +458,16 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
 
 async def serve(config: RolloutConfig) -> None:
     config.check_exposure()
+    # The gateway's socket is bound first: its address must be known before the pipeline admits an episode.
+    gateway_socket = bound_socket(config.gateway_host, config.gateway_port)
+    if config.pipeline.gateway_address is None:  # where runtimes on this machine reach it
+        config.pipeline.gateway_address = gateway_address(config.gateway_host, gateway_socket.getsockname()[1])
     app = create_app(config)
-
-    def started(ports: list[int]) -> None:
-        # Where the runtimes reach the gateway, unless the operator said: the port it got, on this machine.
-        pipeline = app[PIPELINE]
-        if pipeline.config.gateway_address is None:
-            pipeline.config.gateway_address = gateway_address(config.gateway_host, ports[1])
-
     sites = [
         Site(app, config.host, config.port, "prorl-rollout"),
-        Site(app[GATEWAY_APP], config.gateway_host, config.gateway_port, "prorl-rollout's LLM gateway"),
+        Site(app[GATEWAY_APP], config.gateway_host, 0, "prorl-rollout's LLM gateway", sock=gateway_socket),
     ]
-    await serve_sites(sites, started)
+    await serve_sites(sites)
 
 
 def gateway_address(host: str, port: int) -> str:
