@@ -71,10 +71,7 @@ async def run_program(
     segments, turns = episode.log.segments()
     first, more = segments[0], segments[1:]
     run = Episode(
-        prompt_ids=first.prompt_ids,
-        response_ids=first.response_ids,
-        response_mask=first.response_mask,
-        response_logprobs=first.response_logprobs,
+        **dict(first),  # the first segment's ids, mask and logprobs are the episode's own
         turns=turns,
         finish_reason="agent_timeout" if result.status == "timeout" else "agent_exit",
         segments=more,

@@ -82,8 +82,9 @@ class GatewayEpisode:
     open: bool = True
     slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(CALLS_IN_FLIGHT))
 
-    def base_url(self, port: int = SANDBOX_PORT) -> str:
-        return f"http://127.0.0.1:{port}/gateway/{self.key}/v1"
+    def base_url(self) -> str:
+        """As the program sees it: the forwarded port on the sandbox's loopback."""
+        return f"http://127.0.0.1:{SANDBOX_PORT}/gateway/{self.key}/v1"
 
 
 class Gateway:
@@ -113,10 +114,6 @@ class Gateway:
         if episode is None:
             raise GatewayError(404, "no running episode has this key (it is another's, made up, or its run is over)")
         return episode
-
-    @property
-    def open_episodes(self) -> int:
-        return len(self._episodes)
 
     # -- calls ------------------------------------------------------------------------------------------
     async def chat_completion(self, episode: GatewayEpisode, body: ChatCompletionRequest) -> ChatCompletion:
@@ -237,7 +234,6 @@ class Gateway:
     ) -> None:
         if not episode.open:  # answered after the run ended: the trajectory is already built without it
             raise GatewayError(404, "the episode's run ended while this call was sampled; it was not recorded")
-        calls = [ToolCall(name=c.name, arguments=c.arguments) for c in calls or []]
         episode.log.record(sampled, chat, calls, errors)
 
 

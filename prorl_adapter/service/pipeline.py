@@ -166,11 +166,9 @@ class RolloutPipeline:
     def submit(self, request: JobRequest) -> tuple[Job, bool]:
         """Queue a job; with a known job_id and the same request, return that job instead (idempotent): a
         client that retries a submission whose answer it lost gets the job it made. (job, created)"""
-        if request.job_id and request.job_id in self.jobs:
-            job = self.jobs[request.job_id]
-            if job.request != request:
-                raise JobConflict(f"job id {request.job_id!r} is taken by a different request; use a new id")
-            return job, False
+        known = self._known_job(request)
+        if known is not None:
+            return known, False
         handler = self.handler_for(request)
         job = Job(request.job_id or uuid.uuid4().hex, request, handler)
         self.jobs[job.id] = job
@@ -195,10 +193,15 @@ class RolloutPipeline:
         of them refuses the whole submission before one is queued."""
         samples = request.samples()
         for sample in samples:
-            known = self.jobs.get(sample.job_id) if sample.job_id else None
-            if known is not None and known.request != sample:
-                raise JobConflict(f"job id {sample.job_id!r} is taken by a different request; use a new id")
+            self._known_job(sample)
         return [self.submit(sample) for sample in samples]
+
+    def _known_job(self, request: JobRequest) -> Job | None:
+        """The job already made for this request's id, if any; a 409 where the id holds another request."""
+        job = self.jobs.get(request.job_id) if request.job_id else None
+        if job is not None and job.request != request:
+            raise JobConflict(f"job id {request.job_id!r} is taken by a different request; use a new id")
+        return job
 
     async def cancel(self, job_id: str) -> Job:
         job = self.jobs[job_id]
