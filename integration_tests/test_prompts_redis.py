@@ -33,9 +33,9 @@ async def test_a_restarted_service_gets_back_what_ran_and_what_was_upcoming(redi
     prefix = f"test:{uuid.uuid4().hex}"
     first = queue(redis_server, prefix)
     assert await first.push([JobRequest(task="t", labels={"n": str(i)}) for i in range(3)]) == 3
-    running = await first.pop()
+    running = await first.pop(0)
     assert running is not None and running.job_id and running.labels == {"n": "0"}
-    delivered = await first.pop()
+    delivered = await first.pop(0)
     await first.done(delivered.job_id)
     assert await first.size() == 1
     await first.close()  # the service dies here
@@ -43,8 +43,8 @@ async def test_a_restarted_service_gets_back_what_ran_and_what_was_upcoming(redi
     second = queue(redis_server, prefix)
     try:
         assert [r.job_id for r in await second.recover()] == [running.job_id]  # it runs again, same id
-        upcoming = await second.pop()
-        assert upcoming.labels == {"n": "2"} and await second.pop() is None
+        upcoming = await second.pop(0)
+        assert upcoming.labels == {"n": "2"} and await second.pop(0) is None
     finally:
         await second.close()
 

@@ -286,6 +286,7 @@ class JobStatus(BaseModel):
     samples: list[str] = Field(
         default_factory=list, description="a submission with num_samples > 1: the job id of every sample, this first"
     )
+    replica: str | None = Field(None, description="the service replica running it (shared state: Redis)")
 
 
 # The wire formats an LLM server may speak (service/llm_protocols.py); a URL may name one: `sglang+http://...`.
@@ -487,6 +488,37 @@ class ServiceHealth(BaseModel):
     degraded: str | None = Field(description="what does not work now (e.g. the buffer) and why; null when all does")
 
 
+class RuntimeState(BaseModel):
+    """A sandbox runtime as this replica sees it: given with --sandbox-url (`static`), or heard from."""
+
+    name: str
+    url: str
+    source: Literal["static", "registered"]
+    alive: bool = Field(description="sandboxes are placed on it (a registered one: heard from lately)")
+    capacity: int | None = Field(description="the most sandboxes it holds (registered ones say)")
+    sandboxes: int | None = Field(description="sandboxes it holds, as it last said")
+    placed: int = Field(description="sandboxes of this replica's episodes on it now")
+    failures: int = Field(description="sandboxes it failed to create for this replica")
+    seen_s_ago: float | None = Field(description="seconds since its last heartbeat")
+
+
+class RuntimeStateList(BaseModel):
+    runtimes: list[RuntimeState]
+
+
+class ReplicaState(BaseModel):
+    id: str
+    url: str | None
+    alive: bool
+    seen_s_ago: float
+    figures: dict[str, Any] = Field(default_factory=dict, description="its jobs in flight, episodes per second")
+
+
+class RuntimeRegistered(BaseModel):
+    name: str
+    alive: bool = Field(description="whether sandboxes may be placed on it now (false after `leaving`)")
+
+
 class ServiceStatus(BaseModel):
     policy_version: int
     queues: dict[str, int] = Field(description="jobs waiting for each stage's workers: init, run, eval")
@@ -499,6 +531,11 @@ class ServiceStatus(BaseModel):
     gateway_address: str | None = Field(
         None, description="HOST:PORT at which the sandbox runtimes reach the LLM gateway (agent programs)"
     )
+    replica: str = Field("", description="this replica's id (--service-id)")
+    replicas: list[ReplicaState] = Field(
+        default_factory=list, description="every replica sharing this one's state (itself alone with memory://)"
+    )
+    runtimes: list[RuntimeState] = Field(default_factory=list, description="the sandbox runtimes this replica may use")
 
 
 class TaskList(BaseModel):

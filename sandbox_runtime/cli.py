@@ -56,6 +56,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--apptainer-binary", default=None, help="path of apptainer or singularity")
     serve.add_argument("--fakeroot", action="store_true", help="start Apptainer instances with --fakeroot")
+    serve.add_argument(
+        "--register",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a rollout service (or replica) to register with: heartbeats with this runtime's URL and room "
+        "(repeatable); services then need no --sandbox-url for it",
+    )
+    serve.add_argument(
+        "--register-token",
+        default=os.environ.get("PRORL_ROLLOUT_TOKEN"),
+        help="the rollout services' API token (env PRORL_ROLLOUT_TOKEN)",
+    )
+    serve.add_argument(
+        "--advertise-url",
+        default=None,
+        help="where the services reach this runtime (default: http://HOST:PORT, the machine's name for 0.0.0.0)",
+    )
+    serve.add_argument("--name", default=None, help="how the services know this runtime (default: HOSTNAME-PORT)")
+    serve.add_argument("--heartbeat-s", type=float, default=2.0, help="seconds between heartbeats")
     serve.add_argument("--log-level", default="INFO")
     openapi = sub.add_parser("openapi", help="print the API's OpenAPI document, or write it and its reference")
     openapi.add_argument("--out", type=Path, default=None, help="write runtime.json and runtime.md in this folder")
@@ -82,9 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         image_dirs=args.image_dir,
         allow_local=args.allow_local or args.backend == "local",
         sandbox_uids=args.sandbox_uids,
+        register=args.register,
+        register_token=args.register_token,
+        advertise_url=args.advertise_url,
+        name=args.name,
+        heartbeat_s=args.heartbeat_s,
     )
     try:
-        config.check_exposure()
+        config.check()
     except ValueError as exc:
         print(f"prorl-sandbox: {exc}")
         return 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,8 @@ def default_state_dir() -> Path:
     base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
     return Path(base) / "prorl-sandbox"
 
+
+RUNTIME_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 # A block of host uids that nothing else on the machine uses: one per live sandbox under a root server.
 DEFAULT_SANDBOX_UIDS = range(2_000_000_000, 2_000_065_536)
@@ -66,10 +69,26 @@ class ServerConfig:
     apptainer_binary: str | None = None
     apptainer_fakeroot: bool = False
     reap_interval_s: float = 1.0
+    # Rollout services this runtime registers with (heartbeats), and how they know and reach it.
+    register: list[str] = field(default_factory=list)
+    register_token: str | None = None
+    advertise_url: str | None = None  # None: http://HOST:PORT (the machine's name for a wildcard HOST)
+    name: str | None = None  # None: HOSTNAME-PORT
+    heartbeat_s: float = 2.0
 
-    def check_exposure(self) -> None:
-        """Refuse to listen beyond loopback without a token: anyone who reaches the port runs commands."""
+    def check(self) -> None:
+        """What start-up refuses, with a message naming the setting: exposure without a token, and a
+        registration that could not work."""
         check_exposure(self.host, self.token, "PRORL_SANDBOX_TOKEN")
+        if not 0 < self.heartbeat_s <= 3600:
+            raise ValueError(f"--heartbeat-s {self.heartbeat_s:g} must be in (0, 3600]")
+        for url in self.register:
+            if not re.fullmatch(r"https?://[^\s/]+/?", url):
+                raise ValueError(f"--register {url!r} is not a service URL such as http://rollout-host:8766")
+        if self.advertise_url is not None and not re.fullmatch(r"https?://[^\s/]+", self.advertise_url):
+            raise ValueError(f"--advertise-url {self.advertise_url!r} is not a URL such as http://node-7:8765")
+        if self.name is not None and not RUNTIME_NAME.fullmatch(self.name):
+            raise ValueError(f"--name {self.name!r}: 1-128 of letters, digits and . _ : -")
 
 
 def check_exposure(host: str, token: str | None, token_variable: str) -> None:

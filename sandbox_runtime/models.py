@@ -396,3 +396,18 @@ class PathQuery(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     path: str = Field(min_length=1, max_length=4096, description="a path inside the sandbox (relative: to the workdir)")
+
+
+# -- registration: what a runtime tells the rollout services it works for (`--register`) ------------------------
+class RuntimeHeartbeat(_Strict):
+    """Sent by a runtime to each service it registers with, every `interval_s` seconds: where it is reached and
+    how much room it has. A service stops placing sandboxes on a runtime it has not heard from for three
+    intervals; `leaving` (sent once on a clean shutdown) stops it at once."""
+
+    url: str = Field(pattern=r"^https?://[^\s/]+$", max_length=512, description="where services reach this runtime")
+    capacity: int = Field(ge=0, description="the most sandboxes it holds at once (--max-sandboxes)")
+    sandboxes: int = Field(ge=0, description="sandboxes it holds now")
+    backend: str = Field(max_length=64, description="its default backend")
+    version: str = Field(max_length=64)
+    interval_s: float = Field(gt=0, le=3600, description="seconds until the next heartbeat")
+    leaving: bool = False

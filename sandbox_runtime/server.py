@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 
 from aiohttp import web
 
@@ -39,8 +40,9 @@ from .models import (
     SessionDeleted,
 )
 from .openapi import API, Link, Operation, Reply, metrics_operation, operations_under
+from .registration import Registration, RegistrationConfig, advertised_url
 from .session import SessionError, key_bytes
-from .webapp import json_api, json_response, serve_app
+from .webapp import Site, bound_socket, json_api, json_response, serve_sites
 
 log = logging.getLogger(__name__)
 
@@ -378,7 +380,8 @@ RUNTIME_API = API(
 )
 
 
-def create_app(config: ServerConfig) -> web.Application:
+def create_app(config: ServerConfig, port: int | None = None) -> web.Application:
+    """The runtime as an aiohttp application; `port` is the one it is served on (for its registration)."""
     registry = Metrics()
     app = json_api(RUNTIME_API, config.token, config.max_body_bytes, registry.requests)
     app[CONFIG] = config
@@ -391,11 +394,28 @@ def create_app(config: ServerConfig) -> web.Application:
         yield
         await manager.stop()
 
-    app.cleanup_ctx.append(manager_lifecycle)
+    async def registration(app: web.Application):
+        # After the manager: a service may place a sandbox here as soon as it hears of this runtime.
+        if not config.register:
+            yield
+            return
+        url = config.advertise_url or advertised_url(config.host, port or config.port)
+        name = config.name or f"{socket.gethostname()}-{port or config.port}"
+        settings = RegistrationConfig(config.register, name, url, config.register_token, config.heartbeat_s)
+        beats = Registration(
+            settings, lambda: (config.max_sandboxes, len(manager)), manager.default_backend, __version__
+        )
+        await beats.start()
+        yield
+        await beats.stop()  # before the manager deletes every sandbox: no service places one on the way out
+
+    app.cleanup_ctx.extend([manager_lifecycle, registration])
     return app
 
 
 async def serve(config: ServerConfig) -> None:
     """Run the server until SIGTERM/SIGINT; every sandbox is deleted on the way out."""
-    config.check_exposure()
-    await serve_app(create_app(config), config.host, config.port, f"prorl-sandbox (state dir {config.state_dir})")
+    config.check()
+    sock = bound_socket(config.host, config.port)  # bound first: the registration advertises its real port
+    app = create_app(config, port=sock.getsockname()[1])
+    await serve_sites([Site(app, config.host, 0, f"prorl-sandbox (state dir {config.state_dir})", sock=sock)])

@@ -162,10 +162,6 @@ class Site:
     sock: socket.socket | None = None
 
 
-async def serve_app(app: web.Application, host: str, port: int, name: str) -> None:
-    await serve_sites([Site(app, host, port, name)])
-
-
 async def serve_sites(sites: list[Site]) -> None:
     """Run the applications until SIGTERM or SIGINT, then shut them down cleanly (their cleanup contexts run,
     the last started first). Each is set up in order, so an application's start-up may prepare the next one.

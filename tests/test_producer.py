@@ -270,8 +270,8 @@ class LossyPrompts(MemoryPromptQueue):
         self.running: dict[str, JobRequest] = {}
         self.lose_next_reply = False
 
-    async def pop(self) -> JobRequest | None:
-        request = await super().pop()
+    async def pop(self, version: int) -> JobRequest | None:
+        request = await super().pop(version)
         if request is not None:
             self.running[request.job_id] = request
         if self.lose_next_reply:
@@ -280,6 +280,7 @@ class LossyPrompts(MemoryPromptQueue):
         return request
 
     async def done(self, job_id: str) -> None:
+        await super().done(job_id)
         self.running.pop(job_id, None)
 
     async def recover(self) -> list[JobRequest]:

@@ -18,7 +18,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prorl-rollout", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the rollout service")
-    serve.add_argument("--sandbox-url", action="append", required=True, help="a sandbox runtime server (repeatable)")
+    serve.add_argument(
+        "--sandbox-url",
+        action="append",
+        default=[],
+        help="a sandbox runtime server (repeatable); runtimes started with --register URL need none",
+    )
     serve.add_argument(
         "--llm-url",
         action="append",
@@ -40,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--buffer",
         default="memory://",
-        help="experience buffer and upcoming prompts: memory:// or redis://host:port/db (survives a restart)",
+        help="the service's state (experience buffer, upcoming prompts, jobs, runtimes, policy version): memory:// "
+        "or redis://host:port/db (survives a restart; replicas given the same URL share the work)",
     )
     defaults = ProducerConfig()
     serve.add_argument(
@@ -66,8 +72,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--service-id",
         default=None,
-        help="labels this service's sandboxes; a restart with the same id deletes what the last run left "
-        "(default: prorl-rollout@HOST:PORT)",
+        help="this replica's id: labels its sandboxes; a restart with the same id takes back what the last run "
+        "left; replicas sharing a Redis need distinct ids (default: prorl-rollout@HOSTNAME:PORT)",
+    )
+    serve.add_argument(
+        "--advertise-url",
+        default=None,
+        help="where other machines reach this replica, as /v1/status shows it (default: http://HOST:PORT)",
+    )
+    serve.add_argument(
+        "--result-ttl-s",
+        type=float,
+        default=86_400.0,
+        help="with a Redis --buffer: how long a finished job's result stays readable (default %(default)s)",
     )
     serve.add_argument(
         "--gateway-host", default=None, help="where the LLM gateway for agent programs listens (default: --host)"
@@ -128,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             lease_s=args.lease_s, max_deliveries=args.max_deliveries, max_buffered=args.max_buffered
         ),
         service_id=args.service_id,
+        advertise_url=args.advertise_url,
+        result_ttl_s=args.result_ttl_s,
         gateway_host=args.gateway_host or args.host,
         gateway_port=args.gateway_port,
     )

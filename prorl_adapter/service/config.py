@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,10 +36,18 @@ class RolloutConfig:
     # The LLM gateway's own listener (agent programs reach it through the runtimes' forwards, and only it).
     gateway_host: str = "127.0.0.1"
     gateway_port: int = 0  # 0: a free port; pipeline.gateway_address says where the runtimes reach it
+    # Replicas (a shared Redis in buffer_url): where the others and operators reach this one, how often it beats,
+    # and how long a finished job's result stays readable.
+    advertise_url: str | None = None  # None: http://HOST:PORT
+    heartbeat_s: float = 1.0
+    result_ttl_s: float = 86_400.0
 
     @property
     def sandbox_owner(self) -> str:
-        return self.service_id or f"prorl-rollout@{self.host}:{self.port}"
+        """This replica's id: it labels its sandboxes and names it among the replicas. The default names the
+        machine, so replicas on several nodes with the same port differ."""
+        host = socket.gethostname() if self.host in ("", "0.0.0.0", "::") else self.host
+        return self.service_id or f"prorl-rollout@{host}:{self.port}"
 
     def check_exposure(self) -> None:
         check_exposure(self.host, self.token, "PRORL_ROLLOUT_TOKEN")

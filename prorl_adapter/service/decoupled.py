@@ -18,8 +18,14 @@ Nothing waits forever and nothing is lost:
   `degraded` (GET /healthz, GET /v1/buffer), and trajectories finished meanwhile wait in order (at most
   `max_undelivered`, after which admission pauses too) until the buffer takes them.
 - An admitted prompt stays recorded as running until its trajectory is in the buffer, so a service killed
-  mid-run runs it again when it starts on the same prompt queue (`PromptQueue.recover`). An episode that
-  failed for the infrastructure (sandbox, LLM server) runs again, up to `max_attempts` runs of its prompt.
+  mid-run runs it again when it starts on the same prompt queue (`PromptQueue.recover`), or the replica that
+  takes over for it does (`take_over`). An episode that failed for the infrastructure (sandbox, LLM server)
+  runs again, up to `max_attempts` runs of its prompt.
+
+Replicas sharing one Redis share the prompts, the buffer and the counts admission weighs (every replica's
+running prompts by version, `PromptQueue.running_versions`); each decision to admit is made under the
+coordination's admission lock, on the shared policy version read inside it, so pace's bound holds for all of
+them together.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -37,6 +43,7 @@ from ..hooks.specs import hookimpl
 from ..models import AdmissionState, BatchItem, JobRequest, JobState, ProducerStats, Trajectory
 from .pipeline import Job, JobConflict, RolloutPipeline, UnknownTask
 from .storage.buffer import ExperienceBuffer, ExperienceBufferError
+from .storage.coordination import Coordination, LocalCoordination
 from .storage.prompts import MemoryPromptQueue, PromptQueue
 
 log = logging.getLogger(__name__)
@@ -83,13 +90,14 @@ class Producer:
         buffer: ExperienceBuffer,
         prompts: PromptQueue | None = None,
         config: ProducerConfig | None = None,
+        coordination: Coordination | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.buffer = buffer
         self.prompts = prompts or MemoryPromptQueue()
         self.config = config or ProducerConfig()
-        self._in_flight: dict[str, int] = {}  # job id -> the policy version it was admitted at
-        self._in_flight_counts: Counter[int] = Counter()  # the same, by version: admission costs O(versions)
+        self.coordination = coordination or LocalCoordination("prorl-rollout")
+        self._in_flight: set[str] = set()  # job ids of the prompts this replica runs
         self._finished: deque[Job] = deque()  # waiting to be put into the buffer, in order
         self._leases: dict[str, Lease] = {}
         self._wakeup = asyncio.Event()
@@ -154,7 +162,10 @@ class Producer:
     async def _produce_forever(self) -> None:
         await self._retrying("recovering the prompts an earlier run left running", self._resubmit_running)
         # Entries taken but never acknowledged before the restart: their leases died with that process.
-        await self._retrying("handing back the entries an earlier run had leased", partial(self.buffer.reclaim, 0.0))
+        await self._retrying(
+            "handing back the entries an earlier run had leased",
+            partial(self.buffer.take_over, self.coordination.replica_id),
+        )
         while True:
             self._wakeup.clear()
             if await self._retrying("admitting prompts", self._admit_while_allowed):
@@ -169,11 +180,25 @@ class Producer:
         for request in await self.prompts.recover():
             await self._submit(request)
 
+    async def take_over(self, replica_id: str) -> int:
+        """Run here the prompts a dead replica was running, and serve again the entries it had leased."""
+        requests = await self.prompts.take_over(replica_id)
+        for request in requests:
+            await self._submit(request)
+        handed_back = await self.buffer.take_over(replica_id)
+        self.stats.redelivered += handed_back
+        return len(requests)
+
     async def _admit_while_allowed(self) -> None:
-        while await self._admitted():
-            request = await self.prompts.pop()
+        while True:
+            async with self.coordination.admission_lock():
+                # The shared version, read under the lock: what another replica set a moment ago counts.
+                self.pipeline.policy_version = await self.coordination.policy_version()
+                if not await self._admitted():
+                    return
+                request = await self.prompts.pop(self.pipeline.policy_version)
             if request is None:
-                break
+                return
             await self._submit(request)
 
     async def _submit(self, request: JobRequest) -> None:
@@ -186,22 +211,21 @@ class Producer:
             return
         if job.id in self._in_flight:
             return
-        version = self.pipeline.policy_version
-        self._in_flight[job.id] = version
-        self._in_flight_counts[version] += 1
+        self._in_flight.add(job.id)
         if job.state.finished:  # a prompt enqueued again under the id of a job that has finished: deliver it
             self._on_finished(job)
 
     async def _admitted(self) -> bool:
         buffered = await self.buffer.version_counts()
+        running = await self.prompts.running_versions()  # every replica's
         held = None
         # What runs now lands in the buffer soon: it counts against the bound too.
-        if sum(buffered.values()) + len(self._in_flight) >= self.config.max_buffered:
+        if sum(buffered.values()) + sum(running.values()) >= self.config.max_buffered:
             held = f"the buffer holds or is about to hold max_buffered={self.config.max_buffered} entries"
         elif len(self._finished) >= self.config.max_undelivered:
             held = f"{len(self._finished)} finished trajectories wait for the buffer"
         else:
-            state = AdmissionState(self.pipeline.policy_version, self._in_flight_counts, buffered)
+            state = AdmissionState(self.pipeline.policy_version, running, buffered)
             try:
                 if not self.pipeline.plugins.admits(state):
                     held = "admission control (a plugin) holds new episodes back"
@@ -242,10 +266,7 @@ class Producer:
     async def _settle(self, job: Job) -> None:
         """The job's prompt is done with; only now does it stop counting as in flight for admission."""
         await self.prompts.done(job.id)
-        version = self._in_flight.pop(job.id)
-        self._in_flight_counts[version] -= 1
-        if not self._in_flight_counts[version]:
-            del self._in_flight_counts[version]
+        self._in_flight.discard(job.id)
         self.wake()
 
     def _retry_later(self, job: Job, again: JobRequest) -> None:
@@ -361,7 +382,11 @@ class Producer:
         except ExperienceBufferError as exc:
             self._degraded(f"reading the prompt queue: {exc}")
         self.stats.in_flight = len(self._in_flight)
-        self.stats.versions_in_flight = sorted(self._in_flight_counts.elements())
+        try:
+            running = await self.prompts.running_versions()
+            self.stats.versions_in_flight = [version for version, n in running.items() for _ in range(n)]
+        except ExperienceBufferError as exc:
+            self._degraded(f"reading the prompt queue: {exc}")
         self.stats.leased = len(self._leases)
         self.stats.undelivered = len(self._finished)
         self.stats.recent_dead_letters = list(self._dead)

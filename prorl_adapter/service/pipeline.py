@@ -23,7 +23,7 @@ from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from sandbox_runtime.client import SandboxAPIError
+from sandbox_runtime.client import SandboxAPIError, SandboxUnreachable
 
 from ..hooks.plugin_set import PluginSet, RewardComponentConflict
 from ..models import ErrorClass, JobError, JobRequest, JobState, JobStatus, StageTimings, Trajectory
@@ -59,6 +59,15 @@ class StageFailed(Exception):
         self.error_class = error_class
 
 
+class RuntimeLost(StageFailed):
+    """The episode's sandbox runtime stopped answering mid-episode: the episode starts again from init on
+    another runtime (while init attempts are left), as the runtime took its sandbox with it."""
+
+    def __init__(self, stage: ErrorClass, url: str, cause: SandboxUnreachable):
+        super().__init__(stage, f"sandbox runtime {url} lost: {cause}")
+        self.url = url
+
+
 @dataclass
 class Job:
     id: str
@@ -77,6 +86,7 @@ class Job:
     result: Trajectory | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     stage_task: asyncio.Task | None = None
+    lost_runtimes: set[str] = field(default_factory=set)  # runtimes this job's episode was lost on
 
     def budget_left(self, default_timeout: float) -> float:
         spent = self.timings.init_s + self.timings.run_s + self.timings.eval_s
@@ -137,8 +147,10 @@ class RolloutPipeline:
 
     @policy_version.setter
     def policy_version(self, version: int) -> None:
-        self._policy_version = version
-        self.plugins.notify("prorl_policy_version_changed", version=version)
+        """Set by the coordination (the shared version, however it was set): plugins hear of a change."""
+        if version != self._policy_version:
+            self._policy_version = version
+            self.plugins.notify("prorl_policy_version_changed", version=version)
 
     # -- life cycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -195,6 +207,15 @@ class RolloutPipeline:
         for sample in samples:
             self._known_job(sample)
         return [self.submit(sample) for sample in samples]
+
+    def cancelled_before_start(self, request: JobRequest, submitted_at: float) -> Job:
+        """A job that was cancelled before it started anywhere (a replica sharing a queue with others):
+        final, with a cancelled job's trajectory; not kept among this pipeline's jobs."""
+        job = Job(request.job_id or uuid.uuid4().hex, request, self.handler_for(request), submitted_at=submitted_at)
+        job.state = JobState.cancelled
+        job.error = JobError(error_class="cancelled", message="cancelled by request")
+        job.result = self._trajectory(job)
+        return job
 
     def _known_job(self, request: JobRequest) -> Job | None:
         """The job already made for this request's id, if any; a 409 where the id holds another request."""
@@ -254,7 +275,7 @@ class RolloutPipeline:
             if self.config.gateway_address is None:
                 raise StageFailed("init", "this service has no gateway address for agent programs (--gateway-address)")
             spec["forwards"] = [{"port": SANDBOX_PORT, "target": self.config.gateway_address}]
-        failed_on: set[str] = set()
+        failed_on: set[str] = set(job.lost_runtimes)
         last_error = ""
         for _ in range(self.config.max_init_attempts):
             job.attempts += 1
@@ -288,6 +309,8 @@ class RolloutPipeline:
             raise StageFailed("run", f"LLM: {exc}") from exc
         except PromptTooLong as exc:
             raise StageFailed("run", str(exc)) from exc
+        except SandboxUnreachable as exc:
+            raise RuntimeLost("run", job.env.server_url, exc) from exc
         except SandboxAPIError as exc:
             raise StageFailed("run", f"sandbox: {exc}") from exc
         job.timings.generate_s = job.episode.generate_s
@@ -298,6 +321,8 @@ class RolloutPipeline:
             # Nothing the agent started may run on while it is graded (a loop rewriting the tests, say).
             await job.env.end_processes()
             components = await job.handler.evaluate(job.env.for_task(), job.request.instance, job.episode.state)
+        except SandboxUnreachable as exc:
+            raise RuntimeLost("eval", job.env.server_url, exc) from exc
         except SandboxAPIError as exc:
             raise StageFailed("eval", f"sandbox: {exc}") from exc
         if "outcome" not in components:
@@ -333,7 +358,9 @@ class RolloutPipeline:
                 log.exception("job %s: %s stage failed unexpectedly", job.id, name)
                 error = JobError(error_class=_STAGE_NAMES[state], message=f"{type(exc).__name__}: {exc}")
                 await self._finish(job, JobState.failed, error)
-            if not job.state.finished and following:
+            if job.state is JobState.queued:  # its runtime was lost: from the start, elsewhere
+                self._queues["init"].put_nowait(job)
+            elif not job.state.finished and following:
                 self._queues[following].put_nowait(job)
 
     async def _run_stage(self, job: Job, state: JobState, work: Callable[[Job], Awaitable[None]]) -> None:
@@ -377,12 +404,24 @@ class RolloutPipeline:
         elif task.cancelled():
             await self._finish(job, JobState.cancelled, JobError(error_class="cancelled", message="cancelled"))
         elif (exc := task.exception()) is not None:
+            if isinstance(exc, RuntimeLost) and job.attempts < self.config.max_init_attempts:
+                await self._start_again(job, exc)
+                return
             if isinstance(exc, StageFailed):
                 error = JobError(error_class=exc.error_class, message=str(exc))
             else:
                 log.error("job %s: unexpected error in %s", job.id, state.value, exc_info=exc)
                 error = JobError(error_class=_STAGE_NAMES[state], message=f"{type(exc).__name__}: {exc}")
             await self._finish(job, JobState.failed, error)
+
+    async def _start_again(self, job: Job, lost: RuntimeLost) -> None:
+        """The episode is gone with its runtime: drop what it recorded and queue the job for init, away from
+        that runtime. What the lost episode spent stays spent (the time budget counts it)."""
+        log.warning("job %s: %s; starting it again on another runtime", job.id, lost)
+        job.lost_runtimes.add(lost.url)
+        await self._release(job)
+        job.episode, job.reward_components, job.reward = None, {}, 0.0
+        job.state = JobState.queued
 
     async def _release(self, job: Job) -> None:
         env, job.env = job.env, None

@@ -1,12 +1,16 @@
-"""Sandboxes for episodes, spread over one or more sandbox runtime servers.
+"""Sandboxes for episodes, spread over the sandbox runtime servers: those given at start (`--sandbox-url`) and
+those that register themselves (heartbeats, `sandbox_runtime.registration`), as the coordination records them.
 
-A new sandbox goes to the server holding the fewest of this service's sandboxes; a server that fails to
-create one is skipped for the next attempt of the same episode, which is how init retries elsewhere.
+A new sandbox goes to the live runtime with the most free room (its capacity less the larger of what it last
+reported and what this replica holds there); a runtime that failed to create one is skipped for the next
+attempt of the same episode, which is how init retries elsewhere. A registered runtime whose heartbeats stop is
+no longer used; with no runtime at all, an init waits a while for one to register before it fails.
 
-Nothing is leaked: every sandbox carries the service's label (`prorl_service`) and a TTL from the caller (the
+Nothing is leaked: every sandbox carries the replica's label (`prorl_service`) and a TTL from the caller (the
 job's budget plus a margin), so the runtime reaps it even if this service dies; an episode cancelled while its
-sandbox is being created deletes the sandbox once the creation returns; and a service starting with the same
-id deletes whatever sandboxes its previous incarnation left.
+sandbox is being created deletes the sandbox once the creation returns; a replica deletes whatever sandboxes an
+earlier incarnation of it (same id) left on a runtime the first time it sees that runtime; and the replica that
+takes over a dead one deletes the dead one's sandboxes (`delete_owned_by`).
 """
 
 from __future__ import annotations
@@ -14,16 +18,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from sandbox_runtime.client import SandboxAPIError, SandboxClient
 from sandbox_runtime.models import SandboxInfo
 
+from ..models import RuntimeState
 from ..tasks import Environment
+from .storage.buffer import ExperienceBufferError
+from .storage.coordination import Coordination, LocalCoordination
 
 log = logging.getLogger(__name__)
 OWNER_LABEL = "prorl_service"
+STATIC_CAPACITY = 1024  # a runtime given by URL does not say its capacity: the runtime's default
+REFRESH_S = 1.0  # how old the view of the registered runtimes may be when a sandbox is placed
+WAIT_FOR_RUNTIME_S = 30.0  # how long an init waits for a runtime when none is alive
 
 
 class SandboxServerError(Exception):
@@ -36,23 +47,109 @@ class SandboxServerError(Exception):
 
 @dataclass
 class RuntimeServer:
+    name: str
     url: str
     client: SandboxClient
-    active: int = 0
+    static: bool
+    active: int = 0  # this replica's sandboxes on it
     failures: int = 0
+    alive: bool = True
+    capacity: int = STATIC_CAPACITY
+    reported: int = 0  # sandboxes it held at its last heartbeat (all replicas')
+    seen_at: float | None = None
+    created: set[str] = field(default_factory=set)  # ids of this incarnation's sandboxes on it
+
+    def free(self) -> int:
+        return self.capacity - max(self.reported, self.active)
 
 
 class SandboxPool:
-    def __init__(self, urls: list[str], token: str | None = None, owner: str = "prorl-rollout") -> None:
-        if not urls:
-            raise ValueError("at least one sandbox runtime URL is needed")
+    def __init__(
+        self,
+        urls: list[str],
+        token: str | None = None,
+        owner: str = "prorl-rollout",
+        coordination: Coordination | None = None,
+        wait_for_runtime_s: float = WAIT_FOR_RUNTIME_S,
+    ) -> None:
         self.owner = owner
-        self.servers = [RuntimeServer(url.rstrip("/"), SandboxClient(url, token=token, timeout=120)) for url in urls]
+        self._token = token
+        self.coordination = coordination or LocalCoordination(owner)
+        self.wait_for_runtime_s = wait_for_runtime_s
+        self.servers: dict[str, RuntimeServer] = {}
+        for url in urls:
+            url = url.rstrip("/")
+            self.servers[url] = RuntimeServer(url, url, self._client(url), static=True)
+        self._refreshed = 0.0
+        self._now = 0.0  # the coordination's clock at the last refresh
         self._late_deletes: set[asyncio.Task[None]] = set()
+        self._refresh_lock = asyncio.Lock()
 
+    def _client(self, url: str) -> SandboxClient:
+        return SandboxClient(url, token=self._token, timeout=120)
+
+    # -- the runtimes -----------------------------------------------------------------------------------
+    async def refresh(self) -> None:
+        """Read the registered runtimes again: new ones are added (this replica's leftovers there deleted
+        first), lapsed ones stop being used."""
+        async with self._refresh_lock:
+            try:
+                now, records = await self.coordination.runtimes()
+            except ExperienceBufferError as exc:  # Redis away: keep the last view
+                log.warning("cannot read the registered runtimes: %s", exc)
+                return
+            self._now, self._refreshed = now, time.monotonic()
+            heard = {record.heartbeat.url.rstrip("/"): record for record in records}
+            for url, record in heard.items():
+                server = self.servers.get(url)
+                if server is None:
+                    server = RuntimeServer(record.name, url, self._client(url), static=False)
+                    self.servers[url] = server
+                    self._in_background(self._delete_leftovers_on(server))
+                if not server.static:
+                    server.capacity, server.reported = record.heartbeat.capacity, record.heartbeat.sandboxes
+                    server.seen_at, server.alive = record.seen_at, record.alive(now)
+            for url, server in self.servers.items():
+                if not server.static and url not in heard:
+                    server.alive = False
+
+    async def _refresh_if_stale(self) -> None:
+        if time.monotonic() - self._refreshed >= REFRESH_S:
+            await self.refresh()
+
+    def describe(self) -> list[RuntimeState]:
+        return [
+            RuntimeState(
+                name=s.name,
+                url=s.url,
+                source="static" if s.static else "registered",
+                alive=s.alive,
+                capacity=None if s.static else s.capacity,
+                sandboxes=None if s.static else s.reported,
+                placed=s.active,
+                failures=s.failures,
+                seen_s_ago=None if s.seen_at is None else round(max(self._now - s.seen_at, 0.0), 3),
+            )
+            for s in self.servers.values()
+        ]
+
+    async def _choose(self, exclude: set[str]) -> RuntimeServer:
+        deadline = time.monotonic() + self.wait_for_runtime_s
+        while True:
+            await self._refresh_if_stale()
+            alive = [s for s in self.servers.values() if s.alive]
+            candidates = [s for s in alive if s.url not in exclude] or alive
+            if candidates:
+                return max(candidates, key=lambda s: (s.free(), -s.active, -s.failures))
+            if time.monotonic() >= deadline:
+                raise SandboxServerError(
+                    "(none)", f"no sandbox runtime is alive (waited {self.wait_for_runtime_s:g} s)"
+                )
+            await asyncio.sleep(REFRESH_S)  # a period: a runtime may register meanwhile
+
+    # -- sandboxes --------------------------------------------------------------------------------------
     async def acquire(self, spec: dict[str, Any], exclude: set[str]) -> Environment:
-        candidates = [s for s in self.servers if s.url not in exclude] or self.servers
-        server = min(candidates, key=lambda s: (s.active, s.failures))
+        server = await self._choose(exclude)
         spec = {**spec, "labels": {**spec.get("labels", {}), OWNER_LABEL: self.owner}}
         server.active += 1  # counted before the request, so concurrent inits spread over the servers
         creation = asyncio.ensure_future(server.client.create_sandbox(**spec))
@@ -67,43 +164,65 @@ class SandboxPool:
             server.active -= 1
             server.failures += 1
             raise SandboxServerError(server.url, f"cannot create a sandbox: {exc}") from exc
+        server.created.add(info.id)
         return Environment(server.client, info.id, server.url, info.workdir)
+
+    def _in_background(self, work) -> None:
+        task = asyncio.ensure_future(work)
+        self._late_deletes.add(task)
+        task.add_done_callback(self._late_deletes.discard)
 
     def _delete_when_created(self, server: RuntimeServer, creation: asyncio.Future[SandboxInfo]) -> None:
         if creation.cancelled() or creation.exception() is not None:
             return
-        task = asyncio.ensure_future(self._delete_quietly(server, creation.result().id))
-        self._late_deletes.add(task)
-        task.add_done_callback(self._late_deletes.discard)
+        self._in_background(self._delete_quietly(server, creation.result().id))
 
     async def _delete_quietly(self, server: RuntimeServer, sandbox_id: str) -> None:
         with contextlib.suppress(SandboxAPIError):
             await server.client.delete_sandbox(sandbox_id)
 
-    async def delete_leftovers(self) -> int:
-        """Delete every sandbox labelled with this service's id: a previous incarnation's, left by a crash."""
-        deleted = 0
-        for server in self.servers:
-            try:
-                mine = [b for b in await server.client.list_sandboxes() if b.labels.get(OWNER_LABEL) == self.owner]
-                for box in mine:
-                    await self._delete_quietly(server, box.id)
-            except SandboxAPIError as exc:  # a runtime that is down took its sandboxes with it (or reaps them)
-                log.warning("could not look for leftover sandboxes on %s: %s", server.url, exc)
-                continue
-            deleted += len(mine)
+    async def _delete_owned(self, server: RuntimeServer, owner: str) -> int:
+        """Delete the sandboxes labelled with `owner` on one runtime, but for this incarnation's own."""
+        try:
+            boxes = [
+                box
+                for box in await server.client.list_sandboxes()
+                if box.labels.get(OWNER_LABEL) == owner and box.id not in server.created
+            ]
+        except SandboxAPIError as exc:  # a runtime that is down took its sandboxes with it (or reaps them)
+            log.warning("could not look for sandboxes of %s on %s: %s", owner, server.url, exc)
+            return 0
+        await asyncio.gather(*(self._delete_quietly(server, box.id) for box in boxes))
+        return len(boxes)
+
+    async def _delete_leftovers_on(self, server: RuntimeServer) -> None:
+        deleted = await self._delete_owned(server, self.owner)
         if deleted:
-            log.warning("deleted %d sandboxes left by an earlier run of %s", deleted, self.owner)
-        return deleted
+            log.warning("deleted %d sandboxes an earlier run of %s left on %s", deleted, self.owner, server.url)
+
+    async def delete_leftovers(self) -> int:
+        """Delete every sandbox labelled with this replica's id on the runtimes given by URL (the registered
+        ones are cleaned when first seen): a previous incarnation's, left by a crash."""
+        counts = await asyncio.gather(*(self._delete_owned(s, self.owner) for s in self.servers.values() if s.static))
+        if sum(counts):
+            log.warning("deleted %d sandboxes left by an earlier run of %s", sum(counts), self.owner)
+        return sum(counts)
+
+    async def delete_owned_by(self, owner: str) -> int:
+        """Delete a dead replica's sandboxes on every runtime alive (its episodes run again elsewhere)."""
+        await self.refresh()
+        servers = [s for s in self.servers.values() if s.alive]
+        return sum(await asyncio.gather(*(self._delete_owned(s, owner) for s in servers)))
 
     async def release(self, env: Environment) -> None:
         """Delete the episode's sandbox. A server that is gone took its sandboxes with it."""
-        server = next(s for s in self.servers if s.url == env.server_url)
+        server = self.servers[env.server_url]
         server.active -= 1
+        server.created.discard(env.sandbox_id)
         with contextlib.suppress(SandboxAPIError):
             await server.client.delete_sandbox(env.sandbox_id)
 
     async def close(self) -> None:
         await asyncio.gather(*self._late_deletes, return_exceptions=True)
-        for server in self.servers:
+        for server in self.servers.values():
             await server.client.aclose()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from sandbox_runtime.config import RUNTIME_NAME
+from sandbox_runtime.models import RuntimeHeartbeat
 from sandbox_runtime.openapi import API, Link, Operation, Reply, metrics_operation, operations_under
 from sandbox_runtime.webapp import Site, bound_socket, json_api, json_response, serve_sites
 
@@ -37,6 +39,8 @@ from ..models import (
     PolicyVersionSet,
     PromptsQueued,
     PromptsRequest,
+    RuntimeRegistered,
+    RuntimeStateList,
     ServiceHealth,
     ServiceStatus,
     TaskList,
@@ -47,12 +51,15 @@ from . import gateway, prorl_api
 from .chat import ChatTokenizer
 from .config import RolloutConfig
 from .decoupled import Producer
+from .job_board import JobBoard, LocalJobBoard
 from .llm import LLMPool
 from .metrics import RolloutMetrics
-from .pipeline import Job, RolloutPipeline
+from .pipeline import RolloutPipeline
+from .replica import Replica
 from .sandboxes import SandboxPool
-from .storage import create_buffer, create_prompt_queue
+from .storage import create_buffer, create_coordination, create_prompt_queue
 from .storage.buffer import ExperienceBuffer, ExperienceBufferError
+from .storage.coordination import Coordination
 from .storage.prompts import PromptQueue
 
 PLUGINS = web.AppKey("plugins", PluginSet)
@@ -62,6 +69,9 @@ BUFFER = web.AppKey("buffer", ExperienceBuffer)
 PROMPTS = web.AppKey("prompts", PromptQueue)
 PIPELINE = web.AppKey("pipeline", RolloutPipeline)
 PRODUCER = web.AppKey("producer", Producer)
+COORDINATION = web.AppKey("coordination", Coordination)
+BOARD = web.AppKey("board", JobBoard)
+REPLICA = web.AppKey("replica", Replica)
 METRICS = web.AppKey("metrics", RolloutMetrics)
 GATEWAY_APP = web.AppKey("gateway_app", web.Application)
 MAX_WAIT_S = 3600.0
@@ -80,16 +90,8 @@ DECOUPLED_FIGURES = (
 )
 
 
-class NotFound(Exception):
-    status = 404
-
-
-def job_of(request: web.Request) -> Job:
-    job_id = request.match_info["id"]
-    job = request.app[PIPELINE].jobs.get(job_id)
-    if job is None:
-        raise NotFound(f"no job {job_id!r}")
-    return job
+class BadRequest(ValueError):
+    status = 400
 
 
 # -- handlers -------------------------------------------------------------------------------------------
@@ -113,40 +115,60 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def submit_job(request: web.Request, body: JobRequest) -> web.Response:
-    submitted = request.app[PIPELINE].submit_samples(body)
-    status = submitted[0][0].status()
+    statuses, created = await request.app[BOARD].submit(body)
+    status = statuses[0]
     if body.num_samples > 1:
-        status.samples = [sample.id for sample, _ in submitted]
-    created = any(new for _, new in submitted)  # 200: every one of them was there already (a retry)
-    return json_response(status, status=202 if created else 200)
+        status.samples = [sample.job_id for sample in statuses]
+    return json_response(status, status=202 if created else 200)  # 200: every one was there already (a retry)
 
 
 async def get_job(request: web.Request) -> web.Response:
-    return json_response(job_of(request).status())
+    return json_response(await request.app[BOARD].status(request.match_info["id"]))
 
 
 async def get_result(request: web.Request, query: WaitQuery) -> web.Response:
-    job = await request.app[PIPELINE].wait(job_of(request).id, query.wait)
-    if job.result is None:
-        return json_response(job.status(), status=202)
-    return json_response(job.result)
+    reply = await request.app[BOARD].result(request.match_info["id"], query.wait)
+    return json_response(reply, status=202 if isinstance(reply, JobStatus) else 200)
 
 
 async def cancel_job(request: web.Request) -> web.Response:
-    job = await request.app[PIPELINE].cancel(job_of(request).id)
-    return json_response(job.status())
+    return json_response(await request.app[BOARD].cancel(request.match_info["id"]))
 
 
 async def service_status(request: web.Request) -> web.Response:
-    pipeline, producer = request.app[PIPELINE], request.app[PRODUCER]
+    """This replica's queues and jobs, every replica sharing its state, and the runtimes it may use."""
+    pipeline, producer, replica = request.app[PIPELINE], request.app[PRODUCER], request.app[REPLICA]
+    try:
+        replicas = await replica.describe()
+    except ExperienceBufferError as exc:  # the shared state is away: this replica's own view still answers
+        replicas = []
+        producer.stats.degraded = f"reading the replicas: {exc}"
     return json_response(
         ServiceStatus(
             **pipeline.status(),
             llm_servers=pipeline.llm.servers(),
             degraded=producer.stats.degraded,
             gateway_address=pipeline.config.gateway_address,
+            replica=replica.id,
+            replicas=replicas,
+            runtimes=pipeline.sandboxes.describe(),
         )
     )
+
+
+async def runtime_heartbeat(request: web.Request, body: RuntimeHeartbeat) -> web.Response:
+    """A sandbox runtime registering itself (`prorl-sandbox serve --register`): recorded for every replica."""
+    name = request.match_info["name"]
+    if not RUNTIME_NAME.fullmatch(name):
+        raise BadRequest(f"runtime name {name[:200]!r}: 1-128 of letters, digits and . _ : -")
+    await request.app[COORDINATION].runtime_heard(name, body)
+    return json_response(RuntimeRegistered(name=name, alive=not body.leaving))
+
+
+async def list_runtimes(request: web.Request) -> web.Response:
+    sandboxes = request.app[PIPELINE].sandboxes
+    await sandboxes.refresh()
+    return json_response(RuntimeStateList(runtimes=sandboxes.describe()))
 
 
 async def list_tasks(request: web.Request) -> web.Response:
@@ -182,10 +204,9 @@ async def set_llm_servers(request: web.Request, body: LLMServersRequest) -> web.
 
 
 async def set_policy_version(request: web.Request, body: PolicyVersion) -> web.Response:
-    pipeline = request.app[PIPELINE]
-    if not (body.raise_only and body.version <= pipeline.policy_version):
-        pipeline.policy_version = body.version
-    return json_response(PolicyVersionSet(version=pipeline.policy_version))
+    """The version is the replicas' shared one: set through any of them, every one tags new turns with it."""
+    version = await request.app[COORDINATION].set_policy_version(body.version, body.raise_only)
+    return json_response(PolicyVersionSet(version=version))
 
 
 async def enqueue_prompts(request: web.Request, body: PromptsRequest) -> web.Response:
@@ -256,6 +277,26 @@ ROLLOUT_API = API(
             "Queues, jobs, workers, LLM servers",
             (Reply(200, "", ServiceStatus),),
             tag="service",
+        ),
+        Operation(
+            "PUT",
+            "/v1/runtimes/{name}",
+            runtime_heartbeat,
+            "A sandbox runtime's heartbeat: where it is, its room; `leaving` stops its use",
+            (Reply(200, "recorded (for every replica sharing this one's state)", RuntimeRegistered),),
+            body=RuntimeHeartbeat,
+            path_parameters={"name": {"type": "string", "pattern": "^[A-Za-z0-9_.:-]{1,128}$"}},
+            tag="runtimes",
+            description="Sent by `prorl-sandbox serve --register URL` every few seconds; a runtime not heard from "
+            "for three of its intervals gets no new sandboxes. See docs/scale-out.md.",
+        ),
+        Operation(
+            "GET",
+            "/v1/runtimes",
+            list_runtimes,
+            "The sandbox runtimes this replica may use, given or registered",
+            (Reply(200, "", RuntimeStateList),),
+            tag="runtimes",
         ),
         Operation(
             "GET",
@@ -419,19 +460,27 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
         yield
         await app[LLM].close()
 
+    async def coordination(app: web.Application):
+        app[COORDINATION] = create_coordination(config.buffer_url, config.sandbox_owner)
+        await app[COORDINATION].start()
+        yield
+        await app[COORDINATION].close()
+
     async def sandbox_pool(app: web.Application):
-        app[SANDBOXES] = SandboxPool(config.sandbox_urls, token=config.sandbox_token, owner=config.sandbox_owner)
+        app[SANDBOXES] = SandboxPool(
+            config.sandbox_urls, token=config.sandbox_token, owner=config.sandbox_owner, coordination=app[COORDINATION]
+        )
         await app[SANDBOXES].delete_leftovers()
         yield
         await app[SANDBOXES].close()
 
     async def buffer(app: web.Application):
-        app[BUFFER] = create_buffer(config.buffer_url)
+        app[BUFFER] = create_buffer(config.buffer_url, consumer=config.sandbox_owner)
         yield
         await app[BUFFER].close()
 
     async def prompt_queue(app: web.Application):
-        app[PROMPTS] = create_prompt_queue(config.buffer_url)
+        app[PROMPTS] = create_prompt_queue(config.buffer_url, config.sandbox_owner)
         yield
         await app[PROMPTS].close()
 
@@ -445,14 +494,41 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
         yield
         await app[PIPELINE].stop()
 
+    async def job_board(app: web.Application):
+        if app[COORDINATION].shared:
+            from .storage.redis_jobs import RedisJobBoard  # the redis package is an optional extra
+
+            app[BOARD] = RedisJobBoard(app[PIPELINE], app[COORDINATION], result_ttl_s=config.result_ttl_s)
+        else:
+            app[BOARD] = LocalJobBoard(app[PIPELINE])
+        await app[BOARD].start()
+        yield
+        await app[BOARD].stop()
+
     async def producer(app: web.Application):
-        app[PRODUCER] = Producer(app[PIPELINE], app[BUFFER], app[PROMPTS], config.decoupled)
+        app[PRODUCER] = Producer(app[PIPELINE], app[BUFFER], app[PROMPTS], config.decoupled, app[COORDINATION])
         app[PLUGINS].register(app[PRODUCER], name="decoupled-producer")  # it observes jobs and versions
         app[PRODUCER].start()
         yield
         await app[PRODUCER].stop()
 
-    app.cleanup_ctx.extend([plugins, llm_pool, sandbox_pool, buffer, prompt_queue, pipeline, producer])
+    async def replica(app: web.Application):
+        app[REPLICA] = Replica(
+            app[COORDINATION],
+            app[PIPELINE],
+            app[BOARD],
+            app[PRODUCER],
+            app[SANDBOXES],
+            config.advertise_url or f"http://{config.host}:{config.port}",
+            config.heartbeat_s,
+        )
+        await app[REPLICA].start()
+        yield
+        await app[REPLICA].stop()
+
+    app.cleanup_ctx.extend(
+        [plugins, coordination, llm_pool, sandbox_pool, buffer, prompt_queue, pipeline, job_board, producer, replica]
+    )
     return app
 
 

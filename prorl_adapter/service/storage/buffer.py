@@ -106,6 +106,12 @@ class ExperienceBuffer(abc.ABC):
         higher. Returns how many were handed back; ids not pending (unknown, never taken, acknowledged,
         already handed back) count 0."""
 
+    async def take_over(self, consumer: str) -> int:
+        """Hand back to the queue the entries consumer `consumer` (a dead replica of the service, or this one's
+        earlier incarnation) took and never acknowledged; returns how many. A buffer of one process has no other
+        consumer: 0."""
+        return 0
+
     @abc.abstractmethod
     async def expire(self, before_version: int) -> int:
         """Remove for good every ready entry (not pending) whose `policy_version_min` is below

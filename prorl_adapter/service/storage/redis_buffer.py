@@ -145,6 +145,18 @@ end
 return out
 """
 
+_TAKE_OVER = """
+-- KEYS: the version's stream; ARGV: group, a dead consumer, this consumer. Moves the dead one's pending entries
+-- here (JUSTID: not counted as a delivery, which serving them counts); returns their ids.
+local ids = {}
+if redis.call('EXISTS', KEYS[1]) == 0 then return ids end
+for _, entry in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1000000, ARGV[2])) do
+  redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, entry[1], 'JUSTID')
+  ids[#ids + 1] = entry[1]
+end
+return ids
+"""
+
 _PENDING_HERE = """
 -- KEYS: the version's stream; ARGV: group, consumer, stream ids... Returns those pending for this consumer.
 local out = {}
@@ -243,6 +255,7 @@ class RedisBuffer(ExperienceBuffer):
         self._reclaim = self._redis.register_script(_RECLAIM)
         self._serve = self._redis.register_script(_SERVE_RECLAIMED)
         self._pending_here = self._redis.register_script(_PENDING_HERE)
+        self._take_over = self._redis.register_script(_TAKE_OVER)
         self._expire = self._redis.register_script(_EXPIRE)
         # version -> stream ids claimed by reclaim or handed back by release, not yet served
         self._reclaimed: dict[int, set[str]] = {}
@@ -447,6 +460,22 @@ class RedisBuffer(ExperienceBuffer):
             count += self._hold(version, sids)
         if count:
             await self._wake("reclaim", count)
+        return count
+
+    async def take_over(self, consumer: str) -> int:
+        """Hand back the entries another consumer (a dead replica of the service) had taken and not
+        acknowledged (its own earlier incarnation's, too: same name): they are served again by this one's
+        next takes, in their original place."""
+        with self._errors(f"reading {self._versions_key}"):
+            versions = [int(v) for v in await self._redis.zrange(self._versions_key, 0, -1)]
+        count = 0
+        for version in versions:
+            stream = self._stream(version)
+            with self._errors(f"taking over the pending entries of {consumer} on {stream}"):
+                sids = await self._take_over(keys=[stream], args=[self.group, consumer, self.consumer])
+            count += self._hold(version, sids)
+        if count:
+            await self._wake("take_over", count)
         return count
 
     async def release(self, ids: Iterable[str]) -> int:

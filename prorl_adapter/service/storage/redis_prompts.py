@@ -2,11 +2,16 @@
 
 Keys (prefix default `prorl:prompts`):
 - `{prefix}:upcoming`: a list of JobRequest JSON documents, each with its job id, in order;
-- `{prefix}:running`: a hash, job id -> the JobRequest JSON of a prompt admitted and not yet delivered.
+- `{prefix}:running`: a hash, job id -> the JobRequest JSON of a prompt admitted and not yet delivered;
+- `{prefix}:owner`: a hash, job id -> the replica running it;
+- `{prefix}:version`: a hash, job id -> the policy version it was admitted at;
+- `{prefix}:versions`: a hash, version -> how many running prompts were admitted at it (for admission control).
 
-`pop` moves the head of the list into the hash in one Lua script, so a crash between the two cannot lose a
-prompt; `done` deletes it from the hash once its trajectory is in the experience buffer. A service that starts
-on the same Redis takes back what is in the hash (`recover`) and runs it again: delivery is at least once.
+`pop` moves the head of the list into the running records in one Lua script, so a crash between the two cannot
+lose a prompt; `done` deletes them once its trajectory is in the experience buffer. A replica that starts on the
+same Redis takes back what is recorded as its own (`recover`: an earlier incarnation's, or a pop whose reply was
+lost) and runs it again, and the replica that takes over a dead one takes its prompts (`take_over`): delivery is
+at least once. A running record with no owner (written before owners were recorded) is anyone's to recover.
 Errors are the experience buffer's: `BufferUnavailable` when Redis cannot be reached (the producer waits it
 out), `ExperienceBufferError` when Redis refuses a command.
 """
@@ -18,23 +23,59 @@ from .prompts import PromptQueue, with_job_id
 from .redis_connection import RedisConnection
 
 _POP = """
--- KEYS: upcoming list, running hash. Returns the JSON of the prompt moved, or false.
+-- KEYS: upcoming list, running, owner, version, versions hashes; ARGV: replica, version. The JSON moved, or false.
 local document = redis.call('LPOP', KEYS[1])
 if not document then return false end
-redis.call('HSET', KEYS[2], cjson.decode(document)['job_id'], document)
+local id = cjson.decode(document)['job_id']
+redis.call('HSET', KEYS[2], id, document)
+redis.call('HSET', KEYS[3], id, ARGV[1])
+redis.call('HSET', KEYS[4], id, ARGV[2])
+redis.call('HINCRBY', KEYS[5], ARGV[2], 1)
 return document
+"""
+
+_DONE = """
+-- KEYS: running, owner, version, versions hashes; ARGV: job id.
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('HDEL', KEYS[2], ARGV[1])
+local version = redis.call('HGET', KEYS[3], ARGV[1])
+if version then
+  redis.call('HDEL', KEYS[3], ARGV[1])
+  if redis.call('HINCRBY', KEYS[4], version, -1) <= 0 then redis.call('HDEL', KEYS[4], version) end
+end
+return 1
+"""
+
+_CLAIM = """
+-- KEYS: running, owner hashes; ARGV: the owner whose prompts are claimed, the claimer. The claimed documents;
+-- the claimer's recovery (ARGV[1] == ARGV[2]) also takes prompts recorded with no owner.
+local out = {}
+local running = redis.call('HGETALL', KEYS[1])
+for i = 1, #running, 2 do
+  local owner = redis.call('HGET', KEYS[2], running[i])
+  if owner == ARGV[1] or (not owner and ARGV[1] == ARGV[2]) then
+    redis.call('HSET', KEYS[2], running[i], ARGV[2])
+    out[#out + 1] = running[i + 1]
+  end
+end
+return out
 """
 
 
 class RedisPromptQueue(PromptQueue):
-    def __init__(self, url: str, *, prefix: str = "prorl:prompts", socket_timeout: float = 5.0) -> None:
+    def __init__(
+        self, url: str, replica: str = "prorl-rollout", *, prefix: str = "prorl:prompts", socket_timeout: float = 5.0
+    ) -> None:
         # No silent retries: a pop whose reply was lost has moved its prompt to `running`; retried, it would move
         # another, and nobody would know of the first. The error reaches the producer, which takes back what
         # runs there and not in this process (`recover`), and waits out the outage itself.
         self._connection = RedisConnection(url, socket_timeout=socket_timeout, retries=0)
+        self.replica = replica
         self._upcoming = f"{prefix}:upcoming"
         self._running = f"{prefix}:running"
-        self._pop = self._connection.redis.register_script(_POP)
+        self._records = [self._running, f"{prefix}:owner", f"{prefix}:version", f"{prefix}:versions"]
+        redis = self._connection.redis
+        self._pop, self._done, self._claim = (redis.register_script(s) for s in (_POP, _DONE, _CLAIM))
 
     async def push(self, requests: list[JobRequest]) -> int:
         documents = [with_job_id(r).model_dump_json(exclude_none=True) for r in requests]
@@ -43,19 +84,30 @@ class RedisPromptQueue(PromptQueue):
                 int(await self._connection.redis.rpush(self._upcoming, *documents)) if documents else await self.size()
             )
 
-    async def pop(self) -> JobRequest | None:
+    async def pop(self, version: int) -> JobRequest | None:
         with self._connection.errors(f"moving a prompt from {self._upcoming} to {self._running}"):
-            document = await self._pop(keys=[self._upcoming, self._running])
+            document = await self._pop(keys=[self._upcoming, *self._records], args=[self.replica, version])
         return JobRequest.model_validate_json(document) if document else None
 
     async def done(self, job_id: str) -> None:
-        with self._connection.errors(f"HDEL from {self._running}"):
-            await self._connection.redis.hdel(self._running, job_id)
+        with self._connection.errors(f"deleting {job_id} from {self._running}"):
+            await self._done(keys=self._records, args=[job_id])
 
     async def recover(self) -> list[JobRequest]:
-        with self._connection.errors(f"HVALS of {self._running}"):
-            documents = await self._connection.redis.hvals(self._running)
+        return await self._claimed(self.replica)
+
+    async def take_over(self, replica_id: str) -> list[JobRequest]:
+        return await self._claimed(replica_id)
+
+    async def _claimed(self, owner: str) -> list[JobRequest]:
+        with self._connection.errors(f"claiming the prompts of {owner} in {self._running}"):
+            documents = await self._claim(keys=self._records[:2], args=[owner, self.replica])
         return [JobRequest.model_validate_json(d) for d in documents]
+
+    async def running_versions(self) -> dict[int, int]:
+        with self._connection.errors(f"HGETALL {self._records[3]}"):
+            counts = await self._connection.redis.hgetall(self._records[3])
+        return {int(v): int(n) for v, n in sorted(counts.items(), key=lambda kv: int(kv[0])) if int(n) > 0}
 
     async def size(self) -> int:
         with self._connection.errors(f"LLEN of {self._upcoming}"):

@@ -1,0 +1,167 @@
+"""What replicas of the rollout service share besides the buffer and the prompts: who is alive, the runtimes
+heard from, the policy version, and one lock for admission.
+
+    replica A ──┐                       ┌── heartbeats of replicas (who is alive, their figures)
+    replica B ──┼── Coordination ───────┼── heartbeats of sandbox runtimes (where sandboxes may go)
+    replica C ──┘   (memory | Redis)    ├── the policy version (set through any replica, seen by all)
+                                        └── the admission lock (pace holds across replicas)
+
+`LocalCoordination` (here, with `memory://`) is one process: it is alone, always alive, and the lock is an
+asyncio lock. `RedisCoordination` (`redis_coordination.py`, with a Redis URL) is shared by every replica
+given the same URL. A replica whose heartbeat lapses is *dead*: `claim_dead()` hands each dead replica to
+exactly one survivor, which takes over its work (runs its jobs and prompts again, hands back its leased
+entries, deletes its sandboxes). Liveness is judged on one clock (Redis's own `TIME`), so clock skew between
+nodes does not kill anyone.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from sandbox_runtime.models import RuntimeHeartbeat
+
+# A replica or runtime that missed this many heartbeats in a row is taken for dead.
+MISSED_BEATS = 3
+
+
+@dataclass
+class RuntimeRecord:
+    """A runtime as last heard from: its heartbeat, and when (seconds on the coordination's clock)."""
+
+    name: str
+    heartbeat: RuntimeHeartbeat
+    seen_at: float
+
+    def alive(self, now: float) -> bool:
+        return not self.heartbeat.leaving and now - self.seen_at <= MISSED_BEATS * self.heartbeat.interval_s
+
+
+@dataclass
+class ReplicaRecord:
+    """A replica as last heard from: its id, where it is reached, its figures, and when."""
+
+    id: str
+    url: str | None
+    figures: dict = field(default_factory=dict)
+    seen_at: float = 0.0
+    interval_s: float = 1.0
+
+    def alive(self, now: float) -> bool:
+        return now - self.seen_at <= MISSED_BEATS * self.interval_s
+
+
+class Coordination(abc.ABC):
+    """The shared state of the service's replicas (see the module's docstring). Every method is a coroutine
+    and raises the buffer's errors (`BufferUnavailable` while Redis cannot be reached)."""
+
+    shared = False  # whether other processes see this state
+
+    def __init__(self, replica_id: str) -> None:
+        self.replica_id = replica_id
+        self._version_listeners: list[Callable[[int], None]] = []
+
+    # -- replicas ---------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def beat(self, url: str | None, figures: dict, interval_s: float) -> None:
+        """This replica is alive (for three more intervals), reached at `url`, with these figures."""
+
+    @abc.abstractmethod
+    async def replicas(self) -> tuple[float, list[ReplicaRecord]]:
+        """(now on the coordination's clock, every replica known, alive or not yet claimed)."""
+
+    @abc.abstractmethod
+    async def claim_dead(self) -> list[str]:
+        """The replicas whose heartbeat lapsed, each returned to exactly one caller, once: that caller takes
+        over their work. This replica's own earlier incarnation (same id, heartbeat lapsed) counts too."""
+
+    async def forget_replica(self, replica_id: str) -> None:
+        """A dead replica's work is taken over: its record goes."""
+        return None
+
+    # -- runtimes ---------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def runtime_heard(self, name: str, heartbeat: RuntimeHeartbeat) -> None:
+        """A runtime's heartbeat arrived (at any replica); a leaving one is forgotten."""
+
+    @abc.abstractmethod
+    async def runtimes(self) -> tuple[float, list[RuntimeRecord]]:
+        """(now on the coordination's clock, every runtime heard from and not forgotten)."""
+
+    # -- the policy version ------------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def policy_version(self) -> int:
+        """The version as set through any replica (0 before any)."""
+
+    @abc.abstractmethod
+    async def set_policy_version(self, version: int, raise_only: bool) -> int:
+        """Set it (with `raise_only`, only if higher); returns the version in effect. Every replica's listeners
+        hear of a change."""
+
+    def on_policy_version(self, listener: Callable[[int], None]) -> None:
+        """Call `listener(version)` in this process whenever the shared version changes."""
+        self._version_listeners.append(listener)
+
+    def _version_changed(self, version: int) -> None:
+        for listener in self._version_listeners:
+            listener(version)
+
+    # -- admission ---------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def admission_lock(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """Held while one replica decides on and admits an episode, so that the counts it decided on are the
+        counts it changes: pace's bound holds over all replicas together."""
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+class LocalCoordination(Coordination):
+    """One process alone (`memory://`): nothing is shared, nobody else can die."""
+
+    def __init__(self, replica_id: str, clock: Callable[[], float] = time.time) -> None:
+        super().__init__(replica_id)
+        self._clock = clock
+        self._me = ReplicaRecord(replica_id, None)
+        self._runtimes: dict[str, RuntimeRecord] = {}
+        self._version = 0
+        self._lock = asyncio.Lock()
+
+    async def beat(self, url: str | None, figures: dict, interval_s: float) -> None:
+        self._me = ReplicaRecord(self.replica_id, url, figures, self._clock(), interval_s)
+
+    async def replicas(self) -> tuple[float, list[ReplicaRecord]]:
+        return self._clock(), [self._me]
+
+    async def claim_dead(self) -> list[str]:
+        return []
+
+    async def runtime_heard(self, name: str, heartbeat: RuntimeHeartbeat) -> None:
+        if heartbeat.leaving:
+            self._runtimes.pop(name, None)
+        else:
+            self._runtimes[name] = RuntimeRecord(name, heartbeat, self._clock())
+
+    async def runtimes(self) -> tuple[float, list[RuntimeRecord]]:
+        return self._clock(), list(self._runtimes.values())
+
+    async def policy_version(self) -> int:
+        return self._version
+
+    async def set_policy_version(self, version: int, raise_only: bool) -> int:
+        if not (raise_only and version <= self._version) and version != self._version:
+            self._version = version
+            self._version_changed(version)
+        return self._version
+
+    @contextlib.asynccontextmanager
+    async def admission_lock(self) -> AsyncIterator[None]:
+        async with self._lock:
+            yield

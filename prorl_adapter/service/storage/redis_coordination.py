@@ -1,0 +1,247 @@
+"""The replicas' shared state on Redis (the contract: `coordination.Coordination`).
+
+Keys (prefix default `prorl`):
+- `{prefix}:replicas`: a hash, replica id -> JSON {url, figures, seen_at, interval_s, taken_by};
+- `{prefix}:runtimes`: a hash, runtime name -> JSON {heartbeat, seen_at};
+- `{prefix}:policy_version`: the version, as a string;
+- `{prefix}:admission`: the admission lock (redis-py's `Lock`: it expires if its holder dies);
+- channel `{prefix}:events`: `KIND:PAYLOAD` messages (`version:7`, `finished:<job id>`, `cancel:<job id>`), each
+  replica subscribed once.
+
+Every time is Redis's own (`TIME`, read inside the scripts), so nodes whose clocks disagree still agree on who
+is alive. Messages on the channel can be missed (a replica reconnecting); every listener here re-reads what it
+cares about after a reconnection or on its own timer, so a lost message delays, never loses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from sandbox_runtime.models import RuntimeHeartbeat
+
+from .coordination import MISSED_BEATS, Coordination, ReplicaRecord, RuntimeRecord
+from .redis_connection import RedisConnection, redis_errors
+
+log = logging.getLogger(__name__)
+
+_NOW = "local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1e6\n"
+
+_BEAT = (
+    _NOW
+    + """
+-- KEYS: replicas hash; ARGV: id, JSON {url, figures, interval_s}. Returns now.
+local record = cjson.decode(ARGV[2])
+record['seen_at'] = now
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(record))
+return tostring(now)
+"""
+)
+
+_READ = (
+    _NOW
+    + """
+-- KEYS: a hash; ARGV: seconds after which a lapsed entry is forgotten. Returns {now, id, JSON, id, JSON...}.
+local out = {tostring(now)}
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  local record = cjson.decode(all[i + 1])
+  local interval = record['interval_s'] or record['heartbeat']['interval_s']
+  if now - record['seen_at'] > tonumber(ARGV[1]) * interval then
+    redis.call('HDEL', KEYS[1], all[i])
+  else
+    out[#out + 1] = all[i]
+    out[#out + 1] = all[i + 1]
+  end
+end
+return out
+"""
+)
+
+_CLAIM_DEAD = (
+    _NOW
+    + """
+-- KEYS: replicas hash; ARGV: this replica's id, missed beats. Each lapsed replica is marked as taken over by
+-- this one (alive again for as long as the takeover may take); its id is returned to this caller only.
+local out = {}
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  local record = cjson.decode(all[i + 1])
+  if all[i] ~= ARGV[1] and now - record['seen_at'] > tonumber(ARGV[2]) * record['interval_s'] then
+    record['seen_at'] = now
+    record['taken_by'] = ARGV[1]
+    redis.call('HSET', KEYS[1], all[i], cjson.encode(record))
+    out[#out + 1] = all[i]
+  end
+end
+return out
+"""
+)
+
+_RUNTIME = (
+    _NOW
+    + """
+-- KEYS: runtimes hash; ARGV: name, heartbeat JSON, leaving (1/0).
+if ARGV[3] == '1' then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+else
+  redis.call('HSET', KEYS[1], ARGV[1], cjson.encode({heartbeat = cjson.decode(ARGV[2]), seen_at = now}))
+end
+return 1
+"""
+)
+
+_SET_VERSION = """
+-- KEYS: the version key; ARGV: version, raise_only (1/0), channel. Returns the version in effect.
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+local wanted = tonumber(ARGV[1])
+if (ARGV[2] == '1' and wanted <= current) or wanted == current then return current end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('PUBLISH', ARGV[3], 'version:' .. ARGV[1])
+return wanted
+"""
+
+FORGET_AFTER_BEATS = 100  # a runtime or replica silent this long is dropped from the records altogether
+ADMISSION_LOCK_S = 10.0  # the lock expires this long after its holder died mid-admission
+
+
+class RedisCoordination(Coordination):
+    shared = True
+
+    def __init__(self, url: str, replica_id: str, *, prefix: str = "prorl", socket_timeout: float = 5.0) -> None:
+        super().__init__(replica_id)
+        self._connection = RedisConnection(url, socket_timeout=socket_timeout)
+        self._url = url
+        self.prefix = prefix
+        self.channel = f"{prefix}:events"
+        self._replicas_key = f"{prefix}:replicas"
+        self._runtimes_key = f"{prefix}:runtimes"
+        self._version_key = f"{prefix}:policy_version"
+        redis = self._connection.redis
+        self._beat = redis.register_script(_BEAT)
+        self._read = redis.register_script(_READ)
+        self._claim_dead = redis.register_script(_CLAIM_DEAD)
+        self._runtime = redis.register_script(_RUNTIME)
+        self._set_version = redis.register_script(_SET_VERSION)
+        self._lock = redis.lock(f"{prefix}:admission", timeout=ADMISSION_LOCK_S, blocking_timeout=None)
+        self._listeners: dict[str, list[Callable[[str], None]]] = {}
+        self._listening: asyncio.Task[None] | None = None
+        self._subscribed = asyncio.Event()
+
+    @property
+    def redis(self):
+        """The client, for the other Redis-backed parts of one replica (the job board) to share."""
+        return self._connection.redis
+
+    def errors(self, what: str):
+        return self._connection.errors(what)
+
+    # -- replicas ---------------------------------------------------------------------------------------
+    async def beat(self, url: str | None, figures: dict, interval_s: float) -> None:
+        record = json.dumps({"url": url, "figures": figures, "interval_s": interval_s})
+        with self.errors(f"a heartbeat in {self._replicas_key}"):
+            await self._beat(keys=[self._replicas_key], args=[self.replica_id, record])
+
+    async def replicas(self) -> tuple[float, list[ReplicaRecord]]:
+        now, rows = await self._read_records(self._replicas_key)
+        replicas = [
+            ReplicaRecord(name, r.get("url"), r.get("figures") or {}, r["seen_at"], r["interval_s"]) for name, r in rows
+        ]
+        return now, replicas
+
+    async def claim_dead(self) -> list[str]:
+        with self.errors(f"looking for dead replicas in {self._replicas_key}"):
+            return list(await self._claim_dead(keys=[self._replicas_key], args=[self.replica_id, MISSED_BEATS]))
+
+    async def forget_replica(self, replica_id: str) -> None:
+        with self.errors(f"HDEL from {self._replicas_key}"):
+            await self.redis.hdel(self._replicas_key, replica_id)
+
+    # -- runtimes ---------------------------------------------------------------------------------------
+    async def runtime_heard(self, name: str, heartbeat: RuntimeHeartbeat) -> None:
+        with self.errors(f"recording a runtime's heartbeat in {self._runtimes_key}"):
+            await self._runtime(
+                keys=[self._runtimes_key], args=[name, heartbeat.model_dump_json(), "1" if heartbeat.leaving else "0"]
+            )
+
+    async def runtimes(self) -> tuple[float, list[RuntimeRecord]]:
+        now, rows = await self._read_records(self._runtimes_key)
+        return now, [RuntimeRecord(name, RuntimeHeartbeat(**r["heartbeat"]), r["seen_at"]) for name, r in rows]
+
+    async def _read_records(self, key: str) -> tuple[float, list[tuple[str, dict]]]:
+        with self.errors(f"reading {key}"):
+            reply = await self._read(keys=[key], args=[FORGET_AFTER_BEATS])
+        rows = [(reply[i], json.loads(reply[i + 1])) for i in range(1, len(reply), 2)]
+        return float(reply[0]), rows
+
+    # -- the policy version ------------------------------------------------------------------------------
+    async def policy_version(self) -> int:
+        with self.errors(f"GET {self._version_key}"):
+            return int(await self.redis.get(self._version_key) or 0)
+
+    async def set_policy_version(self, version: int, raise_only: bool) -> int:
+        with self.errors(f"setting {self._version_key}"):
+            args = [version, "1" if raise_only else "0", self.channel]
+            effective = int(await self._set_version(keys=[self._version_key], args=args))
+        self._version_changed(effective)  # here at once; the other replicas through the channel
+        return effective
+
+    # -- admission ---------------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def admission_lock(self) -> AsyncIterator[None]:
+        with self.errors(f"taking the admission lock {self.prefix}:admission"):
+            await self._lock.acquire(token=None)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(redis_errors.LockError), self.errors("releasing the admission lock"):
+                await self._lock.release()
+
+    # -- events -------------------------------------------------------------------------------------------
+    def on_event(self, kind: str, listener: Callable[[str], None]) -> None:
+        """Call `listener(payload)` for every `kind:payload` message on the channel, from any replica."""
+        self._listeners.setdefault(kind, []).append(listener)
+
+    async def publish(self, kind: str, payload: str) -> None:
+        with self.errors(f"PUBLISH to {self.channel}"):
+            await self.redis.publish(self.channel, f"{kind}:{payload}")
+
+    async def start(self) -> None:
+        self.on_event("version", lambda payload: self._version_changed(int(payload)))
+        self._listening = asyncio.create_task(self._listen_forever())
+        with contextlib.suppress(TimeoutError):  # Redis away: the listener keeps trying; start anyway
+            async with asyncio.timeout(5.0):
+                await self._subscribed.wait()
+
+    async def _listen_forever(self) -> None:
+        delay = 0.2
+        while True:
+            try:
+                async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
+                    await pubsub.subscribe(self.channel)
+                    self._subscribed.set()
+                    self._version_changed(await self.policy_version())  # what was missed while away
+                    delay = 0.2
+                    async for message in pubsub.listen():
+                        kind, _, payload = str(message.get("data", "")).partition(":")
+                        for listener in self._listeners.get(kind, []):
+                            try:
+                                listener(payload)
+                            except Exception:  # one listener's bug must not end the subscription
+                                log.exception("a listener of %s messages failed", kind)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: subscribe again, with backoff
+                log.warning("the subscription to %s broke (%s); subscribing again", self.channel, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def close(self) -> None:
+        if self._listening is not None:
+            self._listening.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listening
+        await self._connection.close()

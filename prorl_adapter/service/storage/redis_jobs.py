@@ -1,0 +1,349 @@
+"""The job board on Redis: replicas share the API's jobs (the contract: `job_board.JobBoard`).
+
+Keys (prefix default `prorl:jobs`):
+- `{prefix}:queue`: a list of job ids no replica has taken yet, oldest first;
+- `{prefix}:claimed:{replica}`: a list of the ids one replica took and has not finished;
+- `{prefix}:job:{id}`: a hash: `request` (JobRequest JSON), `status` (JobStatus JSON, kept current by the replica
+  running it), `result` (Trajectory JSON, once finished); it expires `result_ttl_s` after the job finished.
+
+A replica takes a job with `BLMOVE queue -> claimed:{replica}` (atomic: the id is in exactly one list at any
+time) whenever it has room (fewer unfinished jobs of its own than its init and run workers together), so jobs
+go to whoever is free. It finishes one with a script that writes the result and removes the id from its list,
+and announces it on the coordination channel (`finished:{id}`), which wakes whoever waits for it on any replica.
+A cancel for a job another replica runs goes out on the channel too (`cancel:{id}`); one still queued is
+cancelled where it lies. `take_over(replica)` moves a dead replica's list back to the head of the queue.
+
+Writes of a replica go through one writer task, in order, retried while Redis is away: a status never
+overwrites a later one, and a finished job's result is never lost by an outage (it waits in memory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+
+from ...hooks.specs import hookimpl
+from ...models import JobError, JobRequest, JobState, JobStatus, Trajectory
+from ..job_board import JobBoard, UnknownJob
+from ..pipeline import Job, JobConflict, RolloutPipeline
+from .buffer import ExperienceBufferError
+from .redis_coordination import RedisCoordination
+
+log = logging.getLogger(__name__)
+
+_SUBMIT = """
+-- KEYS: the job's hash, the queue; ARGV: request JSON, status JSON, job id. Returns the request already recorded
+-- under this id (the caller compares), or false when this one is new and queued.
+local known = redis.call('HGET', KEYS[1], 'request')
+if known then return known end
+redis.call('HSET', KEYS[1], 'request', ARGV[1], 'status', ARGV[2])
+redis.call('RPUSH', KEYS[2], ARGV[3])
+return false
+"""
+
+_FINISH = """
+-- KEYS: the job's hash, this replica's claimed list; ARGV: job id, status JSON, result JSON, ttl s, channel.
+redis.call('HSET', KEYS[1], 'status', ARGV[2], 'result', ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('LREM', KEYS[2], 0, ARGV[1])
+redis.call('PUBLISH', ARGV[5], 'finished:' .. ARGV[1])
+return 1
+"""
+
+_CANCEL_QUEUED = """
+-- KEYS: the job's hash, the queue; ARGV: job id, status JSON, result JSON, ttl s, channel. Cancels the job if no
+-- replica has taken it yet (1), else leaves it to the replica running it (0).
+if redis.call('LREM', KEYS[2], 0, ARGV[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[2], 'result', ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('PUBLISH', ARGV[5], 'finished:' .. ARGV[1])
+return 1
+"""
+
+_REQUEUE_ALL = """
+-- KEYS: a dead replica's claimed list, the queue. Moves every id to the head of the queue, in its order.
+local moved = 0
+while redis.call('RPOPLPUSH', KEYS[1], KEYS[2]) do moved = moved + 1 end
+return moved
+"""
+
+CLAIM_BLOCK_S = 1.0  # one BLMOVE waits this long, so that stopping never waits for more
+CANCEL_WAIT_S = 10.0  # how long a cancel of a job on another replica waits to see it final
+RECHECK_S = 2.0  # a waiter looks at the record again this often (a `finished` message may have been missed)
+
+
+class RedisJobBoard(JobBoard):
+    """Jobs shared by the replicas of one Redis (the module's docstring). It is also a plugin of the replica's
+    pipeline: its stage events and finished jobs are what it writes back."""
+
+    def __init__(
+        self,
+        pipeline: RolloutPipeline,
+        coordination: RedisCoordination,
+        *,
+        prefix: str = "prorl:jobs",
+        result_ttl_s: float = 86_400.0,
+    ) -> None:
+        self.pipeline = pipeline
+        self.coordination = coordination
+        self.replica = coordination.replica_id
+        self.prefix = prefix
+        self.result_ttl_s = int(max(result_ttl_s, 1))
+        self._queue = f"{prefix}:queue"
+        self._claimed = f"{prefix}:claimed:{self.replica}"
+        redis = coordination.redis
+        self._submit = redis.register_script(_SUBMIT)
+        self._finish = redis.register_script(_FINISH)
+        self._cancel_queued = redis.register_script(_CANCEL_QUEUED)
+        self._requeue_all = redis.register_script(_REQUEUE_ALL)
+        self._mine: set[str] = set()  # ids this replica took and has not finished
+        self._room = asyncio.Event()
+        self._waiters: dict[str, asyncio.Event] = {}
+        self._writes: dict[str, JobStatus] = {}  # statuses to write, latest only
+        self._finished: list[Job] = []  # finished jobs to record, in order
+        self._write_wanted = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def _key(self, job_id: str) -> str:
+        return f"{self.prefix}:job:{job_id}"
+
+    def _capacity(self) -> int:
+        config = self.pipeline.config
+        return config.max_init_workers + config.max_run_workers
+
+    # -- life cycle -------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.coordination.on_event("finished", self._wake_waiter)
+        self.coordination.on_event("cancel", self._cancel_here)
+        self.pipeline.plugins.register(self, name="redis-job-board")
+        await self._retrying("queueing again what an earlier run of this replica held", self._requeue_own)
+        self._room.set()
+        self._tasks = [asyncio.create_task(self._claim_forever()), asyncio.create_task(self._write_forever())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _requeue_own(self) -> None:
+        moved = await self.take_over(self.replica)
+        if moved:
+            log.warning("queued again %d jobs an earlier run of %s held", moved, self.replica)
+
+    async def take_over(self, replica_id: str) -> int:
+        with self.coordination.errors(f"queueing again the jobs of replica {replica_id}"):
+            return int(await self._requeue_all(keys=[f"{self.prefix}:claimed:{replica_id}", self._queue]))
+
+    async def _retrying(self, what: str, attempt) -> None:
+        delay = 0.5
+        while True:
+            try:
+                return await attempt()
+            except ExperienceBufferError as exc:
+                log.warning("%s failed (%s); retrying in %g s", what, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+
+    # -- the API ----------------------------------------------------------------------------------------
+    async def submit(self, request: JobRequest) -> tuple[list[JobStatus], bool]:
+        samples = request.samples()
+        for sample in samples:
+            self.pipeline.handler_for(sample)  # 400 for a task this service cannot run, before anything is queued
+        samples = [s if s.job_id else s.model_copy(update={"job_id": _new_id()}) for s in samples]
+        with self.coordination.errors("reading job records"):
+            pipe = self.coordination.redis.pipeline(transaction=False)
+            for sample in samples:
+                pipe.hget(self._key(sample.job_id), "request")
+            recorded = await pipe.execute()
+        for sample, document in zip(samples, recorded, strict=True):
+            _check_same(sample, document)
+        statuses, created = [], False
+        for sample in samples:
+            status = JobStatus(
+                job_id=sample.job_id, task=sample.task, state=JobState.queued, submitted_at=time.time(), timings={}
+            )
+            with self.coordination.errors(f"queueing job {sample.job_id}"):
+                document = await self._submit(
+                    keys=[self._key(sample.job_id), self._queue],
+                    args=[sample.model_dump_json(), status.model_dump_json(), sample.job_id],
+                )
+            if document:  # recorded meanwhile, or earlier (a retry): that job
+                _check_same(sample, document)
+                status = await self.status(sample.job_id)
+            else:
+                created = True
+            statuses.append(status)
+        return statuses, created
+
+    async def status(self, job_id: str) -> JobStatus:
+        job = self.pipeline.jobs.get(job_id)
+        if job is not None and job_id in self._mine:
+            return self._status(job)
+        with self.coordination.errors(f"reading job {job_id}"):
+            document = await self.coordination.redis.hget(self._key(job_id), "status")
+        if document is None:
+            raise UnknownJob(job_id)
+        return JobStatus.model_validate_json(document)
+
+    async def result(self, job_id: str, wait: float) -> Trajectory | JobStatus:
+        job = self.pipeline.jobs.get(job_id)
+        if job is not None and job_id in self._mine:
+            job = await self.pipeline.wait(job_id, wait)
+            return job.result if job.result is not None else self._status(job)
+        deadline = time.monotonic() + wait
+        event = self._waiters.setdefault(job_id, asyncio.Event())
+        try:
+            while True:
+                event.clear()
+                with self.coordination.errors(f"reading job {job_id}"):
+                    status, result = await self.coordination.redis.hmget(self._key(job_id), ["status", "result"])
+                if status is None:
+                    raise UnknownJob(job_id)
+                if result is not None:
+                    return Trajectory.model_validate_json(result)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return JobStatus.model_validate_json(status)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(left, RECHECK_S)):
+                        await event.wait()
+        finally:
+            self._waiters.pop(job_id, None)
+
+    async def cancel(self, job_id: str) -> JobStatus:
+        if job_id in self._mine and job_id in self.pipeline.jobs:
+            return self._status(await self.pipeline.cancel(job_id))
+        status = await self.status(job_id)
+        if status.state.finished:
+            return status
+        with self.coordination.errors(f"reading job {job_id}"):
+            document = await self.coordination.redis.hget(self._key(job_id), "request")
+        if document is not None:
+            job = self.pipeline.cancelled_before_start(JobRequest.model_validate_json(document), status.submitted_at)
+            with self.coordination.errors(f"cancelling job {job_id}"):
+                args = [job_id, self._status(job).model_dump_json(), job.result.model_dump_json()]
+                done = await self._cancel_queued(
+                    keys=[self._key(job_id), self._queue], args=[*args, self.result_ttl_s, self.coordination.channel]
+                )
+            if done:
+                return self._status(job)
+        await self.coordination.publish("cancel", job_id)  # the replica running it cancels it
+        reply = await self.result(job_id, CANCEL_WAIT_S)
+        return reply if isinstance(reply, JobStatus) else await self.status(job_id)
+
+    def _status(self, job: Job) -> JobStatus:
+        status = job.status()
+        status.replica = self.replica
+        return status
+
+    # -- taking and running jobs --------------------------------------------------------------------------
+    async def _claim_forever(self) -> None:
+        redis = self.coordination.redis
+        while True:
+            await self._room.wait()
+            try:
+                with self.coordination.errors(f"taking a job from {self._queue}"):
+                    job_id = await redis.blmove(self._queue, self._claimed, CLAIM_BLOCK_S, "LEFT", "RIGHT")
+                    if job_id is None:
+                        continue
+                    document = await redis.hget(self._key(job_id), "request")
+            except ExperienceBufferError as exc:
+                log.warning("cannot take jobs: %s", exc)
+                await asyncio.sleep(1.0)
+                continue
+            if document is None:  # its record expired while it waited: nothing to run
+                await redis.lrem(self._claimed, 0, job_id)
+                continue
+            self._run_here(JobRequest.model_validate_json(document))
+
+    def _run_here(self, request: JobRequest) -> None:
+        self._mine.add(request.job_id)
+        if len(self._mine) >= self._capacity():
+            self._room.clear()
+        try:
+            job, _ = self.pipeline.submit(request)
+        except Exception as exc:  # a request this replica cannot run (a task it lacks): finish it as failed
+            log.error("job %s cannot run here: %s", request.job_id, exc)
+            job = self.pipeline.cancelled_before_start(request, time.time())
+            job.state = JobState.failed
+            job.error = JobError(error_class="init", message=f"cannot run: {exc}")
+            self._record_finished(job)
+            return
+        self._status_changed(job)
+        if job.state.finished:  # known here already, and finished: record it again
+            self._record_finished(job)
+
+    def _cancel_here(self, job_id: str) -> None:
+        if job_id in self._mine and job_id in self.pipeline.jobs:
+            task = asyncio.ensure_future(self.pipeline.cancel(job_id))
+            self._tasks.append(task)
+            task.add_done_callback(self._tasks.remove)
+
+    def _wake_waiter(self, job_id: str) -> None:
+        event = self._waiters.get(job_id)
+        if event is not None:
+            event.set()
+
+    @hookimpl
+    def prorl_stage_event(self, job_id: str, task: str, stage: str, event: str, seconds: float, error) -> None:
+        job = self.pipeline.jobs.get(job_id)
+        if job is not None and job_id in self._mine and not job.state.finished:
+            self._status_changed(job)
+
+    @hookimpl
+    def prorl_job_finished(self, trajectory: Trajectory, state: JobState) -> None:
+        job = self.pipeline.jobs.get(trajectory.job_id)
+        if job is not None and trajectory.job_id in self._mine:
+            self._record_finished(job)
+
+    def _status_changed(self, job: Job) -> None:
+        self._writes[job.id] = self._status(job)
+        self._write_wanted.set()
+
+    def _record_finished(self, job: Job) -> None:
+        self._writes.pop(job.id, None)
+        self._finished.append(job)
+        self._write_wanted.set()
+
+    async def _write_forever(self) -> None:
+        while True:
+            await self._write_wanted.wait()
+            self._write_wanted.clear()
+            await self._retrying("writing job records", self._write_all)
+
+    async def _write_all(self) -> None:
+        statuses, self._writes = self._writes, {}
+        try:
+            if statuses:
+                with self.coordination.errors("writing job states"):
+                    pipe = self.coordination.redis.pipeline(transaction=False)
+                    for job_id, status in statuses.items():
+                        pipe.hset(self._key(job_id), "status", status.model_dump_json())
+                    await pipe.execute()
+        except ExperienceBufferError:
+            for job_id, status in statuses.items():  # kept unless a later one came meanwhile
+                self._writes.setdefault(job_id, status)
+            raise
+        while self._finished:
+            job = self._finished[0]
+            with self.coordination.errors(f"recording the result of job {job.id}"):
+                args = [job.id, self._status(job).model_dump_json(), job.result.model_dump_json()]
+                await self._finish(
+                    keys=[self._key(job.id), self._claimed], args=[*args, self.result_ttl_s, self.coordination.channel]
+                )
+            self._finished.pop(0)
+            self._mine.discard(job.id)
+            if len(self._mine) < self._capacity():
+                self._room.set()
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _check_same(request: JobRequest, document: str | None) -> None:
+    if document is not None and JobRequest.model_validate_json(document) != request:
+        raise JobConflict(f"job id {request.job_id!r} is taken by a different request; use a new id")
