@@ -6,7 +6,8 @@
 PYTHON ?= $(shell command -v python3.11 || echo python3)
 VENV := .venv
 PY := $(VENV)/bin/python
-SYSTEM_PACKAGES := bwrap:bubblewrap redis-server:redis-server
+# Slurm's daemons and munge: integration_tests/test_slurm.py runs the Slurm recipe on a real one-node cluster.
+SYSTEM_PACKAGES := bwrap:bubblewrap redis-server:redis-server slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge
 
 .PHONY: demo rollout-demo runtime-demo agent-demo test lint system-packages llm agent-env bench openapi
 

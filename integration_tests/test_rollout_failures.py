@@ -61,7 +61,7 @@ async def test_episodes_fail_over_when_an_llm_server_dies(vllm, sandbox_servers,
     assert servers[doomed.url].healthy is False  # by a failed request or by the health check, whichever came first
 
 
-async def test_a_dead_sandbox_server_fails_its_episodes_and_init_retries_elsewhere(vllm, sandbox_servers):
+async def test_a_dead_sandbox_servers_episodes_start_again_elsewhere_and_init_retries_elsewhere(vllm, sandbox_servers):
     survivor, victim = sandbox_servers
     rollout = start_rollout([survivor.url, victim.url], [vllm.url])
     try:
@@ -76,10 +76,10 @@ async def test_a_dead_sandbox_server_fails_its_episodes_and_init_retries_elsewhe
             victim.process.send_signal(signal.SIGKILL)
             victim.process.wait()
             results = [await client.result(job.job_id, wait=300) for job in jobs]
-            failed = [r for r in results if r.error is not None]
-            assert failed, "the episodes whose sandboxes died with their server must fail"
-            assert all(r.filter and r.error.error_class in ("run", "eval") for r in failed)
-            assert all(r.error is None for r in results if r not in failed)
+            first = [await client.job(job.job_id) for job in jobs]
+            # Their sandboxes died with their server: those episodes started again, from init, on the survivor.
+            assert all(r.error is None for r in results), [r.error for r in results]
+            assert any(s.attempts == 2 for s in first), "some episodes ran on the server that died"
             # New episodes: init picks the dead server for some of them, fails there, and retries on the other.
             later = [await client.submit(shell_job("pwd", max_turns=1)) for _ in range(4)]
             later_results = [await client.result(job.job_id, wait=300) for job in later]

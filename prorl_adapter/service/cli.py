@@ -44,9 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-plugin", action="append", default=[], help="name of a plugin not to load")
     serve.add_argument(
         "--buffer",
-        default="memory://",
-        help="the service's state (experience buffer, upcoming prompts, jobs, runtimes, policy version): memory:// "
-        "or redis://host:port/db (survives a restart; replicas given the same URL share the work)",
+        default=os.environ.get("PRORL_BUFFER_URL", "memory://"),
+        help="the service's state (experience buffer, upcoming prompts, jobs, runtimes, policy version): "
+        "memory:// or redis://host:port/db (survives a restart; replicas given the same URL share the work); "
+        "env PRORL_BUFFER_URL (keeps a Redis password off the command line)",
     )
     defaults = ProducerConfig()
     serve.add_argument(

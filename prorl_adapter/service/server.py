@@ -138,6 +138,7 @@ async def cancel_job(request: web.Request) -> web.Response:
 async def service_status(request: web.Request) -> web.Response:
     """This replica's queues and jobs, every replica sharing its state, and the runtimes it may use."""
     pipeline, producer, replica = request.app[PIPELINE], request.app[PRODUCER], request.app[REPLICA]
+    await pipeline.sandboxes.refresh()
     try:
         replicas = await replica.describe()
     except ExperienceBufferError as exc:  # the shared state is away: this replica's own view still answers

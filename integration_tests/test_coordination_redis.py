@@ -1,0 +1,135 @@
+"""The replicas' shared state on a real Redis: a dead replica is handed to exactly one survivor, the policy version
+is one for all and reaches every replica, admission is one replica at a time, jobs and prompts of a dead replica
+come back, and the runtimes heard by one replica are seen by all."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from prorl_adapter.models import JobRequest
+from prorl_adapter.service.storage.redis_coordination import RedisCoordination
+from prorl_adapter.service.storage.redis_prompts import RedisPromptQueue
+from sandbox_runtime.models import RuntimeHeartbeat
+
+from .redis_server import REDIS_SKIP, RedisServer
+
+pytestmark = pytest.mark.skipif(bool(REDIS_SKIP), reason=REDIS_SKIP or "")
+
+
+@pytest.fixture
+def redis(tmp_path):
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.kill()
+
+
+async def until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        await asyncio.sleep(0.02)
+
+
+async def replicas(url: str, *ids: str) -> list[RedisCoordination]:
+    started = [RedisCoordination(url, i, prefix="t") for i in ids]
+    for replica in started:
+        await replica.start()
+    return started
+
+
+async def test_a_dead_replica_is_handed_to_exactly_one_survivor(redis):
+    dead, a, b = await replicas(redis.url, "dead", "a", "b")
+    try:
+        await dead.beat("http://dead", {}, interval_s=0.05)
+        await a.beat("http://a", {}, interval_s=10)
+        await b.beat("http://b", {}, interval_s=10)
+        assert await a.claim_dead() == [] and await b.claim_dead() == []  # all alive
+        while True:  # until Redis's clock says its three intervals of 0.05 s have passed
+            now, records = await a.replicas()
+            if not next(r for r in records if r.id == "dead").alive(now):
+                break
+        claims = await asyncio.gather(a.claim_dead(), b.claim_dead())
+        assert sorted(claims, key=len) == [[], ["dead"]]
+        assert await a.claim_dead() == [] and await b.claim_dead() == []  # taken over: not handed out again
+        _, records = await a.replicas()
+        assert {r.id for r in records} == {"dead", "a", "b"}  # until the survivor forgets it
+        await a.forget_replica("dead")
+        _, records = await b.replicas()
+        assert {r.id for r in records} == {"a", "b"}
+    finally:
+        for replica in (dead, a, b):
+            await replica.close()
+
+
+async def test_the_policy_version_is_shared_and_every_replica_hears_of_a_change(redis):
+    a, b = await replicas(redis.url, "a", "b")
+    heard: list[int] = []
+    b.on_policy_version(heard.append)
+    try:
+        assert await a.set_policy_version(4, raise_only=False) == 4
+        await until(lambda: 4 in heard)
+        assert await b.policy_version() == 4
+        assert await b.set_policy_version(2, raise_only=True) == 4  # raise only: kept
+        assert await b.set_policy_version(1, raise_only=False) == 1
+        assert await a.policy_version() == 1
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_admission_is_one_replica_at_a_time(redis):
+    a, b = await replicas(redis.url, "a", "b")
+    inside: list[str] = []
+    overlap = False
+
+    async def admit(replica: RedisCoordination) -> None:
+        nonlocal overlap
+        for _ in range(20):
+            async with replica.admission_lock():
+                overlap = overlap or bool(inside)
+                inside.append(replica.replica_id)
+                await asyncio.sleep(0)  # let the other one try to enter
+                inside.pop()
+
+    try:
+        await asyncio.gather(admit(a), admit(b))
+        assert not overlap
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_runtimes_heard_by_one_replica_are_seen_by_all(redis):
+    a, b = await replicas(redis.url, "a", "b")
+    beat = RuntimeHeartbeat(url="http://n1:8765", capacity=8, sandboxes=2, backend="bwrap", version="v", interval_s=2)
+    try:
+        await a.runtime_heard("n1", beat)
+        now, [record] = await b.runtimes()
+        assert record.name == "n1" and record.heartbeat == beat and record.alive(now)
+        await a.runtime_heard("n1", beat.model_copy(update={"leaving": True}))
+        assert (await b.runtimes())[1] == []
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_dead_replicas_prompts_are_run_by_the_one_that_takes_over(redis):
+    dead = RedisPromptQueue(redis.url, "dead", prefix="tp")
+    survivor = RedisPromptQueue(redis.url, "survivor", prefix="tp")
+    try:
+        await dead.push([JobRequest(task="t", job_id=f"p{i}") for i in range(3)])
+        assert (await dead.pop(1)).job_id == "p0"
+        assert (await survivor.pop(2)).job_id == "p1"
+        assert await survivor.running_versions() == {1: 1, 2: 1}  # every replica's, by version
+        assert await survivor.recover() == [JobRequest(task="t", job_id="p1")]  # its own only
+        taken = await survivor.take_over("dead")
+        assert [r.job_id for r in taken] == ["p0"]
+        assert await dead.take_over("dead") == []  # now the survivor's
+        await survivor.done("p0")
+        assert await survivor.running_versions() == {2: 1}
+    finally:
+        await dead.close()
+        await survivor.close()

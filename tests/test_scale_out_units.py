@@ -1,0 +1,137 @@
+"""Scale-out in one process: where sandboxes are placed, when a runtime counts as alive, what the registration
+flags accept, and the counts admission weighs (the Redis side: integration_tests/test_coordination_redis.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prorl_adapter.models import JobRequest
+from prorl_adapter.service.sandboxes import SandboxPool, SandboxServerError
+from prorl_adapter.service.storage.coordination import LocalCoordination, RuntimeRecord
+from prorl_adapter.service.storage.prompts import MemoryPromptQueue
+from sandbox_runtime.config import ServerConfig
+from sandbox_runtime.models import RuntimeHeartbeat
+
+
+def heartbeat(url: str, capacity: int = 10, sandboxes: int = 0, leaving: bool = False) -> RuntimeHeartbeat:
+    return RuntimeHeartbeat(
+        url=url, capacity=capacity, sandboxes=sandboxes, backend="bwrap", version="t", interval_s=1.0, leaving=leaving
+    )
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_runtime_is_alive_for_three_heartbeats_and_not_once_leaving():
+    record = RuntimeRecord("a", heartbeat("http://a:1"), seen_at=100.0)
+    assert record.alive(103.0) and not record.alive(103.1)
+    assert not RuntimeRecord("a", heartbeat("http://a:1", leaving=True), seen_at=100.0).alive(100.0)
+
+
+async def test_sandboxes_go_to_the_runtime_with_the_most_free_room():
+    clock = Clock()
+    coordination = LocalCoordination("r0", clock=clock)
+    pool = SandboxPool([], coordination=coordination, wait_for_runtime_s=0.0)
+    try:
+        await coordination.runtime_heard("a", heartbeat("http://a:1", capacity=10, sandboxes=8))
+        await coordination.runtime_heard("b", heartbeat("http://b:1", capacity=4, sandboxes=1))
+        chosen = await pool._choose(exclude=set())
+        assert chosen.url == "http://b:1"  # 3 free against 2
+        assert (await pool._choose(exclude={"http://b:1"})).url == "http://a:1"
+        # What this replica holds there counts when the runtime's own report is older than its creations.
+        pool.servers["http://b:1"].active = 4
+        assert (await pool._choose(exclude=set())).url == "http://a:1"
+        states = {s.name: s for s in pool.describe()}
+        assert states["b"].placed == 4 and states["b"].capacity == 4 and states["b"].source == "registered"
+    finally:
+        await pool.close()
+
+
+async def test_a_silent_or_leaving_runtime_gets_no_sandbox():
+    clock = Clock()
+    coordination = LocalCoordination("r0", clock=clock)
+    pool = SandboxPool([], coordination=coordination, wait_for_runtime_s=0.0)
+    try:
+        await coordination.runtime_heard("a", heartbeat("http://a:1"))
+        clock.now += 1.0
+        await coordination.runtime_heard("b", heartbeat("http://b:1", sandboxes=5))
+        clock.now += 2.5  # a: 3.5 s without a heartbeat (three intervals of 1 s); b: 2.5 s
+        await pool.refresh()
+        assert (await pool._choose(exclude=set())).url == "http://b:1"
+        await coordination.runtime_heard("b", heartbeat("http://b:1", leaving=True))
+        await pool.refresh()
+        assert [s.alive for s in pool.describe()] == [False, False]
+        with pytest.raises(SandboxServerError, match="no sandbox runtime is alive"):
+            await pool._choose(exclude=set())
+    finally:
+        await pool.close()
+
+
+async def test_runtimes_given_by_url_stay_usable_beside_registered_ones():
+    coordination = LocalCoordination("r0")
+    pool = SandboxPool(["http://static:1/"], coordination=coordination, wait_for_runtime_s=0.0)
+    try:
+        await pool.refresh()
+        [state] = pool.describe()
+        assert state.url == "http://static:1" and state.source == "static" and state.alive
+        assert state.capacity is None and state.seen_s_ago is None
+    finally:
+        await pool.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("register", ["rollout-host:8766"], "--register"),
+        ("register", ["http://host:8766/v1/x"], "--register"),
+        ("advertise_url", "node-7:8765", "--advertise-url"),
+        ("name", "a/b", "--name"),
+        ("name", "x" * 129, "--name"),
+        ("heartbeat_s", 0.0, "--heartbeat-s"),
+    ],
+)
+def test_registration_settings_that_could_not_work_are_refused_at_start(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        ServerConfig(**{field: value}).check()
+
+
+def test_the_registration_flags_reach_the_config():
+    from sandbox_runtime.cli import build_parser
+
+    argv = ["serve", "--register", "http://a:1", "--register", "http://b:1", "--advertise-url", "http://n:2"]
+    args = build_parser().parse_args([*argv, "--name", "n"])
+    assert args.register == ["http://a:1", "http://b:1"] and args.advertise_url == "http://n:2" and args.name == "n"
+
+
+def test_a_heartbeat_is_validated_as_a_wire_model():
+    with pytest.raises(ValueError, match="capacity"):
+        RuntimeHeartbeat(url="http://a:1", capacity=-1, sandboxes=0, backend="b", version="v", interval_s=1.0)
+    with pytest.raises(ValueError, match="url"):
+        RuntimeHeartbeat(url="http://a:1/path", capacity=1, sandboxes=0, backend="b", version="v", interval_s=1.0)
+
+
+async def test_the_memory_queue_counts_running_prompts_by_the_version_they_were_admitted_at():
+    queue = MemoryPromptQueue()
+    await queue.push([JobRequest(task="t", job_id=f"p{i}") for i in range(3)])
+    first, second = await queue.pop(2), await queue.pop(3)
+    await queue.pop(3)
+    assert await queue.running_versions() == {2: 1, 3: 2}
+    await queue.done(second.job_id)
+    await queue.done(first.job_id)
+    await queue.done(first.job_id)  # twice: counted once
+    assert await queue.running_versions() == {3: 1}
+
+
+async def test_the_local_coordination_sets_versions_as_asked_and_tells_its_listeners():
+    coordination = LocalCoordination("r0")
+    heard: list[int] = []
+    coordination.on_policy_version(heard.append)
+    assert await coordination.set_policy_version(5, raise_only=False) == 5
+    assert await coordination.set_policy_version(3, raise_only=True) == 5
+    assert await coordination.set_policy_version(2, raise_only=False) == 2
+    assert heard == [5, 2] and await coordination.claim_dead() == []
