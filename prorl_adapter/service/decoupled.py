@@ -49,6 +49,7 @@ from .storage.prompts import MemoryPromptQueue, PromptQueue
 log = logging.getLogger(__name__)
 
 RETRY_MAX_S = 30.0  # the longest pause between two attempts at an unreachable buffer
+ADMIT_PER_LOCK = 32  # prompts one replica may admit per hold of the shared admission lock
 # Labels of a prompt that runs again: the job id it was first admitted under, and which run this is.
 PROMPT_LABEL, ATTEMPT_LABEL = "prorl_prompt", "prorl_attempt"
 
@@ -191,15 +192,20 @@ class Producer:
 
     async def _admit_while_allowed(self) -> None:
         while True:
+            admitted: list[JobRequest] = []
             async with self.coordination.admission_lock():
                 # The shared version, read under the lock: what another replica set a moment ago counts.
                 self.pipeline.policy_version = await self.coordination.policy_version()
-                if not await self._admitted():
-                    return
-                request = await self.prompts.pop(self.pipeline.policy_version)
-            if request is None:
+                # Several per hold (the counts change with each pop): the lock is shared by every replica.
+                while len(admitted) < ADMIT_PER_LOCK and await self._admitted():
+                    request = await self.prompts.pop(self.pipeline.policy_version)
+                    if request is None:
+                        break
+                    admitted.append(request)
+            for request in admitted:
+                await self._submit(request)
+            if len(admitted) < ADMIT_PER_LOCK:
                 return
-            await self._submit(request)
 
     async def _submit(self, request: JobRequest) -> None:
         try:

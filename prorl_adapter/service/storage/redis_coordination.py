@@ -126,7 +126,8 @@ class RedisCoordination(Coordination):
         self._claim_dead = redis.register_script(_CLAIM_DEAD)
         self._runtime = redis.register_script(_RUNTIME)
         self._set_version = redis.register_script(_SET_VERSION)
-        self._lock = redis.lock(f"{prefix}:admission", timeout=ADMISSION_LOCK_S, blocking_timeout=None)
+        # Polled every 5 ms while another replica holds it (redis-py's default, 100 ms, would idle admission).
+        self._lock = redis.lock(f"{prefix}:admission", timeout=ADMISSION_LOCK_S, sleep=0.005, blocking_timeout=None)
         self._listeners: dict[str, list[Callable[[str], None]]] = {}
         self._listening: asyncio.Task[None] | None = None
         self._subscribed = asyncio.Event()
