@@ -408,3 +408,62 @@ def test_an_agent_program_in_the_block_runs_each_rows_episode():
     assert request.agent.command == "python3 /opt/agent.py"
     with pytest.raises(ProrlVerlConfigError, match=r"prorl\.agent is not an agent program"):
         ProrlVerlConfig.from_block({**block, "agent": {"cmd": "x"}})
+
+
+# -- prorl.launch=ray: the run starts the rollout stack on verl's own Ray cluster -----------------------------
+LAUNCH = ["+prorl.launch=ray", "+prorl.task=python_math"]
+
+
+def test_a_launched_stack_needs_no_service_url():
+    lines = [*PLUGIN, *LAUNCH, "+prorl.launch_replicas=2", "+prorl.runtime_resource=prorl_runtime"]
+    prorl = check_verl_config(compose_verl_config(lines))
+    assert (prorl.launch, prorl.service_url, prorl.launch_replicas) == ("ray", None, 2)
+    assert (prorl.runtime_resource, prorl.launch_namespace) == ("prorl_runtime", None)
+    defaults = ProrlVerlConfig.from_block({"launch": "ray", "task": "shell"})
+    assert (defaults.launch_replicas, defaults.runtime_resource) == (1, None)
+
+
+@pytest.mark.parametrize(
+    ("block", "message"),
+    [
+        ({"launch": "slurm"}, r"prorl.launch='slurm': expected ray"),
+        ({"launch": "ray", "service_url": "http://h:1"}, r"prorl.service_url and prorl.launch=ray both say where"),
+        ({"launch": "ray", "sandbox_url": "http://h:1"}, r"drop \+prorl.sandbox_url"),
+        ({"service_url": "http://h:1", "launch_replicas": 2}, r"launch_replicas is a setting of a launched stack"),
+        ({"service_url": "http://h:1", "runtime_resource": "r"}, r"add \+prorl.launch=ray"),
+        ({"launch": "ray", "launch_replicas": 0}, r"prorl.launch_replicas=0 must be an integer > 0"),
+        ({"launch": "ray", "runtime_resource": ""}, r"prorl.runtime_resource='' must be a name"),
+        ({}, r"service_url is missing.*or \+prorl.launch=ray"),
+    ],
+)
+def test_a_wrong_launch_setting_says_what_to_fix(block, message):
+    with pytest.raises(ProrlVerlConfigError, match=message):
+        ProrlVerlConfig.from_block({"task": "shell", **block})
+
+
+def test_preflight_of_a_launched_stack_asks_no_service(capsys):
+    assert main([*PLUGIN, *LAUNCH]) == 0  # no --no-network, and nothing to reach: the run starts it
+    assert "launched on Ray, 1 replica(s)" in capsys.readouterr().out
+
+
+def test_each_worker_starts_or_attaches_to_the_runs_stack_and_uses_one_replica(monkeypatch):
+    from prorl_adapter.launch import ray_stack
+    from prorl_plugins.verl import agent_loop
+
+    calls = []
+
+    def up_or_attach(namespace, **up):
+        calls.append((namespace, up))
+        return SimpleNamespace(service_urls=["http://10.0.0.1:1", "http://10.0.0.2:1"], token="stack-token")
+
+    context = SimpleNamespace(get_job_id=lambda: "05000000", get_actor_id=lambda: "worker-a")
+    monkeypatch.setattr(ray_stack.RayStack, "up_or_attach", staticmethod(up_or_attach))
+    monkeypatch.setattr(ray_stack.ray, "get_runtime_context", lambda: context)
+    config = compose_verl_config([*PLUGIN, *LAUNCH, "+prorl.launch_replicas=2", "actor_rollout_ref.model.path=/m/q"])
+    prorl = check_verl_config(config)
+    launched = agent_loop.launched_block(prorl, config)
+    (namespace, up), *_ = calls
+    assert namespace == "prorl-05000000"  # one stack per training run
+    assert up == {"tokenizer": "/m/q", "replicas": 2, "runtime_resource": None, "token": None, "detached": False}
+    assert launched.service_url in ("http://10.0.0.1:1", "http://10.0.0.2:1") and launched.token == "stack-token"
+    assert agent_loop.launched_block(prorl, config).service_url == launched.service_url  # the same replica each time

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from ..hooks.manager import read_plugin_config
+from ..launch.cli import add_ray_parser, run_ray
 from .config import RolloutConfig
 from .decoupled import ProducerConfig
 from .pipeline import PipelineConfig
@@ -107,11 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", type=Path, default=None, help="write rollout.{json,md} and gateway.{json,md} in this folder"
     )
     openapi.add_argument("--gateway", action="store_true", help="print the LLM gateway's document instead")
+    add_ray_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "ray":
+        return run_ray(args)
     if args.command == "plugins":
         return list_plugins(args.plugin, args.block_plugin, args.plugin_config)
     if args.command == "openapi":

@@ -9,16 +9,23 @@ for it. What only a verl agent loop does stays here:
   LLM servers, so the service generates with the weights verl keeps in sync;
 - at its first contact with the service, a worker compares the plugin sections the service was started with
   (`GET /v1/plugins`) with the `prorl` block (`check_service`): staleness is stated once, in the block;
-- the prompt is left-truncated to verl's prompt_length, as verl's own loops do.
+- the prompt is left-truncated to verl's prompt_length, as verl's own loops do;
+- with `prorl.launch=ray`, the workers start the rollout stack on verl's own Ray cluster, once per run: the
+  first worker to create the stack's record actor starts it, the others wait for it, and each worker then uses
+  one replica (`prorl_adapter.launch.ray_stack`). The stack ends with the worker that started it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
+import zlib
 from typing import Any
 
 import httpx
+from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
 
 from prorl_adapter.trainer.client import RolloutAPIError, RolloutClient
@@ -117,6 +124,50 @@ def _settings(config) -> ProrlVerlConfig:
     return _checked[key]
 
 
+_launches: dict[tuple[int, int], asyncio.Future] = {}
+_stacks: dict[str, Any] = {}  # the launched stacks, by namespace: the one this worker started lives while it does
+
+
+async def _with_service(prorl: ProrlVerlConfig, config) -> ProrlVerlConfig:
+    """The block as given, or, with `launch=ray`, with the launched stack's replica URL and token (started or
+    attached once per process; the samples of a worker wait on the same start)."""
+    if prorl.launch is None:
+        return prorl
+    key = (id(prorl), id(asyncio.get_running_loop()))
+    if key not in _launches:
+        _launches[key] = asyncio.ensure_future(asyncio.to_thread(launched_block, prorl, config))
+    return await _launches[key]
+
+
+def launched_block(prorl: ProrlVerlConfig, config) -> ProrlVerlConfig:
+    """Start the stack on this Ray cluster (or attach to the one another worker starts) and pick this worker's
+    replica; blocking, so it runs in a thread."""
+    import ray
+
+    from prorl_adapter.launch.ray_stack import RayStack, StackError
+
+    context = ray.get_runtime_context()
+    namespace = prorl.launch_namespace or f"prorl-{context.get_job_id()}"
+    model = "actor_rollout_ref.model"
+    tokenizer = OmegaConf.select(config, f"{model}.tokenizer_path") or OmegaConf.select(config, f"{model}.path")
+    try:
+        stack = RayStack.up_or_attach(
+            namespace,
+            tokenizer=str(tokenizer),
+            replicas=prorl.launch_replicas,
+            runtime_resource=prorl.runtime_resource,
+            token=prorl.token,
+            detached=False,  # it ends with the worker that started it: with the run
+        )
+    except StackError as exc:
+        raise ProrlVerlConfigError(f"{BLOCK}.launch={prorl.launch}: {exc}") from exc
+    _stacks[namespace] = stack
+    worker = context.get_actor_id() or str(os.getpid())
+    url = stack.service_urls[zlib.crc32(worker.encode()) % len(stack.service_urls)]
+    logger.info("rollout stack %s is up; this worker uses the replica %s", namespace, url)
+    return dataclasses.replace(prorl, service_url=url, token=stack.token)
+
+
 async def verl_server_urls(server_manager: Any, engine: str | None = None) -> list[str]:
     """The HTTP addresses of verl's LLM server replicas, from the registry of the client's load balancer
     (`ip:port` there). With verl's SGLang engine (`actor_rollout_ref.rollout.name=sglang`) they name SGLang's
@@ -139,7 +190,7 @@ class ProrlAgentLoop(AgentLoopBase):
     """Asks the rollout driver for its one sample; see the module docstring."""
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
-        prorl = _settings(self.config)
+        prorl = await _with_service(_settings(self.config), self.config)
         session = _session(prorl)
         await session.check_sections(prorl)
         engine = getattr(self.rollout_config, "name", None)

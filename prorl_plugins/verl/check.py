@@ -6,8 +6,9 @@ It composes verl's own `ppo_trainer` config with hydra (an override naming a key
 here, as it would in verl) and checks the `prorl` block and the verl lines around it (`config.LINES`). Then,
 unless told not to, it asks the rollout service whether it answers, whether it has `prorl.task`
 (`GET /v1/tasks`) and whether the plugin sections it was started with agree with the block
-(`GET /v1/plugins`), and the sandbox runtime, if `prorl.sandbox_url` is set, whether it answers. Anything
-wrong exits with status 2 and a message naming the line to write.
+(`GET /v1/plugins`), and the sandbox runtime, if `prorl.sandbox_url` is set, whether it answers; with
+`prorl.launch=ray` there is no service to ask yet (the run starts it). Anything wrong exits with status 2 and a
+message naming the line to write.
 """
 
 from __future__ import annotations
@@ -67,20 +68,22 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [a for a in argv if a != NO_NETWORK]
     try:
         prorl = check_verl_config(compose_verl_config(overrides))
-        if network:
+        if network and prorl.launch is None:  # a launched stack starts with the run: nothing to ask yet
             check_against_service(prorl)
             if prorl.sandbox_url:
                 ping(prorl.sandbox_url, "/healthz", "sandbox runtime", f"{BLOCK}.sandbox_url")
     except (ProrlVerlConfigError, HydraException) as exc:
         print(f"prorl verl plugin: {exc}", file=sys.stderr)
         return 2
-    checked = (
-        f"the service has task {prorl.task} and its plugin sections agree"
-        if network
-        else f"{NO_NETWORK}: the service, its tasks (is {prorl.task} one?) and its plugin sections not checked"
-    )
+    if prorl.launch is not None:
+        checked = f"the stack starts on verl's Ray cluster with the run ({BLOCK}.launch={prorl.launch}): not asked"
+    elif network:
+        checked = f"the service has task {prorl.task} and its plugin sections agree"
+    else:
+        checked = f"{NO_NETWORK}: the service, its tasks (is {prorl.task} one?) and its plugin sections not checked"
+    service = prorl.service_url or f"launched on Ray, {prorl.launch_replicas} replica(s)"
     print(
-        f"prorl verl plugin: OK (service {prorl.service_url}, task {prorl.task}, "
+        f"prorl verl plugin: OK (service {service}, task {prorl.task}, "
         f"staleness {prorl.staleness_config.mode}, reward from the {prorl.reward_source}; {checked})"
     )
     return 0

@@ -11,6 +11,17 @@ against the same table, failing with a `ProrlVerlConfigError` that names each wr
 instead. The check runs in `python -m prorl_plugins.verl.check` before any GPU is touched, in the staleness
 sampler when verl's trainer starts, and at the first rollout of every agent loop worker.
 
+Instead of a running service, the run may start its own rollout stack on verl's Ray cluster:
+
+    +prorl.launch=ray +prorl.task=python_math [+prorl.launch_replicas=2] [+prorl.runtime_resource=prorl_runtime]
+
+(`launch_replicas`: rollout service replicas, default 1; `runtime_resource`: a sandbox runtime on each node with
+this custom Ray resource, default every node; `launch_namespace`: the stack's Ray namespace, default one per
+training run). The first agent loop worker starts Redis, the replicas and the runtimes
+(`prorl_adapter.launch.ray_stack`), the others attach; the replicas tokenize with
+`actor_rollout_ref.model.tokenizer_path` or `.path`, and generate with verl's own vLLM replicas, as with a
+service of one's own. `service_url` and `sandbox_url` are then not given.
+
 Staleness is stated once, in `prorl.staleness`: the sampler reads it from the verl config it is built from.
 What the rollout service was started with (`--plugin-config`) must not say otherwise: `check_service()`
 compares the service's sections (`GET /v1/plugins`) with the block, and its tasks (`GET /v1/tasks`) with
@@ -59,7 +70,13 @@ _KEYS = (
     "staleness",
     "reward",
     "agent",
+    "launch",
+    "launch_replicas",
+    "runtime_resource",
+    "launch_namespace",
 )
+LAUNCHERS = ("ray",)  # prorl.launch: who starts the rollout stack for the run (the module docstring)
+_LAUNCH_KEYS = ("launch_replicas", "runtime_resource", "launch_namespace")  # settings of a launched stack
 
 
 class ProrlVerlConfigError(ValueError):
@@ -97,11 +114,46 @@ def _positive_int(value: Any, key: str, allow_none: bool = True) -> int | None:
     return value
 
 
+def _name(value: Any, key: str) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise ProrlVerlConfigError(f"{key}={value!r} must be a name")
+    return value
+
+
+def _launch(block: Mapping[str, Any]) -> str | None:
+    """Who provides the rollout service: a running one (`service_url`), or a stack the run starts itself
+    (`launch=ray`); exactly one of them, and the launch settings only with a launch."""
+    launch = block.get("launch")
+    if launch is not None and launch not in LAUNCHERS:
+        raise ProrlVerlConfigError(
+            f"{BLOCK}.launch={launch!r}: expected {' or '.join(LAUNCHERS)} (the run starts the rollout stack on "
+            f"verl's Ray cluster), or leave it out and give +{BLOCK}.service_url"
+        )
+    if launch is None and block.get("service_url") is None:
+        raise ProrlVerlConfigError(
+            f"{BLOCK}.service_url is missing: add +{BLOCK}.service_url=http://<rollout-host>:<port> "
+            f"(the rollout service, started with `prorl-rollout`), or +{BLOCK}.launch=ray to start it on verl's "
+            "Ray cluster"
+        )
+    if launch is not None:
+        for key in ("service_url", "sandbox_url"):
+            if block.get(key) is not None:
+                raise ProrlVerlConfigError(
+                    f"{BLOCK}.{key} and {BLOCK}.launch={launch} both say where the rollout stack is: drop "
+                    f"+{BLOCK}.{key} (the launched stack's is used) or +{BLOCK}.launch"
+                )
+    else:
+        for key in _LAUNCH_KEYS:
+            if block.get(key) is not None:
+                raise ProrlVerlConfigError(f"{BLOCK}.{key} is a setting of a launched stack: add +{BLOCK}.launch=ray")
+    return launch
+
+
 @dataclass(frozen=True)
 class ProrlVerlConfig:
     """The validated `prorl` block."""
 
-    service_url: str
+    service_url: str | None  # None with launch=ray: the launched stack's, once it is up
     task: str
     sandbox_url: str | None = None
     token: str | None = None
@@ -114,6 +166,11 @@ class ProrlVerlConfig:
     staleness: dict[str, Any] | None = None
     reward: dict[str, Any] | None = None
     agent: AgentProgram | None = None  # an agent program of the user's own runs each episode (docs/gateway.md)
+    # launch=ray: the agent loop workers start the rollout stack on verl's own Ray cluster, once per run
+    launch: str | None = None
+    launch_replicas: int = 1
+    runtime_resource: str | None = None  # None: a sandbox runtime on every node
+    launch_namespace: str | None = None  # None: prorl-<the Ray job id>, one stack per training run
 
     @classmethod
     def from_block(cls, block: Any) -> ProrlVerlConfig:
@@ -129,11 +186,7 @@ class ProrlVerlConfig:
         for key in block:
             if key not in _KEYS:
                 raise ProrlVerlConfigError(f"unknown key {BLOCK}.{key}; known keys: {', '.join(_KEYS)}")
-        if block.get("service_url") is None:
-            raise ProrlVerlConfigError(
-                f"{BLOCK}.service_url is missing: add +{BLOCK}.service_url=http://<rollout-host>:<port> "
-                "(the rollout service, started with `prorl-rollout`)"
-            )
+        launch = _launch(block)
         if not isinstance(block.get("task"), str) or not block["task"]:
             raise ProrlVerlConfigError(
                 f"{BLOCK}.task is missing: add +{BLOCK}.task=<a task the rollout service serves, e.g. shell, "
@@ -168,7 +221,7 @@ class ProrlVerlConfig:
                 f"{BLOCK}.reward_source={reward_source!r}: expected one of {', '.join(REWARD_SOURCES)}"
             )
         config = cls(
-            service_url=_url(block["service_url"], f"{BLOCK}.service_url"),
+            service_url=None if launch else _url(block["service_url"], f"{BLOCK}.service_url"),
             task=block["task"],
             sandbox_url=_url(block["sandbox_url"], f"{BLOCK}.sandbox_url") if block.get("sandbox_url") else None,
             token=block.get("token"),
@@ -181,6 +234,10 @@ class ProrlVerlConfig:
             staleness=dict(block["staleness"]) if block.get("staleness") is not None else None,
             reward=dict(block["reward"]) if block.get("reward") is not None else None,
             agent=_agent(block.get("agent")),
+            launch=launch,
+            launch_replicas=_positive_int(block.get("launch_replicas", 1), f"{BLOCK}.launch_replicas", False),
+            runtime_resource=_name(block.get("runtime_resource"), f"{BLOCK}.runtime_resource"),
+            launch_namespace=_name(block.get("launch_namespace"), f"{BLOCK}.launch_namespace"),
         )
         config.plugins()  # the shared plugins validate their own sections now, not mid-training
         return config
