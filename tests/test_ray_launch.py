@@ -25,10 +25,11 @@ TOKEN = "tok-en_1"
 
 
 # -- the command lines: the contract with the servers' CLIs --------------------------------------------------
-def test_redis_keeps_nothing_on_disk_and_asks_the_token():
-    argv = commands.redis_argv("/usr/bin/redis-server", "10.0.0.5", 6400, TOKEN)
+def test_redis_keeps_nothing_on_disk_and_reads_its_password_from_stdin():
+    argv = commands.redis_argv("/usr/bin/redis-server", "10.0.0.5", 6400)
     assert argv == [
         "/usr/bin/redis-server",
+        "-",
         "--port",
         "6400",
         "--bind",
@@ -39,9 +40,9 @@ def test_redis_keeps_nothing_on_disk_and_asks_the_token():
         "",
         "--appendonly",
         "no",
-        "--requirepass",
-        TOKEN,
     ]
+    assert commands.redis_config(TOKEN) == f'requirepass "{TOKEN}"\n'
+    assert commands.redis_config('a"b\\c') == 'requirepass "a\\"b\\\\c"\n'
     assert commands.redis_url("10.0.0.5", 6400, TOKEN) == f"redis://:{TOKEN}@10.0.0.5:6400/0"
 
 
@@ -49,14 +50,12 @@ def test_a_token_that_is_not_url_safe_is_quoted_in_the_redis_url():
     assert commands.redis_url("::1", 6400, "a/b@c") == "redis://:a%2Fb%40c@[::1]:6400/0"
 
 
-def test_a_replica_listens_on_its_node_with_the_token_and_the_shared_buffer():
+def test_a_replica_listens_on_its_node_with_its_secrets_in_its_environment():
     argv = commands.service_argv(
         "/venv/bin/python",
         "10.0.0.5",
         8766,
         index=1,
-        token=TOKEN,
-        buffer_url="redis://:t@10.0.0.1:6400/0",
         tokenizer="Qwen/Qwen2.5-7B-Instruct",
         llm_urls=["http://gpu-0:8000", "sglang+http://gpu-1:8000"],
         extra=["--timeout", "600"],
@@ -70,12 +69,6 @@ def test_a_replica_listens_on_its_node_with_the_token_and_the_shared_buffer():
         "10.0.0.5",
         "--port",
         "8766",
-        "--token",
-        TOKEN,
-        "--sandbox-token",
-        TOKEN,
-        "--buffer",
-        "redis://:t@10.0.0.1:6400/0",
         "--service-id",
         "prorl-rollout-1",
         "--advertise-url",
@@ -92,6 +85,9 @@ def test_a_replica_listens_on_its_node_with_the_token_and_the_shared_buffer():
         "600",
     ]
     assert "--sandbox-url" not in argv  # the runtimes register themselves
+    env = commands.service_env(TOKEN, "redis://:t@10.0.0.1:6400/0")
+    args = parsed_with_env(rollout_parser(), argv[3:], env)
+    assert (args.token, args.sandbox_token, args.buffer) == (TOKEN, TOKEN, "redis://:t@10.0.0.1:6400/0")
 
 
 def test_a_runtime_registers_with_every_replica():
@@ -99,7 +95,6 @@ def test_a_runtime_registers_with_every_replica():
         "/venv/bin/python",
         "10.0.0.7",
         8765,
-        token=TOKEN,
         service_urls=["http://10.0.0.5:8766", "http://10.0.0.6:8766"],
         state_dir=Path("/tmp/prorl-runtime-state-x"),
         extra=["--backend", "bwrap"],
@@ -113,25 +108,44 @@ def test_a_runtime_registers_with_every_replica():
         "10.0.0.7",
         "--port",
         "8765",
-        "--token",
-        TOKEN,
         "--advertise-url",
         "http://10.0.0.7:8765",
         "--register",
         "http://10.0.0.5:8766",
         "--register",
         "http://10.0.0.6:8766",
-        "--register-token",
-        TOKEN,
         "--state-dir",
         "/tmp/prorl-runtime-state-x",
         "--backend",
         "bwrap",
     ]
+    args = parsed_with_env(runtime_parser(), argv[3:], commands.runtime_env(TOKEN))
+    assert (args.token, args.register_token) == (TOKEN, TOKEN)
+
+
+def rollout_parser():
+    from prorl_adapter.service.cli import build_parser
+
+    return build_parser
+
+
+def runtime_parser():
+    from sandbox_runtime.cli import build_parser
+
+    return build_parser
+
+
+def parsed_with_env(build_parser, argv: list[str], env: dict[str, str]):
+    """The CLI's parse of `argv` with `env` set: the CLIs read their secrets' defaults from the environment
+    when the parser is built."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        return build_parser().parse_args(argv)
 
 
 def test_an_ipv6_node_address_is_bracketed_in_urls_only():
-    argv = commands.runtime_argv("py", "fd00::7", 1, token=TOKEN, service_urls=[], state_dir="/s")
+    argv = commands.runtime_argv("py", "fd00::7", 1, service_urls=[], state_dir="/s")
     assert argv[argv.index("--host") + 1] == "fd00::7"
     assert argv[argv.index("--advertise-url") + 1] == "http://[fd00::7]:1"
 
@@ -296,12 +310,13 @@ def test_the_process_dies_with_its_starter(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
-def test_redis_starts_from_its_command_line_and_answers_with_the_token(tmp_path):
+def test_redis_starts_from_its_command_line_and_answers_with_the_token_from_its_stdin(tmp_path):
     port = free_port("127.0.0.1")
-    argv = commands.redis_argv(shutil.which("redis-server"), "127.0.0.1", port, TOKEN)
-    server = ServerProcess("redis", argv, tmp_path / "log").start()
+    argv = commands.redis_argv(shutil.which("redis-server"), "127.0.0.1", port)
+    server = ServerProcess("redis", argv, tmp_path / "log", stdin_text=commands.redis_config(TOKEN)).start()
     try:
         server.wait_ready(redis_ready("127.0.0.1", port, TOKEN), "PING", 20)
         assert not redis_ready("127.0.0.1", port, "wrong")()
+        assert TOKEN not in Path(f"/proc/{server.pid}/cmdline").read_text()
     finally:
         server.stop(5)

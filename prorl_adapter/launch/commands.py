@@ -3,8 +3,10 @@
 The command lines are the contract with the servers' own CLIs (`prorl-rollout serve`, `prorl-sandbox serve`,
 `redis-server`), written once here so that the unit tests check them without a cluster. Every part listens on
 its node's address, so every part gets the stack's one token: both servers refuse to listen beyond loopback
-without one. The rollout service replicas share the Redis buffer and need no `--sandbox-url`: the runtimes
-register themselves with every replica.
+without one. Secrets never go on a command line, which any user of a node reads with `ps`: the servers take
+their tokens and the Redis URL from the environment (`*_env`), Redis its password from its standard input.
+The rollout service replicas share the Redis buffer and need no `--sandbox-url`: the runtimes register
+themselves with every replica.
 """
 
 from __future__ import annotations
@@ -38,10 +40,12 @@ def service_id(index: int) -> str:
     return f"prorl-rollout-{index}"
 
 
-def redis_argv(binary: str, ip: str, port: int, token: str) -> list[str]:
-    """A Redis that keeps nothing on disk: the buffer lives as long as the stack."""
+def redis_argv(binary: str, ip: str, port: int) -> list[str]:
+    """A Redis that keeps nothing on disk (the buffer lives as long as the stack), reading the rest of its
+    configuration, the password, from its standard input (`-`: `redis_config`)."""
     return [
         binary,
+        "-",
         "--port",
         str(port),
         "--bind",
@@ -52,9 +56,23 @@ def redis_argv(binary: str, ip: str, port: int, token: str) -> list[str]:
         "",
         "--appendonly",
         "no",
-        "--requirepass",
-        token,
     ]
+
+
+def redis_config(token: str) -> str:
+    """What Redis reads on its standard input: the password, quoted as its configuration files quote."""
+    quoted = token.replace("\\", "\\\\").replace('"', '\\"')
+    return f'requirepass "{quoted}"\n'
+
+
+def service_env(token: str, buffer_url: str) -> dict[str, str]:
+    """A replica's secrets, read by its CLI from the environment: its token, the runtimes', the Redis URL."""
+    return {"PRORL_ROLLOUT_TOKEN": token, "PRORL_SANDBOX_TOKEN": token, "PRORL_BUFFER_URL": buffer_url}
+
+
+def runtime_env(token: str) -> dict[str, str]:
+    """A runtime's secrets: its own token and the services' (for its registration)."""
+    return {"PRORL_SANDBOX_TOKEN": token, "PRORL_ROLLOUT_TOKEN": token}
 
 
 def service_argv(
@@ -63,14 +81,11 @@ def service_argv(
     port: int,
     *,
     index: int,
-    token: str,
-    buffer_url: str,
     tokenizer: str,
     llm_urls: Sequence[str] = (),
     extra: Sequence[str] = (),
 ) -> list[str]:
     argv = [python, "-m", "prorl_adapter", "serve", "--host", ip, "--port", str(port)]
-    argv += ["--token", token, "--sandbox-token", token, "--buffer", buffer_url]
     argv += ["--service-id", service_id(index), "--advertise-url", http_url(ip, port), "--gateway-host", ip]
     argv += ["--tokenizer", tokenizer]
     argv += [arg for url in llm_urls for arg in ("--llm-url", url)]
@@ -82,15 +97,14 @@ def runtime_argv(
     ip: str,
     port: int,
     *,
-    token: str,
     service_urls: Sequence[str],
     state_dir: Path | str,
     extra: Sequence[str] = (),
 ) -> list[str]:
     argv = [python, "-m", "sandbox_runtime", "serve", "--host", ip, "--port", str(port)]
-    argv += ["--token", token, "--advertise-url", http_url(ip, port)]
+    argv += ["--advertise-url", http_url(ip, port)]
     argv += [arg for url in service_urls for arg in ("--register", url)]
-    argv += ["--register-token", token, "--state-dir", str(state_dir)]
+    argv += ["--state-dir", str(state_dir)]
     return argv + list(extra)
 
 

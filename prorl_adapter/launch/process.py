@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -94,12 +94,23 @@ def redis_ready(ip: str, port: int, password: str) -> Callable[[], bool]:
 
 
 class ServerProcess:
-    """`argv` run as its own process group, its output in `log`; started, awaited and stopped by its pid."""
+    """`argv` run as its own process group, its output in `log`; started, awaited and stopped by its pid.
+    `env` is added to this process's environment and `stdin_text` written to its standard input: the ways a
+    secret reaches a server without a command line, which every user of the node can read."""
 
-    def __init__(self, name: str, argv: Sequence[str], log: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log: Path,
+        env: Mapping[str, str] | None = None,
+        stdin_text: str | None = None,
+    ) -> None:
         self.name = name
         self.argv = list(argv)
         self.log = log
+        self.env = dict(env or {})
+        self.stdin_text = stdin_text
         self.process: subprocess.Popen | None = None
 
     @property
@@ -118,12 +129,16 @@ class ServerProcess:
         with open(self.log, "ab") as out:
             self.process = subprocess.Popen(
                 self.argv,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL if self.stdin_text is None else subprocess.PIPE,
                 stdout=out,
                 stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
                 start_new_session=True,  # its own session and process group, whose id is its pid
                 preexec_fn=_die_with(os.getpid()),
             )
+        if self.stdin_text is not None:
+            with self.process.stdin:  # closed: the server reads to its end
+                self.process.stdin.write(self.stdin_text.encode())
         return self
 
     def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:

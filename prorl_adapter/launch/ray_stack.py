@@ -72,8 +72,8 @@ class PartActor:
         port = free_port(ip)
         self.workdir = fresh_dir(f"{self.name}-")
         self.info |= {"node_id": node_id, "ip": ip, "port": port, "log": str(self.workdir / "log")}
-        argv, ready, url = self._command(ip, port, params)
-        self.server = ServerProcess(self.name, argv, self.workdir / "log").start()
+        argv, env, stdin, ready, url = self._command(ip, port, params)
+        self.server = ServerProcess(self.name, argv, self.workdir / "log", env=env, stdin_text=stdin).start()
         self.info |= {"url": url, "pid": self.server.pid}
         where = f" on node {node_id} ({ip})"
         self.server.wait_ready(ready, f"{'PING' if self.part == REDIS else 'GET /healthz'} at {url}", timeout_s, where)
@@ -88,17 +88,19 @@ class PartActor:
                     f"{self.name}: redis-server is not installed on node {ip}; install it or give a redis URL"
                 )
             url = commands.redis_url(ip, port, token)
-            return commands.redis_argv(binary, ip, port, token), redis_ready(ip, port, token), url
+            argv = commands.redis_argv(binary, ip, port)
+            return argv, {}, commands.redis_config(token), redis_ready(ip, port, token), url
         url = commands.http_url(ip, port)
         if self.part == SERVICE:
-            argv = commands.service_argv(sys.executable, ip, port, token=token, **params["service"])
+            service = dict(params["service"])
+            env = commands.service_env(token, service.pop("buffer_url"))
+            argv = commands.service_argv(sys.executable, ip, port, **service)
         else:
             self.state_dir = fresh_dir("prorl-runtime-state-", 0o711)  # the sandboxes' uids traverse it
             self.info["state_dir"] = str(self.state_dir)
-            argv = commands.runtime_argv(
-                sys.executable, ip, port, token=token, state_dir=self.state_dir, **params["runtime"]
-            )
-        return argv, http_ready(url + "/healthz"), url
+            env = commands.runtime_env(token)
+            argv = commands.runtime_argv(sys.executable, ip, port, state_dir=self.state_dir, **params["runtime"])
+        return argv, env, None, http_ready(url + "/healthz"), url
 
     def describe(self) -> dict[str, Any]:
         server = self.server
