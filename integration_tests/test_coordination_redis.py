@@ -133,3 +133,44 @@ async def test_a_dead_replicas_prompts_are_run_by_the_one_that_takes_over(redis)
     finally:
         await dead.close()
         await survivor.close()
+
+
+async def test_a_replica_taken_for_dead_learns_it_from_its_next_beat_and_a_cut_off_one_claims_nobody(redis):
+    slow, survivor = await replicas(redis.url, "slow", "survivor")
+    try:
+        assert await slow.beat("http://slow", {}, interval_s=0.05) is False
+        assert await survivor.beat("http://survivor", {}, interval_s=0.05) is False
+        while True:  # until Redis's clock says twice the slow one's three intervals have passed
+            now, records = await survivor.replicas()
+            if now - next(r for r in records if r.id == "slow").seen_at > 0.3:
+                break
+        # The survivor was silent as long: back from a gap of its own, it judges nobody on this beat...
+        await survivor.beat("http://survivor", {}, interval_s=0.05)
+        assert await survivor.claim_dead() == []
+        # ...and on the next one, beating in time again, it does.
+        await survivor.beat("http://survivor", {}, interval_s=10)
+        assert await survivor.claim_dead() == ["slow"]
+        assert await slow.beat("http://slow", {}, interval_s=0.05) is True  # taken over: its work is not its own
+        assert await slow.beat("http://slow", {}, interval_s=0.05) is False
+        await survivor.forget_replica("slow")  # the slow one beat since: its record is its own, and stays
+        assert {r.id for r in (await survivor.replicas())[1]} == {"slow", "survivor"}
+    finally:
+        await slow.close()
+        await survivor.close()
+
+
+async def test_a_prompt_pushed_twice_counts_once_and_only_its_owner_ends_its_run(redis):
+    first = RedisPromptQueue(redis.url, "first", prefix="tq")
+    other = RedisPromptQueue(redis.url, "other", prefix="tq")
+    try:
+        await first.push([JobRequest(task="t", job_id="p"), JobRequest(task="t", job_id="p")])
+        await first.pop(1)
+        await first.pop(2)  # the same prompt again (a push retried): one run, counted once
+        assert await first.running_versions() == {1: 1}
+        await other.done("p")  # not its run: nothing changes
+        assert await first.running_versions() == {1: 1}
+        await first.done("p")
+        assert await first.running_versions() == {}
+    finally:
+        await first.close()
+        await other.close()

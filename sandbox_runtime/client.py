@@ -121,8 +121,15 @@ class SandboxClient:
         return reply.model_validate_json(await self._request(method, path, **kwargs))
 
     # -- server -----------------------------------------------------------------------------------------
-    async def health(self) -> bool:
-        return (await self._answer(Health, "GET", "/healthz")).ok
+    async def health(self, timeout: float | None = None) -> bool:
+        return (await self._answer(Health, "GET", "/healthz", timeout=timeout)).ok
+
+    async def healthy(self, timeout: float) -> bool:
+        """Whether the server answers its health check within `timeout`: False rather than an error."""
+        try:
+            return await self.health(timeout=timeout)
+        except (SandboxAPIError, ValueError):
+            return False
 
     async def info(self) -> ServerInfo:
         return await self._answer(ServerInfo, "GET", "/v1/info")

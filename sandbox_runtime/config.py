@@ -21,6 +21,9 @@ def default_state_dir() -> Path:
 
 
 RUNTIME_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+# A service's base URL: scheme and host, and a path prefix where it sits behind a proxy.
+SERVICE_URL = re.compile(r"https?://[^\s/?#]+(/[^\s?#]*)?")
+RUNTIME_URL = re.compile(r"https?://[^\s/?#]+")
 
 # A block of host uids that nothing else on the machine uses: one per live sandbox under a root server.
 DEFAULT_SANDBOX_UIDS = range(2_000_000_000, 2_000_065_536)
@@ -83,9 +86,9 @@ class ServerConfig:
         if not 0 < self.heartbeat_s <= 3600:
             raise ValueError(f"--heartbeat-s {self.heartbeat_s:g} must be in (0, 3600]")
         for url in self.register:
-            if not re.fullmatch(r"https?://[^\s/]+/?", url):
+            if not SERVICE_URL.fullmatch(url):
                 raise ValueError(f"--register {url!r} is not a service URL such as http://rollout-host:8766")
-        if self.advertise_url is not None and not re.fullmatch(r"https?://[^\s/]+", self.advertise_url):
+        if self.advertise_url is not None and not RUNTIME_URL.fullmatch(self.advertise_url):
             raise ValueError(f"--advertise-url {self.advertise_url!r} is not a URL such as http://node-7:8765")
         if self.name is not None and not RUNTIME_NAME.fullmatch(self.name):
             raise ValueError(f"--name {self.name!r}: 1-128 of letters, digits and . _ : -")

@@ -177,6 +177,7 @@ async def test_every_sandbox_client_method_speaks_the_runtime_models():
     async with sandbox_runtime() as sandboxes:
         client = Calls(sandboxes)
         assert await client.health() is True
+        assert await client.healthy(5.0) is True
         info = await client.info()
         assert isinstance(info, ServerInfo) and info.sandboxes == 0
 

@@ -3,6 +3,8 @@ flags accept, and the counts admission weighs (the Redis side: integration_tests
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from prorl_adapter.models import JobRequest
@@ -27,10 +29,18 @@ class Clock:
         return self.now
 
 
+async def swept(pool: SandboxPool) -> None:
+    """Refresh, and let the first look at each new runtime (for an earlier run's leftovers) end: until it has,
+    no sandbox goes there. Nothing listens on these ports: the look fails fast, and counts as done."""
+    await pool.refresh()
+    await asyncio.gather(*pool._late_deletes)
+    assert all(server.swept for server in pool.servers.values())
+
+
 def test_a_runtime_is_alive_for_three_heartbeats_and_not_once_leaving():
-    record = RuntimeRecord("a", heartbeat("http://a:1"), seen_at=100.0)
+    record = RuntimeRecord("a", heartbeat("http://127.0.0.1:1"), seen_at=100.0)
     assert record.alive(103.0) and not record.alive(103.1)
-    assert not RuntimeRecord("a", heartbeat("http://a:1", leaving=True), seen_at=100.0).alive(100.0)
+    assert not RuntimeRecord("a", heartbeat("http://127.0.0.1:1", leaving=True), seen_at=100.0).alive(100.0)
 
 
 async def test_sandboxes_go_to_the_runtime_with_the_most_free_room():
@@ -38,14 +48,15 @@ async def test_sandboxes_go_to_the_runtime_with_the_most_free_room():
     coordination = LocalCoordination("r0", clock=clock)
     pool = SandboxPool([], coordination=coordination, wait_for_runtime_s=0.0)
     try:
-        await coordination.runtime_heard("a", heartbeat("http://a:1", capacity=10, sandboxes=8))
-        await coordination.runtime_heard("b", heartbeat("http://b:1", capacity=4, sandboxes=1))
+        await coordination.runtime_heard("a", heartbeat("http://127.0.0.1:1", capacity=10, sandboxes=8))
+        await coordination.runtime_heard("b", heartbeat("http://127.0.0.1:2", capacity=4, sandboxes=1))
+        await swept(pool)
         chosen = await pool._choose(exclude=set())
-        assert chosen.url == "http://b:1"  # 3 free against 2
-        assert (await pool._choose(exclude={"http://b:1"})).url == "http://a:1"
+        assert chosen.url == "http://127.0.0.1:2"  # 3 free against 2
+        assert (await pool._choose(exclude={"http://127.0.0.1:2"})).url == "http://127.0.0.1:1"
         # What this replica holds there counts when the runtime's own report is older than its creations.
-        pool.servers["http://b:1"].active = 4
-        assert (await pool._choose(exclude=set())).url == "http://a:1"
+        pool.servers["http://127.0.0.1:2"].active = 4
+        assert (await pool._choose(exclude=set())).url == "http://127.0.0.1:1"
         states = {s.name: s for s in pool.describe()}
         assert states["b"].placed == 4 and states["b"].capacity == 4 and states["b"].source == "registered"
     finally:
@@ -57,15 +68,16 @@ async def test_a_silent_or_leaving_runtime_gets_no_sandbox():
     coordination = LocalCoordination("r0", clock=clock)
     pool = SandboxPool([], coordination=coordination, wait_for_runtime_s=0.0)
     try:
-        await coordination.runtime_heard("a", heartbeat("http://a:1"))
+        await coordination.runtime_heard("a", heartbeat("http://127.0.0.1:1"))
         clock.now += 1.0
-        await coordination.runtime_heard("b", heartbeat("http://b:1", sandboxes=5))
+        await coordination.runtime_heard("b", heartbeat("http://127.0.0.1:2", sandboxes=5))
         clock.now += 2.5  # a: 3.5 s without a heartbeat (three intervals of 1 s); b: 2.5 s
+        await swept(pool)
+        assert (await pool._choose(exclude=set())).url == "http://127.0.0.1:2"
+        await coordination.runtime_heard("b", heartbeat("http://127.0.0.1:2", leaving=True))
         await pool.refresh()
-        assert (await pool._choose(exclude=set())).url == "http://b:1"
-        await coordination.runtime_heard("b", heartbeat("http://b:1", leaving=True))
-        await pool.refresh()
-        assert [s.alive for s in pool.describe()] == [False, False]
+        # a: silent, still listed; b: left, unused here, so forgotten
+        assert [(s.url, s.alive) for s in pool.describe()] == [("http://127.0.0.1:1", False)]
         with pytest.raises(SandboxServerError, match="no sandbox runtime is alive"):
             await pool._choose(exclude=set())
     finally:
@@ -88,7 +100,7 @@ async def test_runtimes_given_by_url_stay_usable_beside_registered_ones():
     ("field", "value", "message"),
     [
         ("register", ["rollout-host:8766"], "--register"),
-        ("register", ["http://host:8766/v1/x"], "--register"),
+        ("register", ["http://host:8766?x=1"], "--register"),
         ("advertise_url", "node-7:8765", "--advertise-url"),
         ("name", "a/b", "--name"),
         ("name", "x" * 129, "--name"),
@@ -103,16 +115,16 @@ def test_registration_settings_that_could_not_work_are_refused_at_start(field, v
 def test_the_registration_flags_reach_the_config():
     from sandbox_runtime.cli import build_parser
 
-    argv = ["serve", "--register", "http://a:1", "--register", "http://b:1", "--advertise-url", "http://n:2"]
+    argv = ["serve", "--register", "http://127.0.0.1:1", "--register", "http://127.0.0.1:2", "--advertise-url", "http://n:2"]
     args = build_parser().parse_args([*argv, "--name", "n"])
-    assert args.register == ["http://a:1", "http://b:1"] and args.advertise_url == "http://n:2" and args.name == "n"
+    assert args.register == ["http://127.0.0.1:1", "http://127.0.0.1:2"] and args.advertise_url == "http://n:2" and args.name == "n"
 
 
 def test_a_heartbeat_is_validated_as_a_wire_model():
     with pytest.raises(ValueError, match="capacity"):
-        RuntimeHeartbeat(url="http://a:1", capacity=-1, sandboxes=0, backend="b", version="v", interval_s=1.0)
+        RuntimeHeartbeat(url="http://127.0.0.1:1", capacity=-1, sandboxes=0, backend="b", version="v", interval_s=1.0)
     with pytest.raises(ValueError, match="url"):
-        RuntimeHeartbeat(url="http://a:1/path", capacity=1, sandboxes=0, backend="b", version="v", interval_s=1.0)
+        RuntimeHeartbeat(url="http://127.0.0.1:1/path", capacity=1, sandboxes=0, backend="b", version="v", interval_s=1.0)
 
 
 async def test_the_memory_queue_counts_running_prompts_by_the_version_they_were_admitted_at():

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         config.plugin_config = read_plugin_config(args.plugin_config)
-        config.check_exposure()
+        config.check()
     except ValueError as exc:
         print(f"prorl-rollout: {exc}")
         return 2

@@ -6,7 +6,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from sandbox_runtime.config import check_exposure
+from sandbox_runtime.config import SERVICE_URL, check_exposure
+from sandbox_runtime.registration import advertised_url
 
 from .decoupled import ProducerConfig
 from .pipeline import PipelineConfig
@@ -49,5 +50,18 @@ class RolloutConfig:
         host = socket.gethostname() if self.host in ("", "0.0.0.0", "::") else self.host
         return self.service_id or f"prorl-rollout@{host}:{self.port}"
 
-    def check_exposure(self) -> None:
+    @property
+    def replica_url(self) -> str:
+        """Where other machines reach this replica: --advertise-url, else its host (the machine's name for a
+        wildcard address) and port."""
+        return self.advertise_url or advertised_url(self.host, self.port)
+
+    def check(self) -> None:
+        """What start-up refuses, naming the setting: exposure without a token, settings that cannot work."""
         check_exposure(self.host, self.token, "PRORL_ROLLOUT_TOKEN")
+        if not self.result_ttl_s > 0:
+            raise ValueError(f"--result-ttl-s {self.result_ttl_s:g} must be > 0")
+        if not 0 < self.heartbeat_s <= 3600:
+            raise ValueError(f"the replica heartbeat {self.heartbeat_s:g} s must be in (0, 3600]")
+        if self.advertise_url is not None and not SERVICE_URL.fullmatch(self.advertise_url):
+            raise ValueError(f"--advertise-url {self.advertise_url!r} is not a URL such as http://rollout-host:8766")

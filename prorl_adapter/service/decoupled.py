@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 RETRY_MAX_S = 30.0  # the longest pause between two attempts at an unreachable buffer
 ADMIT_PER_LOCK = 32  # prompts one replica may admit per hold of the shared admission lock
+SHARED_WAKE_S = 1.0  # with replicas, admission is asked again at least this often
 # Labels of a prompt that runs again: the job id it was first admitted under, and which run this is.
 PROMPT_LABEL, ATTEMPT_LABEL = "prorl_prompt", "prorl_attempt"
 
@@ -173,13 +174,28 @@ class Producer:
                 # A pop whose reply was lost (the queue went away mid-call) moved its prompt to the running
                 # record without this process knowing: take back whatever runs there and not here.
                 await self._retrying("recovering prompts admitted during an outage", self._resubmit_running)
-            await self._wakeup.wait()
+            # Shared state: what frees room may happen at another replica (an ack, a finished episode), which
+            # wakes only that one; asking again every second keeps every replica admitting.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(SHARED_WAKE_S if self.coordination.shared else None):
+                    await self._wakeup.wait()
 
     async def _resubmit_running(self) -> None:
         """Prompts recorded as running that no episode here is running (an earlier incarnation admitted them,
         or a reply was lost) run again: admission was granted. Those in flight here are left alone."""
         for request in await self.prompts.recover():
             await self._submit(request)
+
+    def disown_all(self) -> None:
+        """This replica was taken for dead: the prompts it ran are another's now. Stop their episodes and
+        deliver none of them (the other runs them; the queue refuses to end another's run anyway)."""
+        disowned, self._in_flight = self._in_flight, set()  # what waits for delivery is skipped
+        for job_id in disowned:
+            if job_id in self.pipeline.jobs:
+                task = asyncio.ensure_future(self.pipeline.cancel(job_id))
+                self._retries.add(task)
+                task.add_done_callback(self._retries.discard)
+        self.wake()
 
     async def take_over(self, replica_id: str) -> int:
         """Run here the prompts a dead replica was running, and serve again the entries it had leased."""
@@ -194,8 +210,8 @@ class Producer:
         while True:
             admitted: list[JobRequest] = []
             async with self.coordination.admission_lock():
-                # The shared version, read under the lock: what another replica set a moment ago counts.
-                self.pipeline.policy_version = await self.coordination.policy_version()
+                if self.coordination.shared:  # read under the lock: what another replica set a moment ago counts
+                    self.pipeline.policy_version = await self.coordination.policy_version()
                 # Several per hold (the counts change with each pop): the lock is shared by every replica.
                 while len(admitted) < ADMIT_PER_LOCK and await self._admitted():
                     request = await self.prompts.pop(self.pipeline.policy_version)
@@ -230,6 +246,9 @@ class Producer:
             held = f"the buffer holds or is about to hold max_buffered={self.config.max_buffered} entries"
         elif len(self._finished) >= self.config.max_undelivered:
             held = f"{len(self._finished)} finished trajectories wait for the buffer"
+        elif self.coordination.shared and not self.pipeline.llm.any_healthy():
+            # Replicas share the prompts, not the LLM servers: one without any leaves them to the others.
+            held = "this replica has no healthy LLM server (PUT /v1/llm-servers); the other replicas admit"
         else:
             state = AdmissionState(self.pipeline.policy_version, running, buffered)
             try:
@@ -257,6 +276,9 @@ class Producer:
 
     async def _deliver_first(self) -> None:
         job = self._finished[0]
+        if job.id not in self._in_flight:  # disowned while it waited (this replica was taken for dead)
+            self._finished.popleft()
+            return
         if job.result is not None and not job.result.filter:
             await self.buffer.put(job.result)
             self.stats.produced += 1

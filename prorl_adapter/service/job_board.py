@@ -46,6 +46,10 @@ class JobBoard(abc.ABC):
         """Queue again the jobs a dead replica held; returns how many."""
         return 0
 
+    def disown_all(self) -> None:
+        """This replica was taken for dead: drop the jobs it held (they run elsewhere now)."""
+        return None
+
     async def start(self) -> None:
         return None
 

@@ -158,6 +158,10 @@ class LLMPool:
     def servers(self) -> list[LLMServerInfo]:
         return [s.info() for s in self._servers.values()]
 
+    def any_healthy(self) -> bool:
+        """Whether an episode could generate now: at least one server configured and healthy."""
+        return any(s.healthy for s in self._servers.values())
+
     # -- life cycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
         # Idle connections are dropped before vLLM's own keep-alive (5 s) would close them under a request.

@@ -60,10 +60,10 @@ class StageFailed(Exception):
 
 
 class RuntimeLost(StageFailed):
-    """The episode's sandbox runtime stopped answering mid-episode: the episode starts again from init on
-    another runtime (while init attempts are left), as the runtime took its sandbox with it."""
+    """The episode's sandbox runtime went mid-episode (it stopped answering, or left and took its sandbox with
+    it): the episode starts again from init on another runtime, while init attempts are left."""
 
-    def __init__(self, stage: ErrorClass, url: str, cause: SandboxUnreachable):
+    def __init__(self, stage: ErrorClass, url: str, cause: SandboxAPIError):
         super().__init__(stage, f"sandbox runtime {url} lost: {cause}")
         self.url = url
 
@@ -309,10 +309,8 @@ class RolloutPipeline:
             raise StageFailed("run", f"LLM: {exc}") from exc
         except PromptTooLong as exc:
             raise StageFailed("run", str(exc)) from exc
-        except SandboxUnreachable as exc:
-            raise RuntimeLost("run", job.env.server_url, exc) from exc
         except SandboxAPIError as exc:
-            raise StageFailed("run", f"sandbox: {exc}") from exc
+            raise await self._sandbox_failure(job, "run", exc) from exc
         job.timings.generate_s = job.episode.generate_s
         job.timings.tools_s = job.episode.tools_s
 
@@ -321,15 +319,22 @@ class RolloutPipeline:
             # Nothing the agent started may run on while it is graded (a loop rewriting the tests, say).
             await job.env.end_processes()
             components = await job.handler.evaluate(job.env.for_task(), job.request.instance, job.episode.state)
-        except SandboxUnreachable as exc:
-            raise RuntimeLost("eval", job.env.server_url, exc) from exc
         except SandboxAPIError as exc:
-            raise StageFailed("eval", f"sandbox: {exc}") from exc
+            raise await self._sandbox_failure(job, "eval", exc) from exc
         if "outcome" not in components:
             raise StageFailed("eval", f"task {job.request.task!r} returned no 'outcome': {components}")
         job.reward_components = {name: float(value) for name, value in components.items()}
         await self._shape_reward(job)
         await self._finish(job, JobState.done)
+
+    async def _sandbox_failure(self, job: Job, stage: ErrorClass, exc: SandboxAPIError) -> StageFailed:
+        """What a failed sandbox call means: its runtime lost (no answer, or the sandbox gone with a runtime that
+        is gone too, as the pool and a health check confirm) starts the episode again elsewhere; anything else,
+        a slow call or a sandbox reaped on a live runtime, fails the stage."""
+        url = job.env.server_url
+        if (isinstance(exc, SandboxUnreachable) or exc.status == 404) and await self.sandboxes.lost(url):
+            return RuntimeLost(stage, url, exc)
+        return StageFailed(stage, f"sandbox: {exc}")
 
     async def _shape_reward(self, job: Job) -> None:
         """Reward plugins add components beside the task's own; the shaped total is what the trainer gets.

@@ -8,7 +8,11 @@ coordination for replicas whose beats lapsed; each dead one is handed to exactly
 2. runs its admitted prompts and serves again the entries it had leased (`Producer.take_over`),
 3. deletes its sandboxes on every live runtime (they carry its id as their owner label),
 
-and then forgets it. With `memory://` the replica is alone and nothing of this happens.
+and then forgets it. Beating and taking over run apart (a takeover that waits on a dead runtime must not make
+the survivor miss its own beats), and each takeover is bounded: one that fails is claimed again later, by
+whoever sees the dead replica's record lapse once more. A replica that learns from its beat that it was taken
+for dead (it was only slow, or cut off) drops what it held: its jobs and prompts run elsewhere now.
+With `memory://` the replica is alone and nothing of this happens.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from .storage.buffer import ExperienceBufferError
 from .storage.coordination import Coordination
 
 log = logging.getLogger(__name__)
+TAKEOVER_S = 120.0  # a takeover that takes longer is given up, to be claimed again
 
 
 class Replica:
@@ -47,7 +52,7 @@ class Replica:
         self.url = url
         self.interval_s = interval_s
         self.taken_over = 0  # dead replicas this one took over
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def id(self) -> str:
@@ -57,14 +62,19 @@ class Replica:
         self.coordination.on_policy_version(self._follow_version)
         with contextlib.suppress(ExperienceBufferError):  # Redis away: the loop keeps trying
             self._follow_version(await self.coordination.policy_version())
-            await self._beat()
-        self._task = asyncio.create_task(self._beat_forever())
+        for loop in (self._beat_forever, self._watch_forever):
+            self._spawn(loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _spawn(self, work) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _follow_version(self, version: int) -> None:
         self.pipeline.policy_version = version
@@ -77,18 +87,39 @@ class Replica:
             "taken_over": self.taken_over,
         }
 
-    async def _beat(self) -> None:
-        await self.coordination.beat(self.url, self.figures(), self.interval_s)
-
     async def _beat_forever(self) -> None:
         while True:
             try:
-                await self._beat()
-                for dead in await self.coordination.claim_dead():
-                    await self.take_over(dead)
-            except ExperienceBufferError as exc:
-                log.warning("replica %s cannot reach the shared state: %s", self.id, exc)
+                if await self.coordination.beat(self.url, self.figures(), self.interval_s):
+                    self._taken_for_dead()
+            except Exception as exc:  # Redis away, or a bug: the beats must go on
+                log.warning("replica %s cannot beat: %s", self.id, exc)
             await asyncio.sleep(self.interval_s)  # a period, not a synchronisation
+
+    async def _watch_forever(self) -> None:
+        while True:
+            try:
+                for dead in await self.coordination.claim_dead():
+                    self._spawn(self._take_over_bounded(dead))
+            except Exception as exc:
+                log.warning("replica %s cannot look for dead replicas: %s", self.id, exc)
+            await asyncio.sleep(self.interval_s)  # a period, not a synchronisation
+
+    def _taken_for_dead(self) -> None:
+        log.error(
+            "replica %s was taken for dead by another (its beats lapsed): what it ran runs elsewhere now; "
+            "dropping it here",
+            self.id,
+        )
+        self.board.disown_all()
+        self.producer.disown_all()
+
+    async def _take_over_bounded(self, dead: str) -> None:
+        try:
+            async with asyncio.timeout(TAKEOVER_S):
+                await self.take_over(dead)
+        except Exception as exc:  # claimed again once its record lapses again
+            log.warning("replica %s: taking over %s failed (%s: %s)", self.id, dead, type(exc).__name__, exc)
 
     async def take_over(self, dead: str) -> None:
         """Run again what `dead` held, and delete its sandboxes; then forget it."""

@@ -35,6 +35,7 @@ OWNER_LABEL = "prorl_service"
 STATIC_CAPACITY = 1024  # a runtime given by URL does not say its capacity: the runtime's default
 REFRESH_S = 1.0  # how old the view of the registered runtimes may be when a sandbox is placed
 WAIT_FOR_RUNTIME_S = 30.0  # how long an init waits for a runtime when none is alive
+HEALTH_CHECK_S = 5.0  # how long a runtime suspected lost has to answer its health check
 
 
 class SandboxServerError(Exception):
@@ -58,6 +59,7 @@ class RuntimeServer:
     reported: int = 0  # sandboxes it held at its last heartbeat (all replicas')
     seen_at: float | None = None
     created: set[str] = field(default_factory=set)  # ids of this incarnation's sandboxes on it
+    swept: bool = True  # a registered one: no sandbox goes there before an earlier run's leftovers are gone
 
     def free(self) -> int:
         return self.capacity - max(self.reported, self.active)
@@ -103,15 +105,18 @@ class SandboxPool:
             for url, record in heard.items():
                 server = self.servers.get(url)
                 if server is None:
-                    server = RuntimeServer(record.name, url, self._client(url), static=False)
+                    server = RuntimeServer(record.name, url, self._client(url), static=False, swept=False)
                     self.servers[url] = server
                     self._in_background(self._delete_leftovers_on(server))
                 if not server.static:
                     server.capacity, server.reported = record.heartbeat.capacity, record.heartbeat.sandboxes
                     server.seen_at, server.alive = record.seen_at, record.alive(now)
-            for url, server in self.servers.items():
+            for url, server in list(self.servers.items()):
                 if not server.static and url not in heard:
                     server.alive = False
+                    if server.active == 0:  # forgotten by the registry and unused here: let it go
+                        del self.servers[url]
+                        self._in_background(server.client.aclose())
 
     async def _refresh_if_stale(self) -> None:
         if time.monotonic() - self._refreshed >= REFRESH_S:
@@ -137,7 +142,7 @@ class SandboxPool:
         deadline = time.monotonic() + self.wait_for_runtime_s
         while True:
             await self._refresh_if_stale()
-            alive = [s for s in self.servers.values() if s.alive]
+            alive = [s for s in self.servers.values() if s.alive and s.swept]
             candidates = [s for s in alive if s.url not in exclude] or alive
             if candidates:
                 return max(candidates, key=lambda s: (s.free(), -s.active, -s.failures))
@@ -196,7 +201,10 @@ class SandboxPool:
         return len(boxes)
 
     async def _delete_leftovers_on(self, server: RuntimeServer) -> None:
-        deleted = await self._delete_owned(server, self.owner)
+        try:
+            deleted = await self._delete_owned(server, self.owner)
+        finally:
+            server.swept = True
         if deleted:
             log.warning("deleted %d sandboxes an earlier run of %s left on %s", deleted, self.owner, server.url)
 
@@ -214,9 +222,20 @@ class SandboxPool:
         servers = [s for s in self.servers.values() if s.alive]
         return sum(await asyncio.gather(*(self._delete_owned(s, owner) for s in servers)))
 
+    async def lost(self, url: str) -> bool:
+        """Whether the runtime at `url` is gone (not merely slow to answer one call): a registered one that is
+        no longer alive, or one that does not answer its health check either."""
+        await self.refresh()
+        server = self.servers.get(url)
+        if server is None or not server.alive:
+            return True
+        return not await server.client.healthy(HEALTH_CHECK_S)
+
     async def release(self, env: Environment) -> None:
         """Delete the episode's sandbox. A server that is gone took its sandboxes with it."""
-        server = self.servers[env.server_url]
+        server = self.servers.get(env.server_url)
+        if server is None:  # forgotten meanwhile: gone, with its sandboxes
+            return
         server.active -= 1
         server.created.discard(env.sandbox_id)
         with contextlib.suppress(SandboxAPIError):

@@ -10,6 +10,8 @@ service the current policy version, and manages the LLM servers it generates wit
 
 from __future__ import annotations
 
+import contextlib
+
 from aiohttp import web
 
 from sandbox_runtime.config import RUNTIME_NAME
@@ -188,7 +190,9 @@ async def list_llm_servers(request: web.Request) -> web.Response:
 
 
 async def add_llm_server(request: web.Request, body: LLMServerRequest) -> web.Response:
-    return json_response(await request.app[PIPELINE].llm.check(body.url), status=201)
+    info = await request.app[PIPELINE].llm.check(body.url)
+    request.app[PRODUCER].wake()  # a replica held for want of an LLM server admits again
+    return json_response(info, status=201)
 
 
 async def remove_llm_server(request: web.Request, query: LLMServerQuery) -> web.Response:
@@ -201,6 +205,7 @@ async def set_llm_servers(request: web.Request, body: LLMServersRequest) -> web.
     llm = request.app[PIPELINE].llm
     llm.replace(body.urls)
     await llm.check_health()
+    request.app[PRODUCER].wake()
     return json_response(LLMServerList(servers=llm.servers()))
 
 
@@ -464,6 +469,10 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
     async def coordination(app: web.Application):
         app[COORDINATION] = create_coordination(config.buffer_url, config.sandbox_owner)
         await app[COORDINATION].start()
+        # A beat before anything is taken back or claimed: a survivor must not take this replica for dead (its
+        # earlier incarnation's record lapsed) while it starts. Redis away: the replica's own loop beats later.
+        with contextlib.suppress(ExperienceBufferError):
+            await app[COORDINATION].beat(config.replica_url, {}, config.heartbeat_s)
         yield
         await app[COORDINATION].close()
 
@@ -520,7 +529,7 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
             app[BOARD],
             app[PRODUCER],
             app[SANDBOXES],
-            config.advertise_url or f"http://{config.host}:{config.port}",
+            config.replica_url,
             config.heartbeat_s,
         )
         await app[REPLICA].start()
@@ -534,7 +543,7 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
 
 
 async def serve(config: RolloutConfig) -> None:
-    config.check_exposure()
+    config.check()
     # The gateway's socket is bound first: its address must be known before the pipeline admits an episode.
     gateway_socket = bound_socket(config.gateway_host, config.gateway_port)
     if config.pipeline.gateway_address is None:  # where runtimes on this machine reach it

@@ -67,8 +67,10 @@ class Coordination(abc.ABC):
 
     # -- replicas ---------------------------------------------------------------------------------------
     @abc.abstractmethod
-    async def beat(self, url: str | None, figures: dict, interval_s: float) -> None:
-        """This replica is alive (for three more intervals), reached at `url`, with these figures."""
+    async def beat(self, url: str | None, figures: dict, interval_s: float) -> bool:
+        """This replica is alive (for three more intervals), reached at `url`, with these figures. Returns True
+        when another replica took it over since its last beat (it was taken for dead): what it holds is no
+        longer its own."""
 
     @abc.abstractmethod
     async def replicas(self) -> tuple[float, list[ReplicaRecord]]:
@@ -77,10 +79,11 @@ class Coordination(abc.ABC):
     @abc.abstractmethod
     async def claim_dead(self) -> list[str]:
         """The replicas whose heartbeat lapsed, each returned to exactly one caller, once: that caller takes
-        over their work. This replica's own earlier incarnation (same id, heartbeat lapsed) counts too."""
+        over their work. Never the caller itself: a replica takes back its own earlier incarnation's work when it
+        starts. A caller that was cut off itself (its own beats lapsed) claims nobody until it beats again."""
 
     async def forget_replica(self, replica_id: str) -> None:
-        """A dead replica's work is taken over: its record goes."""
+        """A dead replica's work is taken over: its record goes (only the one that took it over removes it)."""
         return None
 
     # -- runtimes ---------------------------------------------------------------------------------------
@@ -134,8 +137,9 @@ class LocalCoordination(Coordination):
         self._version = 0
         self._lock = asyncio.Lock()
 
-    async def beat(self, url: str | None, figures: dict, interval_s: float) -> None:
+    async def beat(self, url: str | None, figures: dict, interval_s: float) -> bool:
         self._me = ReplicaRecord(self.replica_id, url, figures, self._clock(), interval_s)
+        return False
 
     async def replicas(self) -> tuple[float, list[ReplicaRecord]]:
         return self._clock(), [self._me]

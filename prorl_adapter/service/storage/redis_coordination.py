@@ -33,24 +33,38 @@ _NOW = "local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]
 _BEAT = (
     _NOW
     + """
--- KEYS: replicas hash; ARGV: id, JSON {url, figures, interval_s}. Returns now.
+-- KEYS: replicas hash; ARGV: id, JSON {url, figures, interval_s}, whether this process has beaten before (1/0).
+-- Returns 1 when another replica took this one over since its last beat (its work is no longer its own), else 0.
+-- `since` keeps the time of the beat before: a replica just back from a gap of its own (a partition, Redis
+-- away) must not judge the others, who could not beat either, until it has beaten twice in a row.
+local previous = redis.call('HGET', KEYS[1], ARGV[1])
+local taken = 0
+local last = now
+if previous then
+  local old = cjson.decode(previous)
+  if old['taken_by'] and old['taken_by'] ~= ARGV[1] then taken = 1 end
+  last = old['seen_at']
+elseif ARGV[3] == '1' then
+  taken = 1  -- forgotten: taken over and done with
+end
 local record = cjson.decode(ARGV[2])
 record['seen_at'] = now
+record['since'] = last
 redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(record))
-return tostring(now)
+return taken
 """
 )
 
 _READ = (
     _NOW
     + """
--- KEYS: a hash; ARGV: seconds after which a lapsed entry is forgotten. Returns {now, id, JSON, id, JSON...}.
+-- KEYS: a hash; ARGV: intervals of silence after which an entry is pruned (0: never). Returns {now, id, JSON...}.
 local out = {tostring(now)}
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all, 2 do
   local record = cjson.decode(all[i + 1])
   local interval = record['interval_s'] or record['heartbeat']['interval_s']
-  if now - record['seen_at'] > tonumber(ARGV[1]) * interval then
+  if tonumber(ARGV[1]) > 0 and now - record['seen_at'] > tonumber(ARGV[1]) * interval then
     redis.call('HDEL', KEYS[1], all[i])
   else
     out[#out + 1] = all[i]
@@ -65,8 +79,13 @@ _CLAIM_DEAD = (
     _NOW
     + """
 -- KEYS: replicas hash; ARGV: this replica's id, missed beats. Each lapsed replica is marked as taken over by
--- this one (alive again for as long as the takeover may take); its id is returned to this caller only.
+-- this one (alive again for as long as the takeover may take); its id is returned to this caller only. A caller
+-- whose own last two beats were further apart than that (it was cut off itself) claims nobody this time.
 local out = {}
+local mine = redis.call('HGET', KEYS[1], ARGV[1])
+if not mine then return out end
+mine = cjson.decode(mine)
+if not mine['since'] or mine['seen_at'] - mine['since'] > tonumber(ARGV[2]) * mine['interval_s'] then return out end
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all, 2 do
   local record = cjson.decode(all[i + 1])
@@ -104,7 +123,15 @@ redis.call('PUBLISH', ARGV[3], 'version:' .. ARGV[1])
 return wanted
 """
 
-FORGET_AFTER_BEATS = 100  # a runtime or replica silent this long is dropped from the records altogether
+# A runtime silent this long is dropped from the records altogether (a replica only once it was taken over).
+FORGET_AFTER_BEATS = 100
+
+_FORGET = """
+-- KEYS: replicas hash; ARGV: the replica taken over, the one that took it over. Only the taker forgets it.
+local record = redis.call('HGET', KEYS[1], ARGV[1])
+if record and cjson.decode(record)['taken_by'] == ARGV[2] then redis.call('HDEL', KEYS[1], ARGV[1]) end
+return 1
+"""
 ADMISSION_LOCK_S = 10.0  # the lock expires this long after its holder died mid-admission
 
 
@@ -126,11 +153,17 @@ class RedisCoordination(Coordination):
         self._claim_dead = redis.register_script(_CLAIM_DEAD)
         self._runtime = redis.register_script(_RUNTIME)
         self._set_version = redis.register_script(_SET_VERSION)
+        self._forget = redis.register_script(_FORGET)
+        self._beaten = False
         # Polled every 5 ms while another replica holds it (redis-py's default, 100 ms, would idle admission).
         self._lock = redis.lock(f"{prefix}:admission", timeout=ADMISSION_LOCK_S, sleep=0.005, blocking_timeout=None)
         self._listeners: dict[str, list[Callable[[str], None]]] = {}
         self._listening: asyncio.Task[None] | None = None
         self._subscribed = asyncio.Event()
+
+    @property
+    def url(self) -> str:
+        return self._url
 
     @property
     def redis(self):
@@ -141,13 +174,17 @@ class RedisCoordination(Coordination):
         return self._connection.errors(what)
 
     # -- replicas ---------------------------------------------------------------------------------------
-    async def beat(self, url: str | None, figures: dict, interval_s: float) -> None:
+    async def beat(self, url: str | None, figures: dict, interval_s: float) -> bool:
         record = json.dumps({"url": url, "figures": figures, "interval_s": interval_s})
         with self.errors(f"a heartbeat in {self._replicas_key}"):
-            await self._beat(keys=[self._replicas_key], args=[self.replica_id, record])
+            taken = await self._beat(
+                keys=[self._replicas_key], args=[self.replica_id, record, "1" if self._beaten else "0"]
+            )
+        self._beaten = True
+        return bool(taken)
 
     async def replicas(self) -> tuple[float, list[ReplicaRecord]]:
-        now, rows = await self._read_records(self._replicas_key)
+        now, rows = await self._read_records(self._replicas_key, prune_after=0)
         replicas = [
             ReplicaRecord(name, r.get("url"), r.get("figures") or {}, r["seen_at"], r["interval_s"]) for name, r in rows
         ]
@@ -158,8 +195,8 @@ class RedisCoordination(Coordination):
             return list(await self._claim_dead(keys=[self._replicas_key], args=[self.replica_id, MISSED_BEATS]))
 
     async def forget_replica(self, replica_id: str) -> None:
-        with self.errors(f"HDEL from {self._replicas_key}"):
-            await self.redis.hdel(self._replicas_key, replica_id)
+        with self.errors(f"forgetting replica {replica_id} in {self._replicas_key}"):
+            await self._forget(keys=[self._replicas_key], args=[replica_id, self.replica_id])
 
     # -- runtimes ---------------------------------------------------------------------------------------
     async def runtime_heard(self, name: str, heartbeat: RuntimeHeartbeat) -> None:
@@ -169,12 +206,12 @@ class RedisCoordination(Coordination):
             )
 
     async def runtimes(self) -> tuple[float, list[RuntimeRecord]]:
-        now, rows = await self._read_records(self._runtimes_key)
+        now, rows = await self._read_records(self._runtimes_key, prune_after=FORGET_AFTER_BEATS)
         return now, [RuntimeRecord(name, RuntimeHeartbeat(**r["heartbeat"]), r["seen_at"]) for name, r in rows]
 
-    async def _read_records(self, key: str) -> tuple[float, list[tuple[str, dict]]]:
+    async def _read_records(self, key: str, prune_after: int) -> tuple[float, list[tuple[str, dict]]]:
         with self.errors(f"reading {key}"):
-            reply = await self._read(keys=[key], args=[FORGET_AFTER_BEATS])
+            reply = await self._read(keys=[key], args=[prune_after])
         rows = [(reply[i], json.loads(reply[i + 1])) for i in range(1, len(reply), 2)]
         return float(reply[0]), rows
 
@@ -226,7 +263,12 @@ class RedisCoordination(Coordination):
                     self._subscribed.set()
                     self._version_changed(await self.policy_version())  # what was missed while away
                     delay = 0.2
-                    async for message in pubsub.listen():
+                    while True:
+                        # Polled with a timeout below the socket's: `listen()` on an idle channel would hit the
+                        # client's socket timeout on redis-py < 8.1 and resubscribe, losing what came meanwhile.
+                        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                        if message is None:
+                            continue
                         kind, _, payload = str(message.get("data", "")).partition(":")
                         for listener in self._listeners.get(kind, []):
                             try:

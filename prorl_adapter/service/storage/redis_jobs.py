@@ -30,6 +30,7 @@ from ...models import JobError, JobRequest, JobState, JobStatus, Trajectory
 from ..job_board import JobBoard, UnknownJob
 from ..pipeline import Job, JobConflict, RolloutPipeline
 from .buffer import ExperienceBufferError
+from .redis_connection import RedisConnection
 from .redis_coordination import RedisCoordination
 
 log = logging.getLogger(__name__)
@@ -46,9 +47,10 @@ return false
 
 _FINISH = """
 -- KEYS: the job's hash, this replica's claimed list; ARGV: job id, status JSON, result JSON, ttl s, channel.
+-- Only while the job is still this replica's: one taken for dead must not overwrite the rerun's record.
+if redis.call('LREM', KEYS[2], 0, ARGV[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'result', ARGV[3])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
-redis.call('LREM', KEYS[2], 0, ARGV[1])
 redis.call('PUBLISH', ARGV[5], 'finished:' .. ARGV[1])
 return 1
 """
@@ -73,6 +75,7 @@ return moved
 CLAIM_BLOCK_S = 1.0  # one BLMOVE waits this long, so that stopping never waits for more
 CANCEL_WAIT_S = 10.0  # how long a cancel of a job on another replica waits to see it final
 RECHECK_S = 2.0  # a waiter looks at the record again this often (a `finished` message may have been missed)
+RECONCILE_S = 10.0  # how often a replica looks for ids in its list that it does not know of
 
 
 class RedisJobBoard(JobBoard):
@@ -99,9 +102,12 @@ class RedisJobBoard(JobBoard):
         self._finish = redis.register_script(_FINISH)
         self._cancel_queued = redis.register_script(_CANCEL_QUEUED)
         self._requeue_all = redis.register_script(_REQUEUE_ALL)
+        # Moves go through a connection that never retries: a BLMOVE whose reply was lost and that ran again would
+        # move a second id, and the first would sit in this replica's list unknown to it (`_reconcile` finds it).
+        self._mover = RedisConnection(coordination.url, retries=0)
         self._mine: set[str] = set()  # ids this replica took and has not finished
         self._room = asyncio.Event()
-        self._waiters: dict[str, asyncio.Event] = {}
+        self._waiters: dict[str, set[asyncio.Event]] = {}
         self._writes: dict[str, JobStatus] = {}  # statuses to write, latest only
         self._finished: list[Job] = []  # finished jobs to record, in order
         self._write_wanted = asyncio.Event()
@@ -127,6 +133,23 @@ class RedisJobBoard(JobBoard):
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._mover.close()
+
+    def disown_all(self) -> None:
+        """This replica was taken for dead: its jobs run again elsewhere. It stops them here and writes nothing
+        of them (the finish script would refuse anyway: they are no longer in its list)."""
+        disowned, self._mine = self._mine, set()
+        self._writes.clear()
+        self._finished.clear()
+        for job_id in disowned:
+            if job_id in self.pipeline.jobs:
+                self._in_background(self.pipeline.cancel(job_id))
+        self._room.set()
+
+    def _in_background(self, work) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.append(task)
+        task.add_done_callback(self._tasks.remove)
 
     async def _requeue_own(self) -> None:
         moved = await self.take_over(self.replica)
@@ -178,28 +201,39 @@ class RedisJobBoard(JobBoard):
             statuses.append(status)
         return statuses, created
 
+    def _local(self, job_id: str) -> Job | None:
+        """The job as this replica runs it: one of the board's it holds, or one that never went through the
+        board (a decoupled prompt's, ProRL's /process)."""
+        return self.pipeline.jobs.get(job_id)
+
     async def status(self, job_id: str) -> JobStatus:
-        job = self.pipeline.jobs.get(job_id)
+        job = self._local(job_id)
         if job is not None and job_id in self._mine:
             return self._status(job)
         with self.coordination.errors(f"reading job {job_id}"):
             document = await self.coordination.redis.hget(self._key(job_id), "status")
-        if document is None:
-            raise UnknownJob(job_id)
-        return JobStatus.model_validate_json(document)
+        if document is not None:
+            return JobStatus.model_validate_json(document)
+        if job is not None:
+            return self._status(job)
+        raise UnknownJob(job_id)
 
     async def result(self, job_id: str, wait: float) -> Trajectory | JobStatus:
-        job = self.pipeline.jobs.get(job_id)
+        job = self._local(job_id)
         if job is not None and job_id in self._mine:
             job = await self.pipeline.wait(job_id, wait)
             return job.result if job.result is not None else self._status(job)
         deadline = time.monotonic() + wait
-        event = self._waiters.setdefault(job_id, asyncio.Event())
+        event = asyncio.Event()
+        self._waiters.setdefault(job_id, set()).add(event)
         try:
             while True:
                 event.clear()
                 with self.coordination.errors(f"reading job {job_id}"):
                     status, result = await self.coordination.redis.hmget(self._key(job_id), ["status", "result"])
+                if status is None and job is not None:  # not a job of the board: this replica's own
+                    job = await self.pipeline.wait(job_id, max(deadline - time.monotonic(), 0.0))
+                    return job.result if job.result is not None else self._status(job)
                 if status is None:
                     raise UnknownJob(job_id)
                 if result is not None:
@@ -211,15 +245,23 @@ class RedisJobBoard(JobBoard):
                     async with asyncio.timeout(min(left, RECHECK_S)):
                         await event.wait()
         finally:
-            self._waiters.pop(job_id, None)
+            waiting = self._waiters.get(job_id)
+            if waiting is not None:
+                waiting.discard(event)
+                if not waiting:
+                    del self._waiters[job_id]
 
     async def cancel(self, job_id: str) -> JobStatus:
-        if job_id in self._mine and job_id in self.pipeline.jobs:
+        local = self._local(job_id)
+        if local is not None and (job_id in self._mine or not await self._on_board(job_id)):
             return self._status(await self.pipeline.cancel(job_id))
         status = await self.status(job_id)
         if status.state.finished:
             return status
-        with self.coordination.errors(f"reading job {job_id}"):
+        with self.coordination.errors(f"cancelling job {job_id}"):
+            # Recorded first: a replica that takes the job from now on (from the queue, or from a dead replica's
+            # list) finds it and cancels it there, whether or not it heard the message below.
+            await self.coordination.redis.hset(self._key(job_id), "cancel", "1")
             document = await self.coordination.redis.hget(self._key(job_id), "request")
         if document is not None:
             job = self.pipeline.cancelled_before_start(JobRequest.model_validate_json(document), status.submitted_at)
@@ -234,6 +276,10 @@ class RedisJobBoard(JobBoard):
         reply = await self.result(job_id, CANCEL_WAIT_S)
         return reply if isinstance(reply, JobStatus) else await self.status(job_id)
 
+    async def _on_board(self, job_id: str) -> bool:
+        with self.coordination.errors(f"reading job {job_id}"):
+            return bool(await self.coordination.redis.exists(self._key(job_id)))
+
     def _status(self, job: Job) -> JobStatus:
         status = job.status()
         status.replica = self.replica
@@ -241,28 +287,56 @@ class RedisJobBoard(JobBoard):
 
     # -- taking and running jobs --------------------------------------------------------------------------
     async def _claim_forever(self) -> None:
-        redis = self.coordination.redis
+        reconciled = time.monotonic()
         while True:
             await self._room.wait()
             try:
-                with self.coordination.errors(f"taking a job from {self._queue}"):
-                    job_id = await redis.blmove(self._queue, self._claimed, CLAIM_BLOCK_S, "LEFT", "RIGHT")
-                    if job_id is None:
-                        continue
-                    document = await redis.hget(self._key(job_id), "request")
-            except ExperienceBufferError as exc:
+                if time.monotonic() - reconciled >= RECONCILE_S:
+                    await self._reconcile()
+                    reconciled = time.monotonic()
+                await self._claim_one()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away, or a record that does not parse: never the end of claiming
                 log.warning("cannot take jobs: %s", exc)
-                await asyncio.sleep(1.0)
-                continue
+                await asyncio.sleep(1.0)  # a pause before trying again
+
+    async def _claim_one(self) -> None:
+        if not self.pipeline.llm.any_healthy():
+            # LLM servers are each replica's own (PUT /v1/llm-servers): one without any leaves the jobs to the
+            # replicas that have some, rather than failing them.
+            await asyncio.sleep(CLAIM_BLOCK_S)  # a period: its servers are checked every few seconds
+            return
+        with self._mover.errors(f"taking a job from {self._queue}"):
+            job_id = await self._mover.redis.blmove(self._queue, self._claimed, CLAIM_BLOCK_S, "LEFT", "RIGHT")
+        if job_id is not None:
+            await self._take(job_id)
+
+    async def _take(self, job_id: str) -> None:
+        """Run a job this replica's list holds, or drop it from the list if there is nothing to run."""
+        redis = self.coordination.redis
+        with self.coordination.errors(f"reading job {job_id}"):
+            document, cancel = await redis.hmget(self._key(job_id), ["request", "cancel"])
             if document is None:  # its record expired while it waited: nothing to run
                 await redis.lrem(self._claimed, 0, job_id)
-                continue
-            self._run_here(JobRequest.model_validate_json(document))
+                return
+        self._run_here(JobRequest.model_validate_json(document), cancelled=cancel is not None)
 
-    def _run_here(self, request: JobRequest) -> None:
+    async def _reconcile(self) -> None:
+        """Ids in this replica's list that it does not know of (a move whose reply was lost): run them."""
+        with self.coordination.errors(f"reading {self._claimed}"):
+            listed = await self.coordination.redis.lrange(self._claimed, 0, -1)
+        for job_id in listed:
+            if job_id not in self._mine:
+                await self._take(job_id)
+
+    def _run_here(self, request: JobRequest, cancelled: bool = False) -> None:
         self._mine.add(request.job_id)
         if len(self._mine) >= self._capacity():
             self._room.clear()
+        if cancelled:  # cancelled while it waited, or while its replica died
+            self._record_finished(self.pipeline.cancelled_before_start(request, time.time()))
+            return
         try:
             job, _ = self.pipeline.submit(request)
         except Exception as exc:  # a request this replica cannot run (a task it lacks): finish it as failed
@@ -278,13 +352,10 @@ class RedisJobBoard(JobBoard):
 
     def _cancel_here(self, job_id: str) -> None:
         if job_id in self._mine and job_id in self.pipeline.jobs:
-            task = asyncio.ensure_future(self.pipeline.cancel(job_id))
-            self._tasks.append(task)
-            task.add_done_callback(self._tasks.remove)
+            self._in_background(self.pipeline.cancel(job_id))
 
     def _wake_waiter(self, job_id: str) -> None:
-        event = self._waiters.get(job_id)
-        if event is not None:
+        for event in self._waiters.get(job_id, ()):
             event.set()
 
     @hookimpl

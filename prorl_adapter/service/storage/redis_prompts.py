@@ -27,15 +27,21 @@ _POP = """
 local document = redis.call('LPOP', KEYS[1])
 if not document then return false end
 local id = cjson.decode(document)['job_id']
+local known = redis.call('HEXISTS', KEYS[2], id) == 1  -- a prompt pushed twice runs once, and counts once
 redis.call('HSET', KEYS[2], id, document)
 redis.call('HSET', KEYS[3], id, ARGV[1])
-redis.call('HSET', KEYS[4], id, ARGV[2])
-redis.call('HINCRBY', KEYS[5], ARGV[2], 1)
+if not known then
+  redis.call('HSET', KEYS[4], id, ARGV[2])
+  redis.call('HINCRBY', KEYS[5], ARGV[2], 1)
+end
 return document
 """
 
 _DONE = """
--- KEYS: running, owner, version, versions hashes; ARGV: job id.
+-- KEYS: running, owner, version, versions hashes; ARGV: job id, this replica. A replica that lost the prompt to
+-- another (it was taken for dead) does not end the other's run of it.
+local owner = redis.call('HGET', KEYS[2], ARGV[1])
+if owner and owner ~= ARGV[2] then return 0 end
 if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
 redis.call('HDEL', KEYS[2], ARGV[1])
 local version = redis.call('HGET', KEYS[3], ARGV[1])
@@ -91,7 +97,7 @@ class RedisPromptQueue(PromptQueue):
 
     async def done(self, job_id: str) -> None:
         with self._connection.errors(f"deleting {job_id} from {self._running}"):
-            await self._done(keys=self._records, args=[job_id])
+            await self._done(keys=self._records, args=[job_id, self.replica])
 
     async def recover(self) -> list[JobRequest]:
         return await self._claimed(self.replica)
