@@ -188,4 +188,3 @@ def test_racing_workers_share_one_stack_that_ends_with_them(cluster):
         shutil.rmtree(Path(part["log"]).parent, ignore_errors=True)
         if part.get("state_dir"):
             shutil.rmtree(part["state_dir"], ignore_errors=True)
-

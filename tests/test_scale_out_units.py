@@ -115,16 +115,30 @@ def test_registration_settings_that_could_not_work_are_refused_at_start(field, v
 def test_the_registration_flags_reach_the_config():
     from sandbox_runtime.cli import build_parser
 
-    argv = ["serve", "--register", "http://127.0.0.1:1", "--register", "http://127.0.0.1:2", "--advertise-url", "http://n:2"]
+    argv = [
+        "serve",
+        "--register",
+        "http://127.0.0.1:1",
+        "--register",
+        "http://127.0.0.1:2",
+        "--advertise-url",
+        "http://n:2",
+    ]
     args = build_parser().parse_args([*argv, "--name", "n"])
-    assert args.register == ["http://127.0.0.1:1", "http://127.0.0.1:2"] and args.advertise_url == "http://n:2" and args.name == "n"
+    assert (
+        args.register == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+        and args.advertise_url == "http://n:2"
+        and args.name == "n"
+    )
 
 
 def test_a_heartbeat_is_validated_as_a_wire_model():
     with pytest.raises(ValueError, match="capacity"):
         RuntimeHeartbeat(url="http://127.0.0.1:1", capacity=-1, sandboxes=0, backend="b", version="v", interval_s=1.0)
     with pytest.raises(ValueError, match="url"):
-        RuntimeHeartbeat(url="http://127.0.0.1:1/path", capacity=1, sandboxes=0, backend="b", version="v", interval_s=1.0)
+        RuntimeHeartbeat(
+            url="http://127.0.0.1:1/path", capacity=1, sandboxes=0, backend="b", version="v", interval_s=1.0
+        )
 
 
 async def test_the_memory_queue_counts_running_prompts_by_the_version_they_were_admitted_at():
