@@ -15,6 +15,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -73,9 +74,8 @@ def recipe(**overrides) -> Recipe:
 # -- the commands, as functions ---------------------------------------------------------------------------
 def test_a_service_replica_is_what_prorl_rollout_serve_accepts():
     r = recipe(service_args=("--max-run-workers", "64"))
-    args = parse(
-        rollout_cli.build_parser, slurm_recipe.service_args(r, 1, "cpu-0", "redis://:pw@10.0.0.1:6379/0"), token_env()
-    )
+    env = {**token_env(), slurm_recipe.BUFFER_ENV: "redis://:pw@10.0.0.1:6379/0"}
+    args = parse(rollout_cli.build_parser, slurm_recipe.service_args(r, 1, "cpu-0"), env)
     assert (args.command, args.host, args.port) == ("serve", "0.0.0.0", 8767)
     assert args.buffer == "redis://:pw@10.0.0.1:6379/0"
     assert args.service_id == "prorl-rollout-1"
@@ -103,13 +103,13 @@ def test_a_runtime_is_what_prorl_sandbox_serve_accepts_and_registers_with_every_
 def test_no_command_carries_the_api_token():
     r = recipe()
     argvs = [
-        slurm_recipe.service_args(r, 0, "cpu-0", slurm_recipe.redis_url("10.0.0.1", 6379, "pw")),
+        slurm_recipe.service_args(r, 0, "cpu-0"),
         slurm_recipe.runtime_args(r, "cpu-1", "cpu-0", "7"),
         slurm_recipe.runtime_srun_args(r),
-        slurm_recipe.redis_args(r, "10.0.0.1", "pw"),
+        slurm_recipe.redis_args(r, "10.0.0.1"),
     ]
-    token_flags = {"--token", "--sandbox-token", "--register-token"}
-    assert not [word for argv in argvs for word in argv if word.split("=")[0] in token_flags]
+    secret_flags = {"--token", "--sandbox-token", "--register-token", "--buffer", "--requirepass"}
+    assert not [word for argv in argvs for word in argv if word.split("=")[0] in secret_flags]
 
 
 @pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server is not installed (make test installs it)")
@@ -119,8 +119,11 @@ def test_redis_starts_with_the_recipes_flags_and_wants_the_password(tmp_path):
     from prorl_adapter.dev.localstack import free_port
 
     r = recipe(redis_port=free_port())
-    argv = ["redis-server", *slurm_recipe.redis_args(r, "127.0.0.1", "pw-123"), "--dir", str(tmp_path)]
-    server = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    argv = ["redis-server", *slurm_recipe.redis_args(r, "127.0.0.1"), "--dir", str(tmp_path)]
+    feed = subprocess.run(["bash", "-c", slurm_recipe.redis_config("pw-123")], capture_output=True, text=True)
+    server = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    server.stdin.write(feed.stdout)
+    server.stdin.close()
     try:
         for line in server.stdout:  # it says when it listens: no polling
             if "Ready to accept connections" in line:
@@ -206,7 +209,8 @@ from urllib.parse import urlsplit
 
 name, args = Path(sys.argv[0]).name, sys.argv[1:]
 record = Path(os.environ["PRORL_TEST_RECORD"])
-entry = {"name": name, "argv": args, "env": dict(os.environ)}
+stdin = sys.stdin.read() if name == "redis-server" else ""
+entry = {"name": name, "argv": args, "env": dict(os.environ), "stdin": stdin}
 partial = record / f".{uuid.uuid4().hex}"
 partial.write_text(json.dumps(entry))
 partial.rename(record / f"{name}-{uuid.uuid4().hex}.json")
@@ -278,8 +282,8 @@ def recorded(record: Path) -> dict[str, list[dict]]:
 
 
 def pick(env: dict[str, str]) -> dict[str, str]:
-    """The variables the CLIs read their tokens from."""
-    return {key: env[key] for key in slurm_recipe.TOKEN_ENV if key in env}
+    """The variables the CLIs read their secrets from."""
+    return {key: env[key] for key in (*slurm_recipe.TOKEN_ENV, slurm_recipe.BUFFER_ENV) if key in env}
 
 
 class StandInRun(NamedTuple):
@@ -323,9 +327,11 @@ def test_the_script_runs_with_stand_ins(stand_in_run):
     assert len(token) == 64 and int(token, 16) >= 0  # generated in the job: 32 random bytes
 
     (redis,) = calls["redis-server"]
-    assert (redis["argv"][redis["argv"].index("--bind") + 1], redis["argv"][1]) == ("127.0.0.1", str(r.redis_port))
-    password = redis["argv"][redis["argv"].index("--requirepass") + 1]
-    assert password and password != token
+    argv = redis["argv"]
+    assert argv[0] == "-"  # its password comes on its stdin
+    assert (argv[argv.index("--bind") + 1], argv[argv.index("--port") + 1]) == ("127.0.0.1", str(r.redis_port))
+    [password] = re.fullmatch(r'requirepass "([0-9a-f]+)"\n', redis["stdin"]).groups()
+    assert password != token
 
     services = sorted(
         (parse(rollout_cli.build_parser, call["argv"], pick(call["env"])) for call in calls["prorl-rollout"]),

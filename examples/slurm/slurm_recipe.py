@@ -43,6 +43,7 @@ SHELL_REFS = (HEAD, HEAD_IP, NODE, JOB_ID, JOB_DIR, REDIS_PASSWORD, TOKEN, SANDB
 # The environment variables through which the API token reaches the CLIs (their --token, --sandbox-token and
 # --register-token defaults), so that it never appears on a command line.
 TOKEN_ENV = ("PRORL_ROLLOUT_TOKEN", "PRORL_SANDBOX_TOKEN")
+BUFFER_ENV = "PRORL_BUFFER_URL"  # the Redis URL, password and all, for the service replicas
 # What the training job finds in rollout.env.
 HANDOFF_KEYS = ("PRORL_SERVICE_URL", "PRORL_SERVICE_URLS", "PRORL_SANDBOX_URLS", "PRORL_TOKEN", "PRORL_ROLLOUT_JOB")
 ENV_FILE = "rollout.env"
@@ -123,14 +124,20 @@ def redis_url(host: str, port: int, password: str) -> str:
     return f"redis://:{password}@{host}:{port}/0"
 
 
-def redis_args(recipe: Recipe, bind: str, password: str) -> list[str]:
-    """An in-memory Redis for the replicas' shared buffer: nothing saved, as it lives as long as the job.
-    `--requirepass` puts the Redis password (not the API token) on the first node's command lines, as
-    `--buffer` has to carry it too."""
+def redis_args(recipe: Recipe, bind: str) -> list[str]:
+    """An in-memory Redis for the replicas' shared state: nothing saved, as it lives as long as the job. `-`:
+    the rest of its configuration, the password, comes on its standard input (`redis_config`), off every
+    command line."""
     return [
+        "-",
         *("--port", str(recipe.redis_port), "--bind", bind, "--protected-mode", "no"),
-        *("--save", "", "--appendonly", "no", "--requirepass", password),
+        *("--save", "", "--appendonly", "no"),
     ]
+
+
+def redis_config(password: str) -> str:
+    """The shell that feeds Redis its password (printf is bash's own: no process shows it)."""
+    return f"printf 'requirepass \"%s\"\\n' {password}"
 
 
 def service_url(recipe: Recipe, host: str, replica: int) -> str:
@@ -141,11 +148,12 @@ def service_urls(recipe: Recipe, host: str) -> list[str]:
     return [service_url(recipe, host, i) for i in range(recipe.replicas)]
 
 
-def service_args(recipe: Recipe, replica: int, host: str, buffer_url: str) -> list[str]:
-    """Replica `replica` of the rollout service, reached at `host`; its tokens come from the environment."""
+def service_args(recipe: Recipe, replica: int, host: str) -> list[str]:
+    """Replica `replica` of the rollout service, reached at `host`; its tokens and the Redis URL (with the
+    password) come from the environment."""
     port = recipe.service_port + replica
     gateway = recipe.gateway_port + replica
-    args = ["serve", "--host", "0.0.0.0", "--port", str(port), "--buffer", buffer_url]
+    args = ["serve", "--host", "0.0.0.0", "--port", str(port)]
     args += ["--service-id", f"prorl-rollout-{replica}", "--advertise-url", service_url(recipe, host, replica)]
     args += ["--gateway-host", "0.0.0.0", "--gateway-port", str(gateway), "--gateway-address", f"{host}:{gateway}"]
     args += ["--tokenizer", recipe.tokenizer]
@@ -271,20 +279,22 @@ def _setup_block(recipe: Recipe) -> list[str]:
 
 def _redis_block(recipe: Recipe) -> list[str]:
     log = shell_word(f"{JOB_DIR}/redis.log")
-    argv = [*recipe.redis_command, *redis_args(recipe, HEAD_IP, REDIS_PASSWORD)]
+    argv = [*recipe.redis_command, *redis_args(recipe, HEAD_IP)]
     return [
-        "# -- Redis: the replicas' shared experience buffer and prompt queue",
-        f"{shell_line(argv)} >{log} 2>&1 &",
+        "# -- Redis: the replicas' shared state (buffer, prompts, jobs, runtimes); its password on its stdin",
+        f"{redis_config(shell_word(REDIS_PASSWORD))} | {shell_line(argv)} >{log} 2>&1 &",
         f'wait_port "$PRORL_HEAD_IP" {recipe.redis_port} $! Redis {log}',
     ]
 
 
 def _service_block(recipe: Recipe) -> list[str]:
-    lines = ["# -- the rollout service replicas, all on the same Redis"]
-    buffer = redis_url(HEAD_IP, recipe.redis_port, REDIS_PASSWORD)
+    lines = [
+        "# -- the rollout service replicas, all on the same Redis (its URL, with the password, in the environment)"
+    ]
+    lines.append(f"export PRORL_BUFFER_URL={shell_word(redis_url(HEAD_IP, recipe.redis_port, REDIS_PASSWORD))}")
     for i in range(recipe.replicas):
         log = shell_word(f"{JOB_DIR}/service-{i}.log")
-        argv = [*recipe.rollout_command, *service_args(recipe, i, HEAD, buffer)]
+        argv = [*recipe.rollout_command, *service_args(recipe, i, HEAD)]
         lines.append(f"{shell_line(argv)} >{log} 2>&1 &")
         health = shell_word(service_url(recipe, HEAD, i) + "/healthz")
         lines.append(f"wait_healthy {health} $! 'rollout service {i}' {log}")
