@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .models import Limits
+from .models import RUNTIME_NAME_PATTERN, RUNTIME_URL_PATTERN, Limits
 
 
 def default_state_dir() -> Path:
@@ -20,10 +20,10 @@ def default_state_dir() -> Path:
     return Path(base) / "prorl-sandbox"
 
 
-RUNTIME_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+RUNTIME_NAME = re.compile(RUNTIME_NAME_PATTERN)
+RUNTIME_URL = re.compile(RUNTIME_URL_PATTERN)
 # A service's base URL: scheme and host, and a path prefix where it sits behind a proxy.
-SERVICE_URL = re.compile(r"https?://[^\s/?#]+(/[^\s?#]*)?")
-RUNTIME_URL = re.compile(r"https?://[^\s/?#]+")
+SERVICE_URL = re.compile(RUNTIME_URL_PATTERN + r"(/[^\s?#]*)?")
 
 # A block of host uids that nothing else on the machine uses: one per live sandbox under a root server.
 DEFAULT_SANDBOX_UIDS = range(2_000_000_000, 2_000_065_536)

@@ -399,12 +399,18 @@ class PathQuery(BaseModel):
 
 
 # -- registration: what a runtime tells the rollout services it works for (`--register`) ------------------------
+RUNTIME_URL_PATTERN = r"https?://[^\s/?#]+"  # where a runtime is reached: scheme, host and port, no path
+RUNTIME_NAME_PATTERN = r"[A-Za-z0-9_.:-]{1,128}"  # how services know a runtime (a path segment)
+
+
 class RuntimeHeartbeat(_Strict):
     """Sent by a runtime to each service it registers with, every `interval_s` seconds: where it is reached and
     how much room it has. A service stops placing sandboxes on a runtime it has not heard from for three
     intervals; `leaving` (sent once on a clean shutdown) stops it at once."""
 
-    url: str = Field(pattern=r"^https?://[^\s/]+$", max_length=512, description="where services reach this runtime")
+    url: str = Field(
+        pattern=f"^{RUNTIME_URL_PATTERN}$", max_length=512, description="where services reach this runtime"
+    )
     capacity: int = Field(ge=0, description="the most sandboxes it holds at once (--max-sandboxes)")
     sandboxes: int = Field(ge=0, description="sandboxes it holds now")
     backend: str = Field(max_length=64, description="its default backend")

@@ -291,7 +291,7 @@ ROLLOUT_API = API(
             "A sandbox runtime's heartbeat: where it is, its room; `leaving` stops its use",
             (Reply(200, "recorded (for every replica sharing this one's state)", RuntimeRegistered),),
             body=RuntimeHeartbeat,
-            path_parameters={"name": {"type": "string", "pattern": "^[A-Za-z0-9_.:-]{1,128}$"}},
+            path_parameters={"name": {"type": "string", "pattern": f"^{RUNTIME_NAME.pattern}$"}},
             tag="runtimes",
             description="Sent by `prorl-sandbox serve --register URL` every few seconds; a runtime not heard from "
             "for three of its intervals gets no new sandboxes. See docs/scale-out.md.",
