@@ -33,7 +33,7 @@ async def swept(pool: SandboxPool) -> None:
     """Refresh, and let the first look at each new runtime (for an earlier run's leftovers) end: until it has,
     no sandbox goes there. Nothing listens on these ports: the look fails fast, and counts as done."""
     await pool.refresh()
-    await asyncio.gather(*pool._late_deletes)
+    await asyncio.gather(*pool._sweeps)
     assert all(server.swept for server in pool.servers.values())
 
 

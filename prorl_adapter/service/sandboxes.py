@@ -36,6 +36,7 @@ STATIC_CAPACITY = 1024  # a runtime given by URL does not say its capacity: the 
 REFRESH_S = 1.0  # how old the view of the registered runtimes may be when a sandbox is placed
 WAIT_FOR_RUNTIME_S = 30.0  # how long an init waits for a runtime when none is alive
 HEALTH_CHECK_S = 5.0  # how long a runtime suspected lost has to answer its health check
+SWEEP_S = 30.0  # how long a new runtime has to list its sandboxes before it is used all the same
 
 
 class SandboxServerError(Exception):
@@ -84,7 +85,8 @@ class SandboxPool:
             self.servers[url] = RuntimeServer(url, url, self._client(url), static=True)
         self._refreshed = 0.0
         self._now = 0.0  # the coordination's clock at the last refresh
-        self._late_deletes: set[asyncio.Task[None]] = set()
+        self._late_deletes: set[asyncio.Task[None]] = set()  # awaited at close: a sandbox must not leak
+        self._sweeps: set[asyncio.Task[None]] = set()  # cancelled at close: looks for an earlier run's leftovers
         self._refresh_lock = asyncio.Lock()
 
     def _client(self, url: str) -> SandboxClient:
@@ -107,7 +109,7 @@ class SandboxPool:
                 if server is None:
                     server = RuntimeServer(record.name, url, self._client(url), static=False, swept=False)
                     self.servers[url] = server
-                    self._in_background(self._delete_leftovers_on(server))
+                    self._in_background(self._delete_leftovers_on(server), self._sweeps)
                 if not server.static:
                     server.capacity, server.reported = record.heartbeat.capacity, record.heartbeat.sandboxes
                     server.seen_at, server.alive = record.seen_at, record.alive(now)
@@ -172,10 +174,11 @@ class SandboxPool:
         server.created.add(info.id)
         return Environment(server.client, info.id, server.url, info.workdir)
 
-    def _in_background(self, work) -> None:
+    def _in_background(self, work, tasks: set[asyncio.Task[None]] | None = None) -> None:
+        tasks = self._late_deletes if tasks is None else tasks
         task = asyncio.ensure_future(work)
-        self._late_deletes.add(task)
-        task.add_done_callback(self._late_deletes.discard)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     def _delete_when_created(self, server: RuntimeServer, creation: asyncio.Future[SandboxInfo]) -> None:
         if creation.cancelled() or creation.exception() is not None:
@@ -201,8 +204,12 @@ class SandboxPool:
         return len(boxes)
 
     async def _delete_leftovers_on(self, server: RuntimeServer) -> None:
+        deleted = 0
         try:
-            deleted = await self._delete_owned(server, self.owner)
+            async with asyncio.timeout(SWEEP_S):  # one that does not answer has nothing of ours worth waiting for
+                deleted = await self._delete_owned(server, self.owner)
+        except TimeoutError:
+            log.warning("no answer from %s within %g s while looking for leftovers", server.url, SWEEP_S)
         finally:
             server.swept = True
         if deleted:
@@ -242,6 +249,8 @@ class SandboxPool:
             await server.client.delete_sandbox(env.sandbox_id)
 
     async def close(self) -> None:
-        await asyncio.gather(*self._late_deletes, return_exceptions=True)
+        for sweep in self._sweeps:
+            sweep.cancel()
+        await asyncio.gather(*self._sweeps, *self._late_deletes, return_exceptions=True)
         for server in self.servers.values():
             await server.client.aclose()
