@@ -161,3 +161,18 @@ async def test_the_local_coordination_sets_versions_as_asked_and_tells_its_liste
     assert await coordination.set_policy_version(3, raise_only=True) == 5
     assert await coordination.set_policy_version(2, raise_only=False) == 2
     assert heard == [5, 2] and await coordination.claim_dead() == []
+
+
+async def test_when_every_runtime_is_full_an_init_waits_for_room_then_tries_one_all_the_same():
+    coordination = LocalCoordination("r0")
+    pool = SandboxPool([], coordination=coordination, wait_for_runtime_s=0.0)
+    try:
+        await coordination.runtime_heard("a", heartbeat("http://127.0.0.1:1", capacity=2, sandboxes=2))
+        await coordination.runtime_heard("b", heartbeat("http://127.0.0.1:2", capacity=2, sandboxes=1))
+        await swept(pool)
+        assert (await pool._choose(exclude=set())).url == "http://127.0.0.1:2"  # the one with room
+        pool.servers["http://127.0.0.1:2"].active = 2
+        # Both full: with no time left to wait, the fullest-but-least-loaded one is tried (it may answer 429).
+        assert (await pool._choose(exclude=set())).url in {"http://127.0.0.1:1", "http://127.0.0.1:2"}
+    finally:
+        await pool.close()

@@ -141,18 +141,22 @@ class SandboxPool:
         ]
 
     async def _choose(self, exclude: set[str]) -> RuntimeServer:
+        """The live runtime with the most room, avoiding `exclude`; with none alive, or every one full, wait for
+        one to register or for room (up to `wait_for_runtime_s`; then a full one is tried all the same)."""
         deadline = time.monotonic() + self.wait_for_runtime_s
         while True:
             await self._refresh_if_stale()
             alive = [s for s in self.servers.values() if s.alive and s.swept]
             candidates = [s for s in alive if s.url not in exclude] or alive
-            if candidates:
-                return max(candidates, key=lambda s: (s.free(), -s.active, -s.failures))
-            if time.monotonic() >= deadline:
+            roomy = [s for s in candidates if s.free() > 0]
+            waited_out = time.monotonic() >= deadline
+            if roomy or (candidates and waited_out):
+                return max(roomy or candidates, key=lambda s: (s.free(), -s.active, -s.failures))
+            if waited_out:
                 raise SandboxServerError(
                     "(none)", f"no sandbox runtime is alive (waited {self.wait_for_runtime_s:g} s)"
                 )
-            await asyncio.sleep(REFRESH_S)  # a period: a runtime may register meanwhile
+            await asyncio.sleep(REFRESH_S)  # a period: a runtime may register, or room free up, meanwhile
 
     # -- sandboxes --------------------------------------------------------------------------------------
     async def acquire(self, spec: dict[str, Any], exclude: set[str]) -> Environment:

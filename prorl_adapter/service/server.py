@@ -141,16 +141,17 @@ async def service_status(request: web.Request) -> web.Response:
     """This replica's queues and jobs, every replica sharing its state, and the runtimes it may use."""
     pipeline, producer, replica = request.app[PIPELINE], request.app[PRODUCER], request.app[REPLICA]
     await pipeline.sandboxes.refresh()
+    degraded = producer.stats.degraded
     try:
         replicas = await replica.describe()
     except ExperienceBufferError as exc:  # the shared state is away: this replica's own view still answers
         replicas = []
-        producer.stats.degraded = f"reading the replicas: {exc}"
+        degraded = degraded or f"reading the replicas: {exc}"
     return json_response(
         ServiceStatus(
             **pipeline.status(),
             llm_servers=pipeline.llm.servers(),
-            degraded=producer.stats.degraded,
+            degraded=degraded,
             gateway_address=pipeline.config.gateway_address,
             replica=replica.id,
             replicas=replicas,
