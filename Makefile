@@ -57,3 +57,4 @@ test: system-packages lint llm agent-env
 bench: system-packages $(VENV)/.installed llm
 	$(PY) bench/bench_runtime.py --out docs/benchmarks.md
 	$(PY) bench/bench_rollout.py --out docs/benchmarks.md
+	$(PY) bench/bench_scale_out.py --out docs/benchmarks.md

@@ -246,6 +246,9 @@ class Producer:
             held = f"the buffer holds or is about to hold max_buffered={self.config.max_buffered} entries"
         elif len(self._finished) >= self.config.max_undelivered:
             held = f"{len(self._finished)} finished trajectories wait for the buffer"
+        elif self.coordination.shared and len(self._in_flight) >= self._capacity():
+            # Replicas share the upcoming prompts: each admits what its own workers can run, and the others the rest.
+            held = f"this replica runs {len(self._in_flight)} episodes, what its workers take; the others admit"
         elif self.coordination.shared and not self.pipeline.llm.any_healthy():
             # Replicas share the prompts, not the LLM servers: one without any leaves them to the others.
             held = "this replica has no healthy LLM server (PUT /v1/llm-servers); the other replicas admit"
@@ -260,6 +263,10 @@ class Producer:
         self.stats.held_back_reason = held
         self.stats.held_back = held is not None and await self.prompts.size() > 0
         return held is None
+
+    def _capacity(self) -> int:
+        config = self.pipeline.config
+        return config.max_init_workers + config.max_run_workers
 
     def _on_finished(self, job: Job) -> None:
         if job.id in self._in_flight:
