@@ -23,13 +23,13 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 
 from ...hooks.specs import hookimpl
 from ...models import JobError, JobRequest, JobState, JobStatus, Trajectory
 from ..job_board import JobBoard, UnknownJob
 from ..pipeline import Job, JobConflict, RolloutPipeline
 from .buffer import ExperienceBufferError
+from .prompts import with_job_id
 from .redis_connection import RedisConnection
 from .redis_coordination import RedisCoordination
 
@@ -175,7 +175,7 @@ class RedisJobBoard(JobBoard):
         samples = request.samples()
         for sample in samples:
             self.pipeline.handler_for(sample)  # 400 for a task this service cannot run, before anything is queued
-        samples = [s if s.job_id else s.model_copy(update={"job_id": _new_id()}) for s in samples]
+        samples = [with_job_id(sample) for sample in samples]
         with self.coordination.errors("reading job records"):
             pipe = self.coordination.redis.pipeline(transaction=False)
             for sample in samples:
@@ -409,10 +409,6 @@ class RedisJobBoard(JobBoard):
             self._mine.discard(job.id)
             if len(self._mine) < self._capacity():
                 self._room.set()
-
-
-def _new_id() -> str:
-    return uuid.uuid4().hex
 
 
 def _check_same(request: JobRequest, document: str | None) -> None:
