@@ -38,7 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         action="append",
         default=[],
-        help="a directory of images; a spec's `image` is a name below one of these (repeatable)",
+        help="a directory of images (SIF files, OCI layouts, docker save archives, root directories); a spec's "
+        "`image` is a name below one of these (repeatable)",
+    )
+    serve.add_argument(
+        "--image-cache-gb",
+        type=float,
+        default=100.0,
+        help="unpacked images kept in the state dir at most; the least recently used that no sandbox runs go "
+        "first (default: %(default)g)",
     )
     serve.add_argument(
         "--sandbox-uids",
@@ -100,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         apptainer_binary=args.apptainer_binary,
         apptainer_fakeroot=args.fakeroot,
         image_dirs=args.image_dir,
+        image_cache_gb=args.image_cache_gb,
         allow_local=args.allow_local or args.backend == "local",
         sandbox_uids=args.sandbox_uids,
         register=args.register,

@@ -20,6 +20,7 @@ from .models import (
     ExecResult,
     FileWritten,
     Health,
+    ImageList,
     InputRequest,
     PathQuery,
     ProcessesEnded,
@@ -133,6 +134,9 @@ class SandboxClient:
 
     async def info(self) -> ServerInfo:
         return await self._answer(ServerInfo, "GET", "/v1/info")
+
+    async def list_images(self) -> ImageList:
+        return await self._answer(ImageList, "GET", "/v1/images")
 
     # -- sandboxes --------------------------------------------------------------------------------------
     async def create_sandbox(self, **spec: Any) -> SandboxInfo:

@@ -62,6 +62,9 @@ class ServerConfig:
         )
     )
     image_dirs: list[Path] = field(default_factory=list)  # where `image` names are looked up; nothing else
+    # Unpacked images kept in <state dir>/images at most; beyond it the least recently used that no sandbox
+    # runs are removed (a directory of SWE-bench images unpacks to terabytes).
+    image_cache_gb: float = 100.0
     allow_local: bool = False  # the `local` backend isolates nothing: only when the operator says so
     sandbox_uids: range = DEFAULT_SANDBOX_UIDS  # used when the server runs as root
     default_timeout_s: float = 60.0
@@ -83,6 +86,8 @@ class ServerConfig:
         """What start-up refuses, with a message naming the setting: exposure without a token, and a
         registration that could not work."""
         check_exposure(self.host, self.token, "PRORL_SANDBOX_TOKEN")
+        if not self.image_cache_gb > 0:
+            raise ValueError(f"--image-cache-gb {self.image_cache_gb:g} must be above 0")
         if not 0 < self.heartbeat_s <= 3600:
             raise ValueError(f"--heartbeat-s {self.heartbeat_s:g} must be in (0, 3600]")
         for url in self.register:

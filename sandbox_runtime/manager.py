@@ -29,6 +29,7 @@ from . import procs
 from .backends import make_backend
 from .backends.base import Backend, BackendError, SandboxDirs
 from .config import ServerConfig
+from .images import ImageError, ImageStore, Unpacked
 from .metrics import Metrics
 from .models import Limits, SandboxSpec
 from .sandbox import Sandbox, own_dirs, remove_tree
@@ -121,6 +122,9 @@ class SandboxManager:
         self._free_uids: deque[int] = deque(self.sandbox_uids or ())
         self._uid_locks: dict[int, TextIO] = {}
         self.image_dirs = [d.resolve() for d in config.image_dirs]
+        self.images = ImageStore(
+            self.image_dirs, self.state_dir / "images", int(config.image_cache_gb * 2**30), self._images_in_use
+        )
 
     # -- start and stop ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -129,6 +133,7 @@ class SandboxManager:
         for directory in self.image_dirs:
             if not directory.is_dir():
                 raise RuntimeError(f"image directory {directory} does not exist")
+        self.images.start()
         if self.sandbox_uids is not None:
             self._check_reachable_by_sandboxes()
             UID_LOCK_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -212,11 +217,21 @@ class SandboxManager:
         backend = self.backend(name)
         if spec.forwards and not backend.forwards:
             raise PolicyError(f"the {backend.name} backend cannot forward ports; the bwrap backend can")
-        image_root = self.resolve_image(spec.image)
         spec = spec.model_copy(update={"backend": backend.name, "limits": self._limits(spec.limits)})
+        image = await self.prepare_image(spec.image, backend)
+        if len(self._sandboxes) >= self.config.max_sandboxes:  # others were created while the image unpacked
+            raise CapacityError(f"sandbox limit reached ({self.config.max_sandboxes}); delete some first")
         uid = self._allocate_uid() if self.sandbox_uids is not None else None
         sandbox_id = secrets.token_hex(6)
-        dirs = SandboxDirs(sandbox_id, self.boxes_dir / sandbox_id, uid=uid, image_root=image_root)
+        dirs = SandboxDirs(
+            sandbox_id,
+            self.boxes_dir / sandbox_id,
+            uid=uid,
+            image_root=image.root,
+            image_file=image.file,
+            image_env=image.env,
+            image_digest=image.digest,
+        )
         try:
             self._make_dirs(dirs)
             box = Sandbox(dirs, spec, backend, self.config.default_output_bytes)
@@ -254,17 +269,20 @@ class SandboxManager:
                 raise PolicyError(f"limits.{name} {value} is above this server's maximum {maxima[name]}")
         return Limits(**{k: v if v is not None else defaults[k] for k, v in values.items()})
 
-    def resolve_image(self, name: str | None) -> Path | None:
-        """The host path of image `name`, found under one of the server's image directories (the name was
-        validated as relative with no '..'; a symlink that leads out of the image directory is refused)."""
+    def _images_in_use(self) -> set[str]:
+        return {box.dirs.image_digest for box in self._sandboxes.values() if box.dirs.image_digest}
+
+    async def prepare_image(self, name: str | None, backend: Backend) -> Unpacked:
+        """What a sandbox of image `name` runs (the host's root when None), unpacked into the cache if it must
+        be; an unknown or unusable image is the client's error (400), a failed unpack the server's."""
         if name is None:
-            return None
-        for directory in self.image_dirs:
-            candidate = (directory / name).resolve()
-            if candidate.is_relative_to(directory) and candidate != directory and candidate.exists():
-                return candidate
-        where = "it has no image directories (--image-dir)" if not self.image_dirs else "its image directories"
-        raise PolicyError(f"no image named {name!r} on this server: images are looked up in {where}")
+            return Unpacked(root=None)
+        try:
+            return await self.images.prepare(self.images.find(name), runs_sif=backend.runs_sif)
+        except ImageError as exc:
+            if exc.status >= 500:
+                raise BackendError(str(exc), exc.status) from None
+            raise PolicyError(str(exc)) from None
 
     async def delete(self, sandbox_id: str) -> bool:
         """Delete a sandbox; returns False if it was already deleted. Every process is gone on return."""

@@ -65,7 +65,10 @@ Environment = Annotated[
     Field(json_schema_extra={"additionalProperties": False}),
 ]
 MAX_WORKDIR_BYTES = 1024
-_IMAGE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*(/[A-Za-z0-9_][A-Za-z0-9_.+-]*)*$")
+# A path below an image directory, then an optional `:TAG` for OCI layouts and docker archives.
+_IMAGE_NAME = re.compile(
+    r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*(/[A-Za-z0-9_][A-Za-z0-9_.+-]*)*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$"
+)
 MAX_FORWARDS = 8
 
 
@@ -109,8 +112,10 @@ class SandboxSpec(_Strict):
     image: str | None = Field(
         None,
         max_length=255,
-        description="an image by name, relative to one of the server's --image-dir directories "
-        "(bwrap: a root filesystem directory; apptainer: a SIF file); never a host path",
+        description="an image by name, relative to one of the server's --image-dir directories: a SIF file, an "
+        "OCI layout directory or a docker save archive (either with an optional `:TAG`), or a root filesystem "
+        "directory; never a host path. GET /v1/images lists them",
+        examples=["debian-python.sif", "swe/sweb.eval.x86_64.astropy__astropy-12907.sif", "python.oci:3.11"],
     )
     env: Environment = Field(default_factory=dict, description="environment of the sandboxed shell only")
     workdir: str = Field("/workspace", max_length=1024)
@@ -147,7 +152,7 @@ class SandboxSpec(_Strict):
         if value is not None and (not _IMAGE_NAME.fullmatch(value) or ".." in value.split("/")):
             raise ValueError(
                 f"image {value!r} is not an image name: names are relative to the server's image directories "
-                "(letters, digits, '._+-', '/' between parts; no '..', no absolute path)"
+                "(letters, digits, '._+-', '/' between parts, an optional ':TAG'; no '..', no absolute path)"
             )
         return value
 
@@ -206,6 +211,11 @@ class SandboxInfo(BaseModel):
     backend: str
     isolated: bool
     image: str | None
+    image_digest: str | None = Field(
+        None,
+        description="sha256 of the image it runs (the SIF or archive file, or the OCI manifest); null for "
+        "the host's root or a root directory",
+    )
     workdir: str
     network: str
     forwards: list[PortForward] = Field(default_factory=list)
@@ -358,6 +368,26 @@ class Health(BaseModel):
 
 class SandboxList(BaseModel):
     sandboxes: list[SandboxInfo]
+
+
+class ImageInfo(BaseModel):
+    name: str = Field(description="what a spec's `image` names it by")
+    format: Literal["directory", "sif", "oci", "docker-archive"]
+    digest: str | None = Field(
+        description="sha256 the cache keys it by: an OCI layout's manifest digest; for a SIF file or an archive, "
+        "the file's, known once it has been used (null until then); null for a root directory"
+    )
+    cache: Literal["in place", "unpacked", "unpacking", "not unpacked"] = Field(
+        description="a root directory is used in place; the others are unpacked once, at their first use"
+    )
+    bytes: int | None = Field(
+        description="size of the unpacked root where it is unpacked, else of the file; null for a root directory"
+    )
+
+
+class ImageList(BaseModel):
+    images: list[ImageInfo]
+    truncated: bool = Field(False, description="the listing stopped at its maximum number of images")
 
 
 class SandboxDeleted(BaseModel):

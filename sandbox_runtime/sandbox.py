@@ -195,6 +195,7 @@ class Sandbox:
             backend=self.backend.name,
             isolated=self.backend.isolated,
             image=spec.image,
+            image_digest=self.dirs.image_digest,
             workdir=self.workdir,
             network=spec.network,
             forwards=spec.forwards,

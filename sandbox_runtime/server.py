@@ -26,6 +26,7 @@ from .models import (
     ExecResult,
     FileWritten,
     Health,
+    ImageList,
     InputRequest,
     PathQuery,
     ProcessesEnded,
@@ -81,6 +82,10 @@ async def server_info(request: web.Request) -> web.Response:
             max_body_bytes=config.max_body_bytes,
         )
     )
+
+
+async def list_images(request: web.Request) -> web.Response:
+    return json_response(await asyncio.to_thread(request.app[MANAGER].images.image_list))
 
 
 async def create_sandbox(request: web.Request, body: SandboxSpec) -> web.Response:
@@ -245,6 +250,14 @@ RUNTIME_API = API(
         metrics_operation(metrics, tag="server"),
         Operation(
             "GET", "/v1/info", server_info, "Backends, limits and policy", (Reply(200, "", ServerInfo),), tag="server"
+        ),
+        Operation(
+            "GET",
+            "/v1/images",
+            list_images,
+            "The images a spec may name: format, digest and cache state",
+            (Reply(200, "every image below the server's image directories", ImageList),),
+            tag="server",
         ),
         Operation(
             "POST",

@@ -38,8 +38,11 @@ KILL_GRACE_S = 1.0
 START_TIMEOUT_S = 20.0
 
 _PROMPT_COMMAND = r'__prorl_rc=$?; printf "\036%s:%s:%s\036\n" "$__prorl_nonce" "$__prorl_rc" "$PWD"'
+# PS1 and PS2 are reset here, whatever bash inherited: a launcher's environment may set them (Apptainer's action
+# script exports PS1="Apptainer> "), and the marker must be the only prompt text.
 _SETUP_LINE = (
-    f"set +H +o history; unset HISTFILE; declare -r PROMPT_COMMAND='{_PROMPT_COMMAND}'; __prorl_nonce={{nonce}}\n"
+    "set +H +o history; unset HISTFILE; PS1=; PS2=; "
+    f"declare -r PROMPT_COMMAND='{_PROMPT_COMMAND}'; __prorl_nonce={{nonce}}\n"
 )
 
 # Named keys for the input API; "C-x" control chords are computed.
@@ -82,6 +85,9 @@ class Launch:
     argv: list[str]
     env: dict[str, str]  # the host-side launcher's whole environment: fixed by the backend, never a client's
     sandbox_env: dict[str, str] = field(default_factory=dict)  # exported by the sandboxed bash itself
+    # A directory inside the sandbox whose *.sh the bash sources before it exports `sandbox_env`: an image's
+    # /.singularity.d/env, which Apptainer's own action scripts source, so that an image means the same here.
+    env_scripts: str | None = None
     ulimits: list[str] = field(default_factory=list)  # `ulimit -HS` arguments the shell applies first
     cwd: str | None = None
     # True when the launched process is a pid-namespace holder (bwrap): killing its child, the namespace's
@@ -106,6 +112,10 @@ def preamble(launch: Launch) -> str:
     """What the sandboxed bash runs before anything else: its limits, then its environment."""
     limits = f"ulimit -HS {' '.join(launch.ulimits)} || exit 97; " if launch.ulimits else ""
     exports = "".join(f"export {name}={shell_word(value)}; " for name, value in launch.sandbox_env.items())
+    if launch.env_scripts:
+        where = shell_word(launch.env_scripts)
+        scripts = f'for __prorl_f in {where}/*.sh; do [ -f "$__prorl_f" ] && . "$__prorl_f"; done'
+        exports = f"{scripts}; unset __prorl_f; {exports}"
     return limits + exports
 
 

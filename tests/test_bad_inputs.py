@@ -132,9 +132,11 @@ SPEC_MISTAKES = [
         bwrap=True,
         name="workdir-in-read-only-var",
     ),
-    mistake({"image": "empty"}, "image 'empty'", "cannot start a shell", "bash", bwrap=True, name="image-empty"),
+    mistake(
+        {"image": "empty"}, "image 'empty' is neither a SIF file", "root directory", bwrap=True, name="image-empty"
+    ),
     mistake({"image": "no-bash"}, "image 'no-bash'", "cannot start a shell", bwrap=True, name="image-no-bash"),
-    mistake({"image": "a-file"}, "image 'a-file' is not a directory", bwrap=True, name="image-file"),
+    mistake({"image": "a-file"}, "image 'a-file' is neither a SIF file", bwrap=True, name="image-file"),
     mistake({"image": "dangling"}, "no image named 'dangling'", bwrap=True, name="image-dangling-link"),
     mistake({"image": "leaves"}, "no image named 'leaves'", bwrap=True, name="image-link-out"),
     mistake({"image": "empty/deeper"}, "no image named 'empty/deeper'", bwrap=True, name="image-missing"),

@@ -180,6 +180,7 @@ async def test_every_sandbox_client_method_speaks_the_runtime_models():
         assert await client.healthy(5.0) is True
         info = await client.info()
         assert isinstance(info, ServerInfo) and info.sandboxes == 0
+        assert (await client.list_images()).images == []  # no --image-dir
 
         box = await client.create_sandbox(labels={"test": "clients"}, limits={"memory_mb": 1024})
         assert isinstance(box, SandboxInfo) and box.labels == {"test": "clients"} and box.limits.memory_mb == 1024

@@ -17,7 +17,7 @@ Two rules every backend keeps:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..models import Limits, SandboxSpec
@@ -52,8 +52,8 @@ def ulimit_args(limits: Limits) -> list[str]:
     the sandbox fail to start on any host running more than 64 processes as that user.
     """
     args: list[str] = []
-    for field, (flag, scale) in _ULIMIT_FLAGS.items():
-        value = getattr(limits, field)
+    for name, (flag, scale) in _ULIMIT_FLAGS.items():
+        value = getattr(limits, name)
         if value is not None:
             args += [flag, str(value * scale)]
     return args
@@ -81,12 +81,22 @@ def drop_privileges(uid: int | None) -> list[str]:
 @dataclass(frozen=True)
 class SandboxDirs:
     """What the server decided for one sandbox on the host: its directories under the state dir, the host uid
-    its processes run as (None: the server's own), and the root directory of its image (None: the host's)."""
+    its processes run as (None: the server's own), and its image: `image_root` the root directory of its
+    image (None: the host's), unpacked from the image's file where it has one (sandbox_runtime/images.py), or
+    `image_file`, a SIF file, for a backend that runs SIF files itself (`runs_sif`); one of the two at most.
+    `image_env` is the image's own environment (an OCI config's `Env`), `image_digest` its cache key."""
 
     id: str
     root: Path
     uid: int | None = None
     image_root: Path | None = None
+    image_file: Path | None = None
+    image_env: dict[str, str] = field(default_factory=dict)
+    image_digest: str | None = None
+
+    @property
+    def has_image(self) -> bool:
+        return self.image_root is not None or self.image_file is not None
 
     @property
     def workspace(self) -> Path:
@@ -101,6 +111,7 @@ class Backend(ABC):
     name: str
     isolated: bool = True
     forwards: bool = False  # whether its sessions have a network namespace of their own to open forwards in
+    runs_sif: bool = False  # whether it takes a SIF image as the file itself (Apptainer) rather than unpacked
 
     @classmethod
     @abstractmethod
@@ -133,8 +144,12 @@ class Backend(ABC):
         return spec.workdir
 
     def sandbox_env(self, dirs: SandboxDirs, spec: SandboxSpec) -> dict[str, str]:
-        """The environment of the sandboxed shell, exported by that shell (never a launcher's environment)."""
-        return {**SHELL_ENV, "HOME": self.workdir(dirs, spec), **spec.env}
+        """The environment of the sandboxed shell, exported by that shell (never a launcher's environment).
+
+        In an image, PATH is the image's: its config's `Env`, or what its `/.singularity.d/env` scripts make of
+        the default (a conda image puts its own bin first); the spec's `env` wins over both."""
+        base = {k: v for k, v in SHELL_ENV.items() if k != "PATH"} if dirs.has_image else SHELL_ENV
+        return {**base, "HOME": self.workdir(dirs, spec), **dirs.image_env, **spec.env}
 
 
 class BackendError(Exception):

@@ -25,6 +25,10 @@ from .base import LAUNCHER_ENV, SHELL_ARGV, Backend, BackendError, SandboxDirs, 
 # Top-level host entries never bound into a sandbox: per-user data, runtime sockets, mounts, and the
 # kernel filesystems that bwrap provides fresh.
 HIDDEN = frozenset({"proc", "dev", "sys", "tmp", "home", "root", "run", "mnt", "media", "lost+found", "boot"})
+# In an image only what bwrap provides itself: the image's /root or /home (a conda set-up, say) is its own.
+IMAGE_HIDDEN = frozenset({"proc", "dev", "sys", "tmp"})
+# Where a SIF image (and an OCI image unpacked by Apptainer) keeps the scripts that set its environment.
+ENV_SCRIPTS = "/.singularity.d/env"
 
 
 class BwrapBackend(Backend):
@@ -61,16 +65,18 @@ class BwrapBackend(Backend):
             )
 
     def launch(self, dirs: SandboxDirs, spec: SandboxSpec, command: list[str] = SHELL_ARGV) -> Launch:
+        scripts = dirs.image_root is not None and (dirs.image_root / ENV_SCRIPTS.lstrip("/")).is_dir()
         return Launch(
             argv=self.argv(dirs, spec, command),
             env=dict(LAUNCHER_ENV),
             sandbox_env=self.sandbox_env(dirs, spec),
+            env_scripts=ENV_SCRIPTS if scripts else None,
             ulimits=ulimit_args(spec.limits),
             pid_namespace=True,
         )
 
     def argv(self, dirs: SandboxDirs, spec: SandboxSpec, command: list[str] = SHELL_ARGV) -> list[str]:
-        root = dirs.image_root or Path("/")  # the manager resolved the image's name to a directory
+        root = dirs.image_root or Path("/")  # the manager unpacked the image into a directory (images.py)
         argv = [*drop_privileges(dirs.uid), self.binary, "--unshare-user", "--disable-userns"]
         argv += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
         argv += ["--die-with-parent", "--hostname", "sandbox"]
@@ -89,7 +95,7 @@ class BwrapBackend(Backend):
     def _root_binds(root: Path) -> list[str]:
         argv: list[str] = []
         for entry in sorted(os.scandir(root), key=lambda e: e.name):
-            if entry.name in HIDDEN:
+            if entry.name in _hidden(root):
                 continue
             target = "/" + entry.name
             if entry.is_symlink():  # merged-/usr layouts: /bin -> usr/bin
@@ -111,7 +117,7 @@ def _workdir_mountable(root: Path, workdir: str) -> bool:
     root, but not inside a top-level directory it binds read-only from `root` (there the whole path must exist
     already, as directories, no link on the way) nor through a top-level link it recreates."""
     names = workdir.strip("/").split("/")
-    if len(names) == 1 or names[0] in HIDDEN or not os.path.lexists(root / names[0]):
+    if len(names) == 1 or names[0] in _hidden(root) or not os.path.lexists(root / names[0]):
         return True
     path = root
     for name in names:
@@ -122,3 +128,7 @@ def _workdir_mountable(root: Path, workdir: str) -> bool:
         except OSError:
             return False
     return True
+
+
+def _hidden(root: Path) -> frozenset[str]:
+    return HIDDEN if root == Path("/") else IMAGE_HIDDEN
