@@ -7,9 +7,9 @@ PYTHON ?= $(shell command -v python3.11 || echo python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 # Slurm's daemons and munge: integration_tests/test_slurm.py runs the Slurm recipe on a real one-node cluster.
-SYSTEM_PACKAGES := bwrap:bubblewrap redis-server:redis-server slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge
+SYSTEM_PACKAGES := bwrap:bubblewrap redis-server:redis-server slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge mmdebstrap:mmdebstrap mksquashfs:squashfs-tools siftool:siftool umoci:umoci
 
-.PHONY: demo rollout-demo runtime-demo agent-demo test lint system-packages llm agent-env bench openapi
+.PHONY: demo rollout-demo runtime-demo agent-demo test lint system-packages llm agent-env test-images bench openapi
 
 # torch first, pinned: it is the CPU build on disk here, and nothing later may pull a CUDA build instead.
 # verl brings torchcodec, built for another torch: it breaks transformers' model imports, so it goes.
@@ -40,6 +40,9 @@ runtime-demo: system-packages $(VENV)/.installed
 agent-env:  # idempotent: the environment agent programs run in inside the sandboxes (/opt/prorl-agent)
 	scripts/agent-env.sh
 
+test-images: system-packages  # idempotent, cached: the Debian test images in every format (.test-images)
+	scripts/test-images.sh
+
 agent-demo: system-packages $(VENV)/.installed llm agent-env  # your own agent program through the gateway
 	$(PY) examples/own_agent/run.py
 
@@ -51,7 +54,7 @@ openapi: $(VENV)/.installed  # docs/openapi/: both servers' OpenAPI documents an
 	$(VENV)/bin/prorl-sandbox openapi --out docs/openapi
 	$(VENV)/bin/prorl-rollout openapi --out docs/openapi
 
-test: system-packages lint llm agent-env
+test: system-packages lint llm agent-env test-images
 	PRORL_REQUIRE_BACKENDS=1 $(PY) -m pytest
 
 bench: system-packages $(VENV)/.installed llm
