@@ -17,6 +17,8 @@ import pytest
 from prorl_adapter.dev import localstack
 from prorl_adapter.dev.localstack import VLLM_PYTHON, Service
 from sandbox_runtime.client import SandboxClient
+from tests.standins.rootfs import make_rootfs
+from tests.standins.runtime import REPO, python_for_user, standin_bin, start_standin_server
 
 # Which backends can run here, and why not where they cannot.
 BACKEND_SKIPS = {
@@ -28,6 +30,13 @@ BACKEND_SKIPS = {
     "local": None,
 }
 ISOLATED = ("bwrap", "apptainer")
+BACKENDS = ["bwrap", "local", "apptainer"]  # what `runtime` runs every behavioural suite against
+TEST_IMAGES = REPO / ".test-images"  # make test-images
+# Further `runtime` params the shell-session suite takes (integration_tests/test_sessions.py): the apptainer
+# backend driving tests/standins/apptainer, and bwrap running the Debian test image from a SIF file and an OCI
+# layout (the other suites assert the host root's /home and bwrap's process tree, which an image changes).
+IMAGE_VARIANTS = {"bwrap-sif": "debian-python.sif", "bwrap-oci": "debian-python.oci"}
+SESSION_VARIANTS = ["apptainer-standin", *IMAGE_VARIANTS]
 VLLM_SKIP = (
     None if VLLM_PYTHON.exists() else "the vLLM environment is missing: run scripts/vllm-env.sh (make test does)"
 )
@@ -40,6 +49,7 @@ class RuntimeServer:
     backend: str
     token: str | None
     unprivileged: bool = False  # run by an unprivileged user (its sandboxes share its uid)
+    image_name: str | None = None  # what its sandboxes are created with, where the backend needs an image
 
     @property
     def url(self) -> str:
@@ -57,6 +67,8 @@ class RuntimeServer:
         return SandboxClient(self.url, token=self.token, **kwargs)
 
     def image(self) -> str | None:
+        if self.image_name:
+            return self.image_name
         return os.environ.get("PRORL_APPTAINER_TEST_IMAGE") if self.backend == "apptainer" else None
 
 
@@ -115,15 +127,45 @@ def stop_server(server: RuntimeServer) -> None:
     server.service.stop()
 
 
-@pytest.fixture(scope="module", params=["bwrap", "local", "apptainer"])
+@pytest.fixture(scope="module", params=BACKENDS)
 def runtime(request, tmp_path_factory) -> Iterator[RuntimeServer]:
-    """One server per backend available on this machine; the behavioural suite runs against each."""
+    """One server per backend available on this machine; the behavioural suite runs against each (and the
+    session suite also against SESSION_VARIANTS)."""
     backend = request.param
+    if backend == "apptainer-standin":
+        if BACKEND_SKIPS["bwrap"]:
+            pytest.skip("the apptainer stand-in runs containers with bwrap, which is not installed")
+        yield from standin_runtime(tmp_path_factory)
+        return
+    image = IMAGE_VARIANTS.get(backend)
+    if image is not None and not (TEST_IMAGES / image).exists():
+        pytest.skip(f"{TEST_IMAGES / image} is missing: make test-images builds it")
+    backend = backend.split("-")[0]
     if BACKEND_SKIPS[backend]:
         pytest.skip(BACKEND_SKIPS[backend])
-    server = start_server(tmp_path_factory.mktemp(f"state-{backend}"), backend)
+    extra = ("--image-dir", str(TEST_IMAGES.resolve())) if image else ()
+    server = start_server(tmp_path_factory.mktemp(f"state-{request.param}"), backend, None, *extra)
+    server.image_name = image
     yield server
     stop_server(server)
+
+
+def standin_runtime(tmp_path_factory) -> Iterator[RuntimeServer]:
+    """The apptainer backend, unprivileged, driving tests/standins/apptainer; its image is the lead's Debian root
+    directory where built (scripts/test-images.sh), else a small one made of this host's programs."""
+    if python_for_user() is None:
+        pytest.skip("no Python that the unprivileged user nobody can run with this checkout importable")
+    rootfs = TEST_IMAGES / "debian-python.rootfs"
+    if rootfs.is_dir():
+        images, image = rootfs.parent, rootfs.name
+    else:
+        images, image = reachable(tmp_path_factory.mktemp("standin-images")), "tiny"
+        images.chmod(0o755)  # the server lists its image directories
+        make_rootfs(images / image)
+    tools = reachable(tmp_path_factory.mktemp("standin-bin"))
+    standin = start_standin_server(standin_bin(tools / "bin"), [images])
+    yield RuntimeServer(standin.service, standin.state, "apptainer", None, unprivileged=True, image_name=image)
+    standin.stop()
 
 
 @pytest.fixture(scope="module")

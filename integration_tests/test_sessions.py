@@ -9,6 +9,11 @@ import pytest
 
 from sandbox_runtime.client import SandboxAPIError
 
+from .conftest import BACKENDS, SESSION_VARIANTS
+
+# Every backend, and images: the Debian test image as a SIF file and as an OCI layout, and the apptainer stand-in.
+pytestmark = pytest.mark.parametrize("runtime", [*BACKENDS, *SESSION_VARIANTS], indirect=True, scope="module")
+
 
 @pytest.fixture
 async def client(runtime):

@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--apptainer-binary", default=None, help="path of apptainer or singularity")
     serve.add_argument("--fakeroot", action="store_true", help="start Apptainer instances with --fakeroot")
     serve.add_argument(
+        "--apptainer-cgroups",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="--memory and --pids-limit on Apptainer instances: auto where cgroups v2 delegates memory and pids "
+        "to this user through systemd (apptainer.conf must also say `systemd cgroups = yes`)",
+    )
+    serve.add_argument(
         "--register",
         action="append",
         default=[],
@@ -107,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         state_dir=args.state_dir,
         apptainer_binary=args.apptainer_binary,
         apptainer_fakeroot=args.fakeroot,
+        apptainer_cgroups={"auto": None, "on": True, "off": False}[args.apptainer_cgroups],
         image_dirs=args.image_dir,
         image_cache_gb=args.image_cache_gb,
         allow_local=args.allow_local or args.backend == "local",

@@ -74,6 +74,7 @@ class ServerConfig:
     max_body_bytes: int = 64 * 1024 * 1024
     apptainer_binary: str | None = None
     apptainer_fakeroot: bool = False
+    apptainer_cgroups: bool | None = None  # --memory/--pids-limit on instances; None: where the machine allows
     reap_interval_s: float = 1.0
     # Rollout services this runtime registers with (heartbeats), and how they know and reach it.
     register: list[str] = field(default_factory=list)

@@ -1,4 +1,4 @@
-"""Small real images for the image store's tests, built in a second from the host's own bash: a root directory,
+"""Small real images for the image store's tests, built in a second from the host's own programs: a root directory,
 and the same root as a SIF file (mksquashfs + siftool), an OCI layout (umoci, two layers, the second deleting a
 file through a whiteout) and a classic `docker save` archive. The Debian test images (.test-images, built by
 `make test-images`) are the full-size ones; these keep the store's unit tests fast and self-contained."""
@@ -14,32 +14,19 @@ import subprocess
 import tarfile
 from pathlib import Path
 
+from tests.standins.rootfs import make_rootfs
+
 TOOLS = ("mksquashfs", "siftool", "umoci", "unsquashfs")
 MISSING_TOOLS = [tool for tool in TOOLS if shutil.which(tool) is None]
 SKIP_REASON = f"image tools missing: {', '.join(MISSING_TOOLS)} (make system-packages installs them)"
-PROGRAMS = ("bash", "cat", "ls")
-
-
-def _libraries(binary: str) -> set[str]:
-    output = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
-    return {word for line in output.splitlines() for word in line.split() if word.startswith("/")}
+PROGRAMS = ("bash", "cat", "ls", "env")
 
 
 def tiny_root(target: Path) -> Path:
-    """A root with bash, cat and ls and their libraries, /etc/hello, and a file the OCI whiteout deletes."""
-    (target / "usr" / "bin").mkdir(parents=True)
-    (target / "bin").symlink_to("usr/bin")
-    for program in PROGRAMS:
-        path = shutil.which(program)
-        assert path, program
-        shutil.copy(path, target / "usr" / "bin" / program)
-        for library in _libraries(path):
-            copy = target / library.lstrip("/")
-            copy.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(library, copy)
-    (target / "etc").mkdir()
+    """A root of a few host programs (tests/standins/rootfs.py), /etc/hello, and the environment scripts that
+    `apptainer build` leaves in every SIF."""
+    make_rootfs(target, PROGRAMS)
     (target / "etc" / "hello").write_text("hello from the image\n")
-    # What `apptainer build` leaves in every SIF: scripts its action scripts source (here, under bwrap, the shell).
     scripts = target / ".singularity.d" / "env"
     scripts.mkdir(parents=True)
     (scripts / "90-environment.sh").write_text('export PRORL_FROM_SCRIPT=yes\nPATH="/opt/tool/bin:$PATH"\n')

@@ -28,7 +28,7 @@ def make_backend(name: str, config: ServerConfig) -> Backend:
         return BwrapBackend(config.state_dir)
     if cls is ApptainerBackend:
         binary = config.apptainer_binary or ("singularity" if name == "singularity" else None)
-        return ApptainerBackend(binary=binary, fakeroot=config.apptainer_fakeroot)
+        return ApptainerBackend(binary=binary, fakeroot=config.apptainer_fakeroot, cgroups=config.apptainer_cgroups)
     return LocalBackend()
 
 
