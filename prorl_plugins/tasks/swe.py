@@ -15,16 +15,24 @@ Eval trusts nothing the agent could have planted (swe_grading.py has the rules):
    original tests restored are written back;
 4. the test command runs as a one-shot process whose exit status comes from the kernel; where the instance
    names the tests that must pass, each must appear as passed in the log (an early `exit 0` passes nothing).
+
+SWE-bench-format rows (SWE-bench, SWE-Gym: `instance_id`, `repo`, `base_commit`, `test_patch`, ...; the repository
+in the instance's image at /testbed) are served by swe_bench.py on the same rules, graded by swebench's own log
+parsers. Their image is the row's `image`, else an image template (the row's `image_template`, else this task's:
+`SweTask(image_template=...)`, else the rollout service's environment variable PRORL_SWE_IMAGE_TEMPLATE, else
+`sweb.eval.x86_64.{image_id}.sif`, SWE-bench's image names as files under the runtime's --image-dir).
 """
 
 from __future__ import annotations
 
-import json
+import os
 from typing import Any
 
 from prorl_adapter.tasks import Environment, EpisodeState, TaskConfigError, TaskHandler
 from sandbox_runtime.client import SandboxAPIError
 
+from . import swe_bench
+from .swe_bench import named_tests
 from .swe_grading import agent_changes, graded_tree, parse_test_log, tests_verdict, unified_patch
 
 REPO = "repo"
@@ -39,28 +47,53 @@ class SweTask(TaskHandler):
     tool_timeout_s = 60.0
     prorl_data_sources = ("swebench",)
 
+    def __init__(self, image_template: str | None = None) -> None:
+        # For SWE-bench rows that name no image; None: PRORL_SWE_IMAGE_TEMPLATE, else SWE-bench's names.
+        self.image_template = image_template
+
+    def _image_template(self) -> str:
+        if self.image_template is not None:
+            return self.image_template
+        return os.environ.get(swe_bench.IMAGE_TEMPLATE_ENV, swe_bench.DEFAULT_IMAGE_TEMPLATE)
+
+    def _bench_row(self, instance: dict[str, Any]) -> swe_bench.BenchRow | None:
+        """The SWE-bench row checked (TaskConfigError naming what is wrong); None for a row of the task's own."""
+        return swe_bench.bench_row(instance, self._image_template()) if swe_bench.is_bench_row(instance) else None
+
     def from_prorl_instance(self, data_source: str, row: dict[str, Any]) -> dict[str, Any]:
-        """A ProRL `swebench` row runs here when it carries the repository itself, as this task's rows do; a
-        SWE-Gym or SWE-bench row names an image with the repository instead, which this task cannot run yet."""
-        if not any(row.get(name) for name in ("files", "test_files", "test_command")):
-            raise TaskConfigError(
-                "the row brings no repository ('files', 'test_files', 'test_command'): this service's swe task "
-                "takes the repository in the row; SWE-bench rows whose repository lives in a per-instance image "
-                f"({row.get('instance_id', 'its instance_id')}) are not served yet"
-            )
-        check_row(row)
+        """A ProRL `swebench` row: a SWE-bench or SWE-Gym row (the repository in the instance's image), or one that
+        carries the repository itself, as this task's own rows do."""
+        if self._bench_row(row) is None:
+            if not any(row.get(name) for name in ("files", "test_files", "test_command")):
+                raise TaskConfigError(
+                    "the row brings no repository: a SWE-bench row needs 'base_commit' and 'test_patch' (its "
+                    "repository in the instance's image), this task's own rows 'files', 'test_files' and "
+                    f"'test_command' ({row.get('instance_id', 'no instance_id')})"
+                )
+            check_row(row)
         return row
 
+    def sandbox_spec(self, instance: dict[str, Any]) -> dict[str, Any]:
+        if swe_bench.is_bench_row(instance):
+            return swe_bench.sandbox_spec(instance, self._image_template())
+        return super().sandbox_spec(instance)
+
     def system_prompt(self, instance: dict[str, Any]) -> str:
+        if row := self._bench_row(instance):
+            return swe_bench.system_prompt(row)
         return (
             f"You fix bugs in the git repository in ./{REPO} using the bash tool (one call per turn, inside "
             "<tool_call></tool_call>). Do not edit the tests. Call finish when the tests pass."
         )
 
     def user_prompt(self, instance: dict[str, Any]) -> str:
+        if row := self._bench_row(instance):
+            return swe_bench.user_prompt(row)
         return f"{instance['problem_statement']}\n\nRun the tests with: cd {REPO} && {instance['test_command']}"
 
     async def init(self, env: Environment, instance: dict[str, Any]) -> None:
+        if row := self._bench_row(instance):
+            return await swe_bench.init(env, row)
         check_row(instance)
         for path, content in {**instance["files"], **instance["test_files"]}.items():
             await env.write_file(f"{REPO}/{path}", content)
@@ -73,6 +106,8 @@ class SweTask(TaskHandler):
             raise TaskConfigError(f"could not create the repository: {result.output[-500:]}")
 
     async def evaluate(self, env: Environment, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
+        if row := self._bench_row(instance):
+            return await swe_bench.evaluate(env, row, state)
         repo = f"{env.workdir}/{REPO}"  # absolute: nothing depends on a session's cwd
         original = {**instance["files"], **instance["test_files"]}
         try:
@@ -113,16 +148,3 @@ def check_row(instance: dict[str, Any]) -> None:
         if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
             raise TaskConfigError(f"{name!r} must map each path to its content (strings)")
     named_tests(instance, "FAIL_TO_PASS"), named_tests(instance, "PASS_TO_PASS")
-
-
-def named_tests(instance: dict[str, Any], field: str) -> list[str]:
-    """A SWE-bench test list: a list of names, or a JSON string of one (as SWE-bench rows store them)."""
-    value = instance.get(field) or []
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise TaskConfigError(f"{field} must be a list of test names or a JSON string of one") from None
-    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
-        raise TaskConfigError(f"{field} must be a list of test names")
-    return value

@@ -105,6 +105,18 @@ def agent_changes(agent_tree: bytes, original: Mapping[str, str | bytes], max_by
     )
 
 
+def repository_tree(archive: bytes, max_bytes: int = 64 << 20) -> tuple[dict[str, tuple[bytes, int]], dict[str, str]]:
+    """A repository's files, path -> (content, REGULAR or EXECUTABLE), and symlinks, path -> target, from a tar.gz
+    of its directory, leaving out what git cannot track (everything below `.git`); ValueError as for
+    `agent_changes`. For a tree nobody but eval has touched, such as a fresh checkout."""
+    tree = _read_tree(archive, max_bytes)
+    files = {path: (content, _git_mode(mode)) for path, (content, mode) in tree.files.items()}
+    return (
+        {path: entry for path, entry in files.items() if not _git_cannot_track(path)},
+        {path: target for path, target in tree.symlinks.items() if not _git_cannot_track(path)},
+    )
+
+
 def unified_patch(changes: AgentChanges, original: Mapping[str, str | bytes]) -> str:
     """The agent's changes as a git-style unified diff (what ProRL's clients read as `git_patch`): text files line
     by line, a binary file as `Binary files ... differ`, a symlink as its target. For a person or a trainer to read;

@@ -1,0 +1,577 @@
+"""SWE-bench-format rows of the `swe` task (SWE-bench, its Lite and Verified sets, SWE-Gym): the repository lives
+in the instance's image, at /testbed, checked out at base_commit; eval grades the agent's patch as SWE-bench does.
+
+Row: {"instance_id": "astropy__astropy-12907", "repo": "astropy/astropy", "base_commit": "d16bfe05a744...",
+      "problem_statement": "...", "test_patch": "diff --git a/... (a unified diff, as git writes it)",
+      "FAIL_TO_PASS": [test names], "PASS_TO_PASS": [test names] (lists, or JSON strings of lists, as in the
+      datasets), optional: "version" (with `repo`, it picks swebench's test command), "image" (a name under the
+      runtime's --image-dir), "image_template", "repo_path" (where the image holds the repository; /testbed),
+      "test_cmd" (SWE-bench's kind: the test patch's test files are appended) or "test_command" (the whole
+      command, run as it is), "env" (the sandbox's environment, replacing TESTBED_ENV), "limits"}
+Other fields (the gold `patch`, `hints_text`, ...) are ignored; the gold patch is never shown.
+
+The image is the row's `image`, else its `image_template`, else the rollout service's PRORL_SWE_IMAGE_TEMPLATE,
+else DEFAULT_IMAGE_TEMPLATE, formatted with {instance_id} (as in the row), {image_id} (as SWE-bench's published
+images spell it: lower case, `__` as `_1776_`), {repo} and {version}.
+
+init: the runtime shows the image's root read-only, so the repository is copied from /testbed into
+/workspace/repo (`cp -a`, so the build products the image's environment relies on stay), checked out at
+base_commit, and the test patch is checked to apply; the agent works in /workspace/repo and never sees the patch.
+
+eval, as SWE-bench grades, trusting nothing the agent could have planted (the pipeline has ended its processes):
+1. the agent's repository is read through the runtime's file API (its `.git` pruned of objects first, so that a
+   big repository fits) and its changes computed in this process (swe_grading): its git never runs;
+2. the sandbox is wiped and a fresh copy made from /testbed, which the agent could not write, so git run there by
+   eval is trusted; the fresh tree, read back, is what the agent's changes are taken relative to;
+3. the test patch is applied to the fresh copy (git apply), then the agent's changes, except at every path the
+   test patch touches, at every conftest.py, sitecustomize.py and usercustomize.py (test machinery that a fix
+   does not change, and that could report every test passed), compiled Python (`__pycache__`, .pyc), new
+   modules in the repository's root or a test's directory (they would shadow pytest or the standard library:
+   `outside`) and what lies below one of its symlinks;
+4. the tests run as a one-shot process (swebench's test command for the repo and version, else `python3 -m
+   pytest -rA` on the test patch's test files; the image's conda `testbed` environment activated where it has
+   one; a run that times out scores 0, and its exit status is not read: as in SWE-bench, tests outside the two
+   lists may fail), and swebench's log parser for the repo reads the log: every
+   FAIL_TO_PASS and PASS_TO_PASS test must be PASSED (or XFAIL, as SWE-bench counts it). A test missing from the
+   log fails, and so does one that any line of the log on its own reports as failed: swebench's parsers keep a
+   test's last line, which a line printed by the code under test after pytest's summary would otherwise be.
+
+Not defended, as in SWE-bench: the code under test runs with the agent's changes, so it can change how the tests
+run (monkeypatch pytest when imported, shadow a module the tests import, or add a plugin in setup.cfg).
+
+The repository is in /workspace/repo, not /testbed, while a SWE-bench image's environment has it installed in
+editable mode from /testbed: PYTHONPATH puts /workspace/repo first, so that `import pkg` finds the agent's code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import importlib.machinery
+import importlib.util
+import json
+import os
+import re
+import shlex
+import sys
+import threading
+import types
+import uuid
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prorl_adapter.tasks import Environment, EpisodeState, TaskConfigError
+from sandbox_runtime.client import SandboxAPIError
+from sandbox_runtime.models import SandboxSpec
+
+from .swe_grading import AgentChanges, agent_changes, graded_tree, repository_tree, unified_patch
+
+WORKDIR = "/workspace"
+REPO = f"{WORKDIR}/repo"
+REPO_PATH = "/testbed"
+DEFAULT_IMAGE_TEMPLATE = "sweb.eval.x86_64.{image_id}.sif"
+IMAGE_TEMPLATE_ENV = "PRORL_SWE_IMAGE_TEMPLATE"
+FALLBACK_TEST_CMD = "python3 -m pytest -rA"
+# SWE-bench's images keep the instance's environment in conda's `testbed` env: first on PATH for the agent's shell
+# (nothing else activates it there), activated properly for the graded run. A directory that does not exist costs
+# nothing, so images without conda (SWE-Gym's own builds, the tests' Debian image) run as they are.
+TESTBED_ENV = {
+    "PATH": "/opt/miniconda3/envs/testbed/bin:/opt/miniconda3/condabin:/opt/miniconda3/bin:"
+    "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "PYTHONPATH": REPO,
+}
+CONDA_ACTIVATE = (
+    "if [ -f /opt/miniconda3/bin/activate ]; then source /opt/miniconda3/bin/activate && conda activate testbed; fi"
+)
+REQUIRED = ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "FAIL_TO_PASS")
+PROTECTED_NAMES = frozenset({"conftest.py", "sitecustomize.py", "usercustomize.py"})
+COPY_TIMEOUT_S = 900.0  # a big repository with its .git, from a slow shared file system
+TEST_TIMEOUT_S = 1800.0  # SWE-bench's own per-instance default
+TEST_LOG_BYTES = 8 << 20
+TREE_BYTES = 1 << 30  # what a repository's files may hold in all, read into this process for grading
+_COMMIT = re.compile(r"[0-9a-f]{7,64}")
+_DIFF_HEADER = re.compile(r'^diff --git (?P<old>"(?:[^"\\]|\\.)*"|\S+) (?P<new>"(?:[^"\\]|\\.)*"|\S+)$', re.MULTILINE)
+_ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+_IMPORT_SUFFIXES = tuple(importlib.machinery.all_suffixes())  # .py, .pyc, .so, .cpython-311-x86_64-linux-gnu.so
+
+
+def is_bench_row(row: Mapping[str, Any]) -> bool:
+    """Whether `row` is SWE-bench's format (the repository in an image) rather than the task's own (`files`)."""
+    return "files" not in row and ("base_commit" in row or "test_patch" in row)
+
+
+# --- The row ------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """A checked SWE-bench row."""
+
+    instance_id: str
+    repo: str
+    base_commit: str
+    problem_statement: str
+    test_patch: str
+    fail_to_pass: list[str]
+    pass_to_pass: list[str]
+    version: str | None
+    image: str
+    repo_path: str
+    test_paths: frozenset[str]  # every path the test patch touches, before and after
+    test_cmd: str | None  # the row's, SWE-bench's kind
+    test_command: str | None  # the row's, run as it is
+    env: dict[str, str]
+    limits: dict[str, Any]
+
+
+def bench_row(row: Mapping[str, Any], image_template: str | None = None) -> BenchRow:
+    """The row checked, or TaskConfigError naming the first field that is missing or wrong. `image_template` is the
+    task's, used where the row names neither an image nor a template of its own."""
+    missing = [name for name in REQUIRED if not row.get(name)]
+    if missing:
+        raise TaskConfigError(f"a SWE-bench row needs {', '.join(map(repr, missing))}")
+    for name in ("instance_id", "repo", "base_commit", "problem_statement", "test_patch"):
+        if not isinstance(row[name], str):
+            raise TaskConfigError(f"{name!r} must be a string")
+    base_commit = row["base_commit"].strip().lower()
+    if not _COMMIT.fullmatch(base_commit):
+        raise TaskConfigError(f"'base_commit' must be a commit hash (hex digits), not {row['base_commit']!r}")
+    fail_to_pass = named_tests(row, "FAIL_TO_PASS")
+    if not fail_to_pass:
+        raise TaskConfigError("'FAIL_TO_PASS' names no test: there would be nothing to grade")
+    version = row.get("version")
+    if version is not None and not isinstance(version, str | int | float):
+        raise TaskConfigError("'version' must be a string such as '4.3'")
+    repo_path = row.get("repo_path", REPO_PATH)
+    if not isinstance(repo_path, str) or not repo_path.startswith("/") or ".." in repo_path.split("/"):
+        raise TaskConfigError(f"'repo_path' must be an absolute path inside the image, not {repo_path!r}")
+    test_cmd, test_command = (_optional_string(row, name) for name in ("test_cmd", "test_command"))
+    env, limits = row.get("env", TESTBED_ENV), row.get("limits", {})
+    if not isinstance(env, dict) or not isinstance(limits, dict):
+        raise TaskConfigError("'env' and 'limits' must be objects")
+    return BenchRow(
+        instance_id=row["instance_id"],
+        repo=row["repo"],
+        base_commit=base_commit,
+        problem_statement=row["problem_statement"],
+        test_patch=row["test_patch"],
+        fail_to_pass=fail_to_pass,
+        pass_to_pass=named_tests(row, "PASS_TO_PASS"),
+        version=None if version is None else str(version),
+        image=image_name(row, image_template),
+        repo_path=repo_path.rstrip("/") or "/",
+        test_paths=frozenset(patch_paths(row["test_patch"])),
+        test_cmd=test_cmd,
+        test_command=test_command,
+        env=env,
+        limits=limits,
+    )
+
+
+def named_tests(row: Mapping[str, Any], field: str) -> list[str]:
+    """A SWE-bench test list: a list of names, or a JSON string of one (as SWE-bench rows store them)."""
+    value = row.get(field) or []
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise TaskConfigError(f"{field} must be a list of test names or a JSON string of one") from None
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        raise TaskConfigError(f"{field} must be a list of test names")
+    return value
+
+
+def _optional_string(row: Mapping[str, Any], name: str) -> str | None:
+    value = row.get(name)
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise TaskConfigError(f"{name!r} must be a non-empty string (a shell command)")
+    return value
+
+
+def image_name(row: Mapping[str, Any], template: str | None = None) -> str:
+    """The image the row runs in: its `image`, else a template (the row's `image_template`, else `template`, the
+    task's) with {instance_id}, {image_id} (SWE-bench's spelling: lower case, `__` as `_1776_`), {repo}, {version}.
+    TaskConfigError when there is neither, or the name is not one the runtime takes."""
+    image = row.get("image")
+    if image is None:
+        template = row.get("image_template", template)
+        if not template:
+            raise TaskConfigError("the row names no 'image' and there is no image template ('image_template')")
+        if not isinstance(template, str):
+            raise TaskConfigError("'image_template' must be a string such as 'sweb.eval.x86_64.{image_id}.sif'")
+        instance_id = str(row.get("instance_id", ""))
+        fields = {
+            "instance_id": instance_id,
+            "image_id": instance_id.lower().replace("__", "_1776_"),
+            "repo": str(row.get("repo", "")),
+            "version": str(row.get("version", "")),
+        }
+        try:
+            image = template.format(**fields)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise TaskConfigError(
+                f"'image_template' {template!r} is not a template of {', '.join(f'{{{f}}}' for f in fields)}: {exc}"
+            ) from None
+    if not isinstance(image, str):
+        raise TaskConfigError("'image' must be a string: an image name under the runtime's --image-dir")
+    try:
+        SandboxSpec(image=image)
+    except ValueError as exc:
+        raise TaskConfigError(f"'image' {image!r} is not an image name the runtime takes: {exc}") from None
+    return image
+
+
+def patch_paths(patch: str) -> list[str]:
+    """Every path a unified diff (as git writes it) touches, the old and the new name of each file, in order;
+    TaskConfigError for text that is no such diff or names a path outside the repository."""
+    paths: list[str] = []
+    headers = list(_DIFF_HEADER.finditer(patch))
+    if not headers:
+        raise TaskConfigError("'test_patch' is not a unified diff as git writes it (no 'diff --git' line)")
+    for header in headers:
+        for side, prefix in (("old", "a/"), ("new", "b/")):
+            path = _unquoted(header[side])
+            if not path.startswith(prefix):
+                raise TaskConfigError(f"'test_patch' has a file header without {prefix!r}: {header[0]!r}")
+            path = path[len(prefix) :]
+            parts = path.split("/")
+            if any(part in ("", ".", "..") for part in parts) or any(part.lower() == ".git" for part in parts):
+                raise TaskConfigError(f"'test_patch' touches {path!r}, which is no path inside the repository")
+            if path not in paths:
+                paths.append(path)
+    return paths
+
+
+def _unquoted(name: str) -> str:
+    """A path as git quotes one with unusual characters: "a/t\\303\\251st.py" (C escapes of UTF-8 bytes)."""
+    if not name.startswith('"'):
+        return name
+    try:
+        return codecs.escape_decode(name[1:-1].encode())[0].decode()
+    except (ValueError, UnicodeDecodeError):
+        raise TaskConfigError(f"'test_patch' has a file name git did not quote as expected: {name}") from None
+
+
+# --- swebench: its test commands and log parsers ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Swebench:
+    specs: Mapping[str, Mapping[str, Mapping[str, Any]]]  # MAP_REPO_VERSION_TO_SPECS
+    extensions: Mapping[str, str]  # MAP_REPO_TO_EXT: "py" for the Python repositories
+    parsers: Mapping[str, Callable[[str, Any], dict[str, str]]]  # MAP_REPO_TO_PARSER
+    pytest_parser: Callable[[str, Any], dict[str, str]]
+    test_directives: Callable[[dict[str, Any]], list[str]]
+    passed: frozenset[str]  # the statuses SWE-bench counts as passed: PASSED, XFAIL
+    failed: frozenset[str]
+
+
+_SWEBENCH: _Swebench | None = None
+_SWEBENCH_LOCK = threading.Lock()
+
+
+def swebench() -> _Swebench:
+    """swebench's tables and functions, imported once (from a worker thread: it takes about a second).
+
+    `swebench/__init__.py` and `swebench/harness/__init__.py` import the whole harness (docker, modal, ghapi,
+    datasets): they are skipped, by placing a bare package for each in sys.modules before the modules that are
+    used are imported (constants, log parsers, test directives: their own imports bring only requests, dotenv,
+    unidiff and datasets). A later `import swebench` elsewhere in the process gets the bare package, whose
+    submodules all still import."""
+    global _SWEBENCH
+    with _SWEBENCH_LOCK:
+        if _SWEBENCH is None:
+            _SWEBENCH = _import_swebench()
+        return _SWEBENCH
+
+
+def _import_swebench() -> _Swebench:
+    found = importlib.util.find_spec("swebench") if "swebench" not in sys.modules else sys.modules["swebench"].__spec__
+    if found is None or not found.submodule_search_locations:
+        raise TaskConfigError(
+            "SWE-bench rows are graded with the swebench package, which is not installed where this rollout "
+            "service runs: pip install 'prorl-adapter[swebench]'"
+        )
+    root = next(iter(found.submodule_search_locations))
+    for name, path in (("swebench", root), ("swebench.harness", os.path.join(root, "harness"))):
+        if name not in sys.modules:
+            package = types.ModuleType(name)
+            package.__path__ = [path]
+            package.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+            package.__spec__.submodule_search_locations = [path]
+            sys.modules[name] = package
+    from swebench.harness.constants import MAP_REPO_TO_EXT, MAP_REPO_VERSION_TO_SPECS, TestStatus
+    from swebench.harness.log_parsers import MAP_REPO_TO_PARSER
+    from swebench.harness.log_parsers.python import parse_log_pytest
+    from swebench.harness.test_spec.python import get_test_directives
+
+    return _Swebench(
+        specs=MAP_REPO_VERSION_TO_SPECS,
+        extensions=MAP_REPO_TO_EXT,
+        parsers=MAP_REPO_TO_PARSER,
+        pytest_parser=parse_log_pytest,
+        test_directives=get_test_directives,
+        passed=frozenset({TestStatus.PASSED.value, TestStatus.XFAIL.value}),
+        failed=frozenset({TestStatus.FAILED.value, TestStatus.ERROR.value}),
+    )
+
+
+def _specs(row: BenchRow) -> Mapping[str, Any] | None:
+    """swebench's specs for the row's repository and version, None where it has none."""
+    return swebench().specs.get(row.repo, {}).get(row.version or "")
+
+
+def graded_command(row: BenchRow) -> str:
+    """The command the graded run ends with: the row's `test_command` as it is; else a test command with the test
+    patch's test files appended as SWE-bench's eval script appends them (the row's `test_cmd`, else swebench's for
+    the repository and version); for a repository whose swebench test command is a list (not Python), those
+    commands in turn; else FALLBACK_TEST_CMD."""
+    if row.test_command:
+        return row.test_command
+    specs = _specs(row)
+    command = row.test_cmd or (specs or {}).get("test_cmd") or FALLBACK_TEST_CMD
+    if isinstance(command, list):
+        return "\n".join(command)
+    if row.test_cmd is None and specs is not None and swebench().extensions.get(row.repo, "py") != "py":
+        return command
+    directives = swebench().test_directives({"repo": row.repo, "test_patch": row.test_patch})
+    return " ".join([command, *map(shlex.quote, directives)])
+
+
+def shown_command(row: BenchRow) -> str:
+    """The test command as the prompt gives it: without the test patch's files, which the agent never sees."""
+    if row.test_command:
+        return row.test_command
+    command = row.test_cmd or (_specs(row) or {}).get("test_cmd") or FALLBACK_TEST_CMD
+    return command if isinstance(command, str) else " && ".join(command)
+
+
+def graded_script(row: BenchRow) -> str:
+    """The graded run's bash script: the conda environment where the image has one, swebench's `eval_commands`
+    for the repository (environment variables; what fails on the read-only root is skipped), the tests."""
+    eval_commands = (_specs(row) or {}).get("eval_commands", []) if not row.test_command else []
+    return "\n".join([CONDA_ACTIVATE, *eval_commands, f"cd {shlex.quote(REPO)}", graded_command(row)]) + "\n"
+
+
+def grade_log(row: BenchRow, log: str) -> tuple[bool, list[str]]:
+    """Whether every FAIL_TO_PASS and PASS_TO_PASS test passed in the log, by swebench's parser for the
+    repository (its pytest parser for one it does not know), and 'name: STATUS' for each that did not.
+
+    A test passes when the parser reads the log as PASSED or XFAIL, and no line of the log, read on its own,
+    reports it FAILED or ERROR; a test the log never mentions is 'missing' and fails."""
+    package = swebench()
+    parse = package.parsers.get(row.repo, package.pytest_parser)
+    spec = types.SimpleNamespace(
+        instance_id=row.instance_id,
+        repo=row.repo,
+        version=row.version,
+        FAIL_TO_PASS=row.fail_to_pass,
+        PASS_TO_PASS=row.pass_to_pass,
+    )
+
+    def parsed(text: str) -> dict[str, str]:
+        try:
+            return parse(text, spec)
+        except Exception:  # a parser that chokes on what the code under test printed: nothing reported there
+            return {}
+
+    log = _ANSI_COLOUR.sub("", log)
+    statuses = parsed(log)
+    failed_somewhere = {
+        name for line in log.splitlines() for name, status in parsed(line).items() if status in package.failed
+    }
+    failures = []
+    for name in dict.fromkeys([*row.fail_to_pass, *row.pass_to_pass]):
+        status = statuses.get(name, "missing")
+        if status not in package.passed or name in failed_somewhere:
+            failures.append(f"{name}: {status if name not in failed_somewhere else 'FAILED'}")
+    return not failures, failures
+
+
+# --- The sandbox, init ------------------------------------------------------------------------------------------
+
+
+def sandbox_spec(row: Mapping[str, Any], image_template: str | None) -> dict[str, Any]:
+    """The sandbox of a SWE-bench row: its image, the workspace at WORKDIR, the conda environment first on PATH.
+    A row too broken to name an image gets a plain sandbox, where init then fails with what is wrong with it."""
+    try:
+        checked = bench_row(row, image_template)
+    except TaskConfigError:
+        return {}
+    return {"image": checked.image, "workdir": WORKDIR, "env": checked.env, "limits": checked.limits}
+
+
+async def init(env: Environment, row: BenchRow) -> None:
+    """The repository copied from the image into REPO at base_commit, and the test patch checked to apply there
+    (then removed: the agent never sees it). TaskConfigError for an image or row that cannot serve."""
+    await asyncio.to_thread(swebench)  # fails early where swebench is missing; imported once per process
+    await fresh_checkout(env, row)
+    patch = f"/tmp/test-patch-{uuid.uuid4().hex}.diff"
+    await env.write_file(patch, row.test_patch)
+    check = await env.run(
+        script=f"git apply --check {shlex.quote(patch)} 2>&1; status=$?; rm -f {shlex.quote(patch)}; exit $status",
+        cwd=REPO,
+        timeout=120,
+    )
+    if check.status != "completed" or check.exit_code != 0:
+        raise TaskConfigError(f"'test_patch' does not apply at base_commit {row.base_commit}: {check.output[-800:]}")
+
+
+async def fresh_checkout(env: Environment, row: BenchRow) -> None:
+    """REPO made anew as a copy of the image's repository, checked out at base_commit. Only what the image holds
+    is read, so git runs here without the agent's config or hooks (the image's own hooks are switched off too)."""
+    source, base = shlex.quote(row.repo_path), shlex.quote(row.base_commit)
+    git = "git -c safe.directory='*' -c core.hooksPath=/dev/null -c advice.detachedHead=false"
+    script = f"""
+if [ ! -d {source}/.git ]; then echo "{row.repo_path} in image {row.image} is not a git repository"; exit 3; fi
+rm -rf {REPO} && mkdir -p {REPO} && cp -a {source}/. {REPO}/ || exit 4
+cd {REPO} && {git} checkout -q -f {base} 2>&1 || {{ echo "base_commit {base} is not in {source}"; exit 5; }}
+"""
+    result = await env.run(script=script, timeout=COPY_TIMEOUT_S, max_output_bytes=64 << 10)
+    if result.status != "completed" or result.exit_code != 0:
+        raise TaskConfigError(
+            f"could not copy the repository from image {row.image!r}: {result.status}, {result.output[-800:]}"
+        )
+
+
+# --- The prompts --------------------------------------------------------------------------------------------------
+
+
+def system_prompt(row: BenchRow) -> str:
+    return (
+        f"You resolve an issue in the git repository in {REPO}, using the bash tool (one call per turn, inside "
+        f"<tool_call></tool_call>). {row.repo_path} holds a read-only copy of the original: make your changes in "
+        f"{REPO}. Change the code, not the tests: the tests are replaced by the graders' own. Call finish when "
+        "the issue is resolved."
+    )
+
+
+def user_prompt(row: BenchRow) -> str:
+    return (
+        f"{row.problem_statement}\n\nThe repository ({row.repo}, at commit {row.base_commit[:12]}) is in {REPO}. "
+        f"Run the tests with: cd {REPO} && {shown_command(row)}"
+    )
+
+
+# --- eval ---------------------------------------------------------------------------------------------------------
+
+
+async def evaluate(env: Environment, row: BenchRow, state: EpisodeState) -> dict[str, float]:
+    # 1. The agent's tree, read by the runtime; its git objects and index are nothing to grade and may be large.
+    agent_tree: bytes | None = None
+    await env.run(argv=["rm", "-rf", "--", *(f"{REPO}/.git/{name}" for name in ("objects", "lfs", "modules"))])
+    try:
+        agent_tree = await env.download_archive(REPO)
+    except SandboxAPIError as exc:  # no readable repository (replaced by a link, too large): no patch
+        if exc.status >= 500:
+            raise
+    # 2. A fresh copy from the image; its tree as the original (its .git set aside while it is read).
+    await env.wipe()
+    await fresh_checkout(env, row)
+    aside = f"{WORKDIR}/.git-{uuid.uuid4().hex}"
+    await _checked_run(env, ["mv", "--", f"{REPO}/.git", aside])
+    original, original_links = repository_tree(await env.download_archive(REPO), TREE_BYTES)
+    await _checked_run(env, ["mv", "--", aside, f"{REPO}/.git"])
+    if agent_tree is None:
+        return {"outcome": 0.0}
+    try:
+        changes = agent_changes(agent_tree, {path: content for path, (content, _) in original.items()}, TREE_BYTES)
+    except ValueError:  # an unreadable or oversized tree: no patch
+        return {"outcome": 0.0}
+    changes = _unchanged_dropped(changes, original, original_links)
+    state.artifacts["git_patch"] = unified_patch(changes, {path: content for path, (content, _) in original.items()})
+    # 3. The test patch on the fresh copy, then the agent's changes outside the test machinery.
+    patch = f"/tmp/test-patch-{uuid.uuid4().hex}.diff"
+    await env.write_file(patch, row.test_patch)
+    applied = await env.run(script=f"git apply {shlex.quote(patch)} 2>&1", cwd=REPO, timeout=120)
+    if applied.status != "completed" or applied.exit_code != 0:
+        raise TaskConfigError(f"'test_patch' no longer applies to a fresh checkout: {applied.output[-800:]}")
+    kept = outside(changes, row.test_paths, original.keys() | original_links.keys())
+    if kept.deleted:
+        listing = f"/tmp/deleted-{uuid.uuid4().hex}"
+        await env.write_file(listing, b"".join(path.encode() + b"\0" for path in sorted(kept.deleted)))
+        await _checked_run(env, ["xargs", "-0", "-r", "-a", listing, "rm", "-f", "--"], cwd=REPO)
+    if kept.written or kept.symlinks:
+        try:  # the runtime refuses a patch whose links lead out of the repository: such a patch scores nothing
+            await env.upload_archive(REPO, graded_tree({}, {}, kept))
+        except SandboxAPIError as exc:
+            if exc.status >= 500:
+                raise
+            return {"outcome": 0.0}
+    # 4. The tests, and the log read by swebench's parser.
+    result = await env.run(
+        script=graded_script(row), cwd=REPO, env=row.env, timeout=TEST_TIMEOUT_S, max_output_bytes=TEST_LOG_BYTES
+    )
+    if result.status != "completed":
+        return {"outcome": 0.0}
+    passed, failures = await asyncio.to_thread(grade_log, row, result.output)
+    state.artifacts["test_failures"] = "\n".join(failures)
+    return {"outcome": 1.0 if passed else 0.0}
+
+
+async def _checked_run(env: Environment, argv: list[str], cwd: str | None = None) -> None:
+    """A step of eval's own on the fresh copy, which must succeed (a failure is the runtime's or the image's)."""
+    result = await env.run(argv=argv, cwd=cwd, timeout=300)
+    if result.status != "completed" or result.exit_code != 0:
+        raise RuntimeError(f"eval step {argv[:2]} failed: {result.status}, {result.output[-500:]}")
+
+
+def _unchanged_dropped(
+    changes: AgentChanges, original: Mapping[str, tuple[bytes, int]], links: Mapping[str, str]
+) -> AgentChanges:
+    """`changes` without what equals the original: agent_changes takes every original file as non-executable and
+    knows no original symlinks, while a real repository has both."""
+    return AgentChanges(
+        written={path: entry for path, entry in changes.written.items() if original.get(path) != entry},
+        symlinks={path: target for path, target in changes.symlinks.items() if links.get(path) != target},
+        deleted=changes.deleted,
+    )
+
+
+def outside(changes: AgentChanges, protected: Collection[str], original: Collection[str] = ()) -> AgentChanges:
+    """The agent's changes except what could change how the tests run rather than what they test:
+
+    - the protected paths (the test patch's), a directory of one (a file where a test's directory is), anything
+      below one (a test file turned into a directory), and every PROTECTED_NAMES file (conftest.py, ...);
+    - compiled Python (`__pycache__`, .pyc), which no fix consists of, and which would run in place of a source
+      whose size and time it names;
+    - a new module (a file with an import suffix, or a new directory, which may be a package) directly in the
+      repository's root or in a test's directory: the root is on PYTHONPATH, ahead of the standard library and
+      of pytest itself, and pytest puts a test's directory first on sys.path, so `pytest.py` or `re.py` there
+      would replace the test runner. `original` holds the original files' paths: what is there already stays.
+    """
+    protected = frozenset(protected)
+    directories = {"/".join(path.split("/")[:depth]) for path in protected for depth in range(1, path.count("/") + 1)}
+    existing = {"/".join(path.split("/")[:depth]) for path in original for depth in range(1, path.count("/") + 2)}
+    on_sys_path = {""} | {path.rpartition("/")[0] for path in protected}
+
+    def new_module(path: str) -> bool:
+        for top in on_sys_path:
+            below = path[len(top) + 1 :] if top else path
+            if top and not path.startswith(top + "/"):
+                continue
+            name, _, rest = below.partition("/")
+            entry = f"{top}/{name}" if top else name
+            if entry not in existing and (rest or name.endswith(_IMPORT_SUFFIXES)):
+                return True
+        return False
+
+    def allowed(path: str) -> bool:
+        parts = path.split("/")
+        ancestors = ("/".join(parts[:depth]) for depth in range(1, len(parts)))
+        return (
+            path not in protected
+            and path not in directories
+            and parts[-1] not in PROTECTED_NAMES
+            and "__pycache__" not in parts
+            and not parts[-1].endswith((".pyc", ".pyo"))
+            and not any(a in protected for a in ancestors)
+            and not new_module(path)
+        )
+
+    return AgentChanges(
+        written={path: entry for path, entry in changes.written.items() if allowed(path)},
+        symlinks={path: target for path, target in changes.symlinks.items() if allowed(path)},
+        deleted=frozenset(path for path in changes.deleted if allowed(path)),
+    )
