@@ -110,6 +110,7 @@ class SandboxManager:
         self.state_dir = config.state_dir.resolve()
         self.boxes_dir = self.state_dir / "sandboxes"
         self._sandboxes: dict[str, Sandbox] = {}
+        self._preparing = 0  # creations awaiting their image
         self._deleted: OrderedDict[str, None] = OrderedDict()  # recent ids, so DELETE stays idempotent
         self._backends: dict[str, Backend] = {}
         self._reaper: asyncio.Task[None] | None = None
@@ -205,7 +206,8 @@ class SandboxManager:
         return box
 
     async def create(self, spec: SandboxSpec) -> Sandbox:
-        if len(self._sandboxes) >= self.config.max_sandboxes:
+        # Creations still preparing their image count: a burst of first uses may not unpack past the limit.
+        if len(self._sandboxes) + self._preparing >= self.config.max_sandboxes:
             raise CapacityError(f"sandbox limit reached ({self.config.max_sandboxes}); delete some first")
         name = spec.backend or self.default_backend
         if name == "local" and not self.config.allow_local:
@@ -218,9 +220,13 @@ class SandboxManager:
         if spec.forwards and not backend.forwards:
             raise PolicyError(f"the {backend.name} backend cannot forward ports; the bwrap backend can")
         spec = spec.model_copy(update={"backend": backend.name, "limits": self._limits(spec.limits)})
-        image = await self.prepare_image(spec.image, backend)
-        if len(self._sandboxes) >= self.config.max_sandboxes:  # others were created while the image unpacked
-            raise CapacityError(f"sandbox limit reached ({self.config.max_sandboxes}); delete some first")
+        self._preparing += 1
+        try:
+            image = await self.prepare_image(spec.image, backend)
+        finally:
+            self._preparing -= 1
+        # From here to the registration below nothing awaits: the image cache evicts only images that no
+        # registered sandbox runs (ImageStore._evict), and this one is registered before anything can run.
         uid = self._allocate_uid() if self.sandbox_uids is not None else None
         sandbox_id = secrets.token_hex(6)
         dirs = SandboxDirs(
