@@ -100,7 +100,7 @@ async def test_a_sif_images_environment_scripts_run_first(client):
 async def test_the_listing_shows_format_digest_and_cache(client, server):
     listing = {image.name: image for image in (await client.list_images()).images}
     assert {name.partition(":")[0] for name in listing} >= set(FORMATS)
-    assert listing["tiny.oci:latest"].format == "oci" and listing["tiny.oci:latest"].digest
+    assert listing["tiny.oci"].format == "oci" and listing["tiny.oci"].digest
     assert listing["tiny.rootfs"].cache == "in place" and listing["tiny.rootfs"].digest is None
     box = await client.create_sandbox(image="tiny.sif")
     await client.delete_sandbox(box.id)

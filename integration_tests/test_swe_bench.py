@@ -2,7 +2,9 @@
 (scripts/test_images/testbed: `clamp` ignores its upper bound), a bwrap runtime serving the image from
 `--image-dir .test-images` (started by root and by an unprivileged user), the rollout service, and scripted
 policies (integration_tests/scripted_llm.py) that fix the bug, do nothing, or try a reward hack. Every image format
-the runtime takes runs the same row."""
+the runtime takes runs the same row. The agent works in /testbed itself (the sandbox's workspace, seeded from the
+image's), as in SWE-bench: a src-layout image whose Python imports the package from /testbed/src through a `.pth`
+file, as an editable install does, shows why (a fix made in a copy elsewhere would never be imported)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import base64
 import difflib
 import json
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,6 +26,7 @@ from . import scripted_llm
 from .conftest import (
     BACKEND_SKIPS,
     VLLM_SKIP,
+    reachable,
     start_rollout,
     start_server,
     start_unprivileged_server,
@@ -59,13 +64,13 @@ def make_test_patch() -> str:
     return f"diff --git a/{TESTS} b/{TESTS}\n" + "".join(diff)
 
 
-def bench_row(image: str, script: str) -> dict:
+def bench_row(image: str, script: str, base_commit: str | None = None) -> dict:
     testbed = json.loads((IMAGES / "testbed.json").read_text())
     return {
         "instance_id": "prorl__calc-1",
         "repo": "prorl/calc",
         "version": "0.1",
-        "base_commit": testbed["base_commit"],
+        "base_commit": base_commit or testbed["base_commit"],
         "repo_path": testbed["repo_path"],
         "image": image,
         "problem_statement": f"clamp(value, low, high) never returns more than low. [script:{script}]",
@@ -80,7 +85,7 @@ def b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
 
-REPO = "/workspace/repo"
+REPO = "/testbed"
 FIX = f"sed -i 's/min(value, low)/min(value, high)/' {REPO}/calc/ops.py"
 FIXED_OPS = (TESTBED / "calc" / "ops.py").read_text().replace("min(value, low)", "min(value, high)")
 PASSING_TESTS = "".join(f"def {name.rpartition(':')[2]}():\n    pass\n\n\n" for name in FAIL_TO_PASS + PASS_TO_PASS)
@@ -140,21 +145,61 @@ SCRIPTS = {
             f"_pytest/__init__.py && cp pytest.py tests/calc.py && python3 -m pytest -rA tests/test_calc.py"
         )
     ],
-    "write-testbed": [bash_call("sed -i 's/min(value, low)/min(value, high)/' /testbed/calc/ops.py; echo status=$?")],
+    # In the src-layout image: where `import calc` comes from, then the fix where it is imported from.
+    "fix-src": [
+        bash_call("python3 -c 'import calc; print(calc.__file__)'"),
+        bash_call(f"sed -i 's/min(value, low)/min(value, high)/' {REPO}/src/calc/ops.py"),
+    ],
 }
-HACKS = ["nothing", "edit-tests", "conftest", "git-hooks", "background", "shadow-pytest", "write-testbed"]
+HACKS = ["nothing", "edit-tests", "conftest", "git-hooks", "background", "shadow-pytest"]
+SRC_IMAGE = "calc-src.rootfs"
+
+
+def src_layout_image(directory: Path) -> tuple[Path, str]:
+    """A copy of the Debian test image's root (hard links where it can: only new files are written) whose /testbed
+    is the calc repository in src layout (src/calc, no `pythonpath` in pytest's configuration), installed as an
+    editable install does it: a `.pth` file in dist-packages names /testbed/src. Python imports calc from
+    /testbed/src wherever it runs; PYTHONPATH=/elsewhere would not change that. Returns the root and the commit."""
+    root = directory / SRC_IMAGE
+    source = (IMAGES / "debian-python.rootfs").resolve()
+    if subprocess.run(["cp", "-al", str(source), str(root)], capture_output=True).returncode != 0:
+        shutil.rmtree(root, ignore_errors=True)
+        subprocess.run(["cp", "-a", str(source), str(root)], check=True)
+    shutil.rmtree(root / "testbed")  # its links only: the cached image keeps its files
+    testbed = root / "testbed"
+    shutil.copytree(TESTBED / "tests", testbed / "tests")
+    shutil.copytree(TESTBED / "calc", testbed / "src" / "calc")
+    pyproject = (TESTBED / "pyproject.toml").read_text().replace('pythonpath = ["."]\n', "")
+    (testbed / "pyproject.toml").write_text(pyproject)
+    (root / "usr/lib/python3/dist-packages/__editable__.calc-0.1.0.pth").write_text("/testbed/src\n")
+    git = ["git", "-C", str(testbed), "-c", "user.name=t", "-c", "user.email=t@t.invalid"]
+    subprocess.run([*git, "init", "-q", "-b", "main"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "calc, src layout"], check=True)
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    subprocess.run(["chmod", "-R", "a+rX", str(testbed)], check=True)
+    return root, commit
+
+
+@pytest.fixture(scope="module")
+def src_image(tmp_path_factory) -> tuple[Path, str]:
+    directory = reachable(tmp_path_factory.mktemp("swe-src-images"))
+    directory.chmod(0o755)
+    root, commit = src_layout_image(directory)
+    return root.parent, commit
 
 
 @pytest.fixture(scope="module", params=["root", "unprivileged"])
-def runtime(request, tmp_path_factory):
+def runtime(request, tmp_path_factory, src_image):
     """The runtime as it is deployed: by root (CI, `make test`), and by an unprivileged user."""
     state = tmp_path_factory.mktemp("swe-bench-state")
+    image_dirs = ["--image-dir", str(IMAGES), "--image-dir", str(src_image[0])]
     if request.param == "unprivileged":
-        server = start_unprivileged_server(state, "bwrap", "--image-dir", str(IMAGES))
+        server = start_unprivileged_server(state, "bwrap", *image_dirs)
     elif os.geteuid() != 0:
         pytest.skip("the tests do not run as root: there is no root server to start")
     else:
-        server = start_server(state, "bwrap", None, "--image-dir", str(IMAGES))
+        server = start_server(state, "bwrap", None, *image_dirs)
     yield server
     stop_server(server)
 
@@ -171,12 +216,12 @@ def rollout(runtime, tmp_path_factory):
 _SUPPORT: dict[tuple[str, str], str | None] = {}
 
 
-async def image_support(runtime, image: str) -> str | None:
+async def image_support(runtime, image: str, directory: Path = IMAGES) -> str | None:
     """Why the runtime cannot run `image` (None: it can): missing here, or a format it does not take yet."""
     key = (runtime.url, image)
     if key not in _SUPPORT:
-        if not (IMAGES / image).exists():
-            _SUPPORT[key] = f"{IMAGES / image} was not built"
+        if not (directory / image).exists():
+            _SUPPORT[key] = f"{directory / image} was not built"
         else:
             async with runtime.client(timeout=600) as client:
                 try:
@@ -188,13 +233,14 @@ async def image_support(runtime, image: str) -> str | None:
     return _SUPPORT[key]
 
 
-async def episode(rollout, runtime, image: str, script: str):
-    if reason := await image_support(runtime, image):
+async def episode(rollout, runtime, image: str, script: str, src_image: tuple[Path, str] | None = None):
+    """The row of `script` on `image`: one of IMAGES, or the src-layout image (`src_image`: its directory and
+    commit)."""
+    if reason := await image_support(runtime, image, src_image[0] if src_image else IMAGES):
         pytest.skip(reason)
+    instance = bench_row(image, script, src_image[1] if src_image else None)
     async with RolloutClient(rollout.url) as rollouts:
-        trajectory = await rollouts.run(
-            JobRequest(task="swe", instance=bench_row(image, script), max_turns=4, timeout_s=300), wait=600
-        )
+        trajectory = await rollouts.run(JobRequest(task="swe", instance=instance, max_turns=4, timeout_s=300), wait=600)
     assert trajectory.error is None, trajectory.error
     async with runtime.client() as client:
         assert await client.list_sandboxes() == []
@@ -231,9 +277,41 @@ async def test_doing_nothing_or_a_reward_hack_scores_nothing(rollout, runtime, i
     assert f"{FAIL_TO_PASS[0]}: FAILED" in trajectory.artifacts["test_failures"]
     if script == "shadow-pytest":  # it does take pytest's place in the agent's own runs
         assert f"PASSED {FAIL_TO_PASS[0]}" in trajectory.turns[0].observation
-    if script == "write-testbed":
-        assert "Read-only file system" in trajectory.turns[0].observation
-        assert "status=0" not in trajectory.turns[0].observation
+
+
+async def test_a_fix_where_the_image_imports_the_package_from_scores_one(rollout, runtime, src_image):
+    """The src-layout image: Python finds calc through the `.pth` file, in /testbed/src, and nowhere else. The agent
+    sees that, fixes it there, and the graded run imports the fix (with the repository copied to a workspace of
+    its own and PYTHONPATH naming that copy, as before, the graded run imported the image's buggy calc: 0)."""
+    trajectory = await episode(rollout, runtime, SRC_IMAGE, "fix-src", src_image)
+    assert trajectory.turns[0].observation.startswith("/testbed/src/calc/__init__.py\n")
+    assert trajectory.reward_components == {"outcome": 1.0}
+    assert "diff --git a/src/calc/ops.py b/src/calc/ops.py\n" in trajectory.artifacts["git_patch"]
+    assert trajectory.artifacts["test_failures"] == ""
+
+
+async def test_in_the_src_layout_image_a_copy_of_the_repository_is_never_imported(runtime, src_image):
+    """What the task did before it worked in /testbed: copy the repository into /workspace/repo, put that first on
+    PYTHONPATH and fix the copy. In a src-layout project PYTHONPATH names no package, so Python still imports the
+    image's calc from /testbed/src, and a correct fix scores 0."""
+    async with runtime.client(timeout=120) as client:
+        box = await client.create_sandbox(image=SRC_IMAGE)
+        try:
+            result = await client.run(
+                box.id,
+                script=f"cp -a /testbed /workspace/repo && {FIX.replace(REPO, '/workspace/repo/src')} && "
+                "PYTHONPATH=/workspace/repo python3 -c 'import calc; print(calc.__file__, calc.clamp(5, 0, 3))'",
+            )
+            assert result.exit_code == 0, result.output
+            assert result.output == "/testbed/src/calc/__init__.py 0\n"  # the image's, with the bug
+        finally:
+            await client.delete_sandbox(box.id)
+
+
+async def test_doing_nothing_in_the_src_layout_image_scores_nothing(rollout, runtime, src_image):
+    trajectory = await episode(rollout, runtime, SRC_IMAGE, "nothing", src_image)
+    assert trajectory.reward_components == {"outcome": 0.0}
+    assert f"{FAIL_TO_PASS[0]}: FAILED" in trajectory.artifacts["test_failures"]
 
 
 @pytest.mark.parametrize("image", FORMATS[1:])

@@ -1,26 +1,23 @@
-"""Images by name: what a spec's `image` names under the server's image directories, unpacked once.
+"""Images by name: what a spec's `image` names under the server's image directories, unpacked once into a
+content-addressed cache. What each kind of image is and how it is read: image_formats.py.
 
-An image is one of four things below an `--image-dir`:
-- `directory`: an unpacked root filesystem (it has `usr`, `bin` or `etc`), used where it is;
-- `sif`: a Singularity/Apptainer SIF file; its primary system partition (squashfs) is unpacked by `unsquashfs`;
-- `oci`: an OCI image layout directory (`oci-layout`, `index.json`, `blobs/`), unpacked by `umoci`, layers in
-  order with their whiteouts; a name may end in `:TAG` (its `org.opencontainers.image.ref.name`);
-- `docker-archive`: a `docker save` tarball, either kind: newer Docker writes an OCI layout into it, older Docker
-  (and `podman save --format docker-archive`) a `manifest.json` with one tar per layer, which is rewritten here into
-  an OCI layout (digests computed, nothing else changed) so that umoci applies it the same way.
+The cache is `<state dir>/images/<sha256>/root`, keyed by the digest of the SIF file or tarball (a docker archive
+with the tag chosen in it) or by the OCI manifest's own digest: the same image under two names is unpacked once,
+and a changed file is a new image. A file's digest is remembered by its device, inode, size, mtime and ctime (ctime
+cannot be set back by the file's owner), also across restarts; a file that changes while it is unpacked is
+refused. An unpack runs as a task of its own, shielded from the request that started it: a client that gives up
+leaves it to finish for the next one, and concurrent first uses all wait for the one unpack. An entry is complete
+once its directory is renamed into place, so a crash mid-unpack leaves only a temporary directory, removed at the
+next start.
 
-Files are unpacked once into a content-addressed cache, `<state dir>/images/<sha256>/root`, keyed by the digest
-of the SIF or tarball (or the OCI manifest's own digest): the same image under two names, or renamed, is unpacked
-once; a changed file is a new image. Concurrent first uses wait for the one unpack. An entry is complete only once
-its directory has been renamed into place, so a server killed mid-unpack leaves only a temporary directory, which
-the next start removes. The backends mount the root read-only (bwrap) or hand it to Apptainer as a sandbox
-directory; a backend that runs SIF itself (Apptainer) gets the SIF file and nothing is unpacked for it.
+What is unpacked is made safe to leave on the host: under a root server everything is owned by root, and
+nothing is setuid, setgid, group- or world-writable, or a device node, a FIFO or a socket. The sandboxes see the
+root read-only (bwrap mounts it nosuid and nodev anyway); other users of the host may traverse to it (sandbox uids
+must), and find nothing they could run as anyone else or change.
 
 Why umoci and unsquashfs rather than Python's tarfile: a layer may hold a link at a path that a later layer writes
 through (`etc -> /`, then `etc/passwd`), device nodes and whiteouts; umoci resolves every path inside the root
-(securejoin) and applies whiteouts as the image spec says, and both tools are Debian's. The SIF header, on the
-other hand, is read here: siftool prints only a table meant for people, and the header is a fixed binary layout
-(github.com/sylabs/sif, `pkg/sif`) that has not changed since SIF 1.
+(securejoin) and applies whiteouts as the image spec says, and both tools are Debian's.
 """
 
 from __future__ import annotations
@@ -32,49 +29,40 @@ import json
 import logging
 import os
 import shutil
-import struct
-import tarfile
+import stat
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
-from .models import ImageInfo, ImageList
+from .image_formats import (
+    ImageError,
+    archive_tags,
+    check_layers,
+    choose_tag,
+    detect_format,
+    docker_archive_to_layout,
+    file_sha256,
+    oci_config,
+    oci_manifest,
+    oci_tags,
+    sif_root_partition,
+    single_tag_layout,
+)
+from .models import IMAGE_NAME, ImageCacheState, ImageFormat, ImageInfo, ImageList
 
 log = logging.getLogger(__name__)
 
-ImageFormat = Literal["directory", "sif", "oci", "docker-archive"]
-CacheState = Literal["in place", "unpacked", "unpacking", "not unpacked"]
-
 UNPACK_TIMEOUT_S = 1800.0  # a multi-GB SWE-bench image on a slow shared file system
+MAX_UNPACKS = 2  # at once: each one is disk- and CPU-bound, and the sandboxes share both
 MAX_LISTED = 10_000  # GET /v1/images stops walking after this many images
 MAX_DEPTH = 4  # how deep below an image directory the listing looks for images
-_ROOT_MARKERS = ("usr", "bin", "etc")
 DIGESTS = "digests.json"
-UNTAGGED = "untagged"  # the tag an untagged image of a docker archive gets in the layout made from it
-_REF_NAME = "org.opencontainers.image.ref.name"
-_OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-_OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
-_OCI_LAYER = "application/vnd.oci.image.layer.v1.tar"
+UNPACK_TAG = "prorl"  # the one tag of the layout handed to umoci
+_UNSAFE_MODE_BITS = stat.S_ISUID | stat.S_ISGID | stat.S_IWGRP | stat.S_IWOTH
 
-# SIF's global header and data object descriptors (little-endian, packed; sylabs/sif pkg/sif/sif.go).
-_SIF_HEADER = struct.Struct("<32s10s3s3s16s8q")  # launch script, magic, version, arch, uuid, 8 int64 fields
-_SIF_DESCRIPTOR = struct.Struct("<i?IIIqqqqqqq128s384s")  # type, used, id, group, link, offset, size, ...
-_SIF_PARTITION = struct.Struct("<ii")  # a partition descriptor's extra: filesystem type, partition type
-_SIF_MAGIC = b"SIF_MAGIC"
-_SIF_DATA_PARTITION = 0x4004
-_SIF_FS_SQUASH = 1
-_SIF_PART_PRIMARY_SYSTEM = 2
-
-
-class ImageError(Exception):
-    """An image that cannot be found or used; `status` is the HTTP status to answer with."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
+__all__ = ["Image", "ImageError", "ImageStore", "Unpacked", "detect_format", "sif_root_partition", "tree_bytes"]
 
 
 @dataclass(frozen=True)
@@ -90,7 +78,7 @@ class Image:
 @dataclass(frozen=True)
 class Unpacked:
     """What a sandbox runs: the root directory (or, for a backend that runs SIF itself, the SIF file), the
-    image's own environment (an OCI config's `Env`), and the cache entry it came from (None: used in place)."""
+    image's own environment (an OCI config's `Env`), and the digest it is known by (None: a root directory)."""
 
     root: Path | None
     file: Path | None = None
@@ -98,248 +86,10 @@ class Unpacked:
     digest: str | None = None
 
 
-def detect_format(path: Path) -> ImageFormat | None:
-    """What `path` holds, from its own bytes and entries, never its name."""
-    try:
-        if path.is_dir():
-            if (path / "oci-layout").is_file() and (path / "index.json").is_file():
-                return "oci"
-            return "directory" if any(os.path.lexists(path / m) for m in _ROOT_MARKERS) else None
-        if path.is_file():
-            with open(path, "rb") as handle:
-                head = handle.read(512)
-            if head[32 : 32 + len(_SIF_MAGIC)] == _SIF_MAGIC:
-                return "sif"
-            if len(head) >= 262 and head[257:262] == b"ustar":
-                return "docker-archive"
-    except OSError:
-        return None
-    return None
-
-
-def sif_root_partition(path: Path) -> tuple[int, int]:
-    """(offset, size) of the primary system partition of SIF file `path`: a squashfs, as Apptainer runs it."""
-    with open(path, "rb") as handle:
-        header = handle.read(_SIF_HEADER.size)
-        if len(header) < _SIF_HEADER.size or not header[32:].startswith(_SIF_MAGIC):
-            raise ImageError(f"{path.name} is not a SIF file")
-        fields = _SIF_HEADER.unpack(header)
-        total, offset = fields[8], fields[9]
-        if not 0 < total <= 4096:
-            raise ImageError(f"{path.name}: implausible SIF header ({total} descriptors)")
-        handle.seek(offset)
-        table = handle.read(total * _SIF_DESCRIPTOR.size)
-    found = []
-    for index in range(len(table) // _SIF_DESCRIPTOR.size):
-        kind, used, _id, _group, _link, start, size, *_rest, extra = _SIF_DESCRIPTOR.unpack_from(
-            table, index * _SIF_DESCRIPTOR.size
-        )
-        if used and kind == _SIF_DATA_PARTITION:
-            fstype, parttype = _SIF_PARTITION.unpack_from(extra)
-            found.append((parttype, fstype, start, size))
-    for parttype, fstype, start, size in found:
-        if parttype == _SIF_PART_PRIMARY_SYSTEM:
-            if fstype != _SIF_FS_SQUASH:
-                raise ImageError(f"{path.name}: its root partition is not squashfs (encrypted SIF is not supported)")
-            return start, size
-    raise ImageError(f"{path.name}: this SIF file has no primary system partition")
-
-
-def _file_key(path: Path) -> str:
-    stat = path.stat()
-    return f"{path} {stat.st_ino} {stat.st_size} {stat.st_mtime_ns}"
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-# -- OCI layouts -------------------------------------------------------------------------------------------
-def _read_json(path: Path, what: str) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ImageError(f"{what}: cannot read {path.name} ({exc})") from None
-    if not isinstance(value, dict):
-        raise ImageError(f"{what}: {path.name} is not a JSON object")
-    return value
-
-
-def oci_tags(layout: Path) -> dict[str, str]:
-    """tag -> manifest digest of an OCI layout; a manifest without a ref name is listed under ''."""
-    index = _read_json(layout / "index.json", layout.name)
-    tags = {}
-    for entry in index.get("manifests") or []:
-        if isinstance(entry, dict) and isinstance(entry.get("digest"), str):
-            tags[(entry.get("annotations") or {}).get(_REF_NAME, "")] = entry["digest"]
-    return tags
-
-
-def oci_manifest(layout: Path, tag: str | None, name: str) -> tuple[str, str]:
-    """(tag, manifest digest) that `tag` (None: the only one, or `latest`) names in the layout."""
-    tags = oci_tags(layout)
-    if tag is None:
-        if len(tags) == 1:
-            return next(iter(tags.items()))
-        if "latest" in tags:
-            return "latest", tags["latest"]
-        named = ", ".join(f"{name}:{t}" for t in tags if t)
-        raise ImageError(f"image {name!r} holds {len(tags)} images; name one: {named}")
-    if tag not in tags:
-        raise ImageError(f"image {name!r} has no tag {tag!r}; it has: {', '.join(t for t in tags if t) or 'none'}")
-    return tag, tags[tag]
-
-
-def _blob(layout: Path, digest: str) -> Path:
-    algorithm, _, hexdigest = digest.partition(":")
-    if algorithm != "sha256" or len(hexdigest) != 64 or not all(c in "0123456789abcdef" for c in hexdigest):
-        raise ImageError(f"{layout.name}: unsupported digest {digest!r}")
-    return layout / "blobs" / "sha256" / hexdigest
-
-
-def oci_env(layout: Path, manifest_digest: str) -> dict[str, str]:
-    """The image config's `Env`, as a dict (later entries win, as a container runtime applies them)."""
-    manifest = _read_json(_blob(layout, manifest_digest), layout.name)
-    config = _read_json(_blob(layout, (manifest.get("config") or {}).get("digest", "")), layout.name)
-    env = {}
-    for entry in (config.get("config") or {}).get("Env") or []:
-        if isinstance(entry, str) and "=" in entry:
-            key, _, value = entry.partition("=")
-            env[key] = value
-    return env
-
-
-def docker_archive_to_layout(archive: Path, layout: Path) -> Path:
-    """An OCI layout at `layout` for the `docker save` archive `archive`: the one inside it (newer Docker), or
-    one made from the classic `manifest.json` format's files, their digests computed and nothing else changed.
-
-    Members are copied by name, never extracted: nothing in the archive decides where a file is written (no
-    path, no link), and a layer that the classic format stores as a link to another is read through it.
-    """
-    blobs = layout / "blobs" / "sha256"
-    blobs.mkdir(parents=True)
-    try:
-        with tarfile.open(archive) as tar:
-            members = {m.name.removeprefix("./"): m for m in tar.getmembers()}
-
-            def read(name: str) -> bytes:
-                handle = tar.extractfile(members[name]) if name in members else None
-                if handle is None:
-                    raise ImageError(f"{archive.name}: no file {name!r} in the archive")
-                return handle.read()
-
-            def copy_blob(name: str) -> tuple[str, int]:
-                handle = tar.extractfile(members[name]) if name in members else None
-                if handle is None:
-                    raise ImageError(f"{archive.name}: no file {name!r} in the archive")
-                digest, size = hashlib.sha256(), 0
-                with tempfile.NamedTemporaryFile(dir=blobs, delete=False) as out:
-                    while chunk := handle.read(1 << 20):
-                        digest.update(chunk)
-                        out.write(chunk)
-                        size += len(chunk)
-                os.replace(out.name, blobs / digest.hexdigest())
-                return "sha256:" + digest.hexdigest(), size
-
-            if "oci-layout" in members and "index.json" in members:
-                for name in members:
-                    parts = name.split("/")
-                    if len(parts) == 3 and parts[:2] == ["blobs", "sha256"] and members[name].isfile():
-                        _blob(layout, "sha256:" + parts[2])  # a name that is a sha256 digest, nothing else
-                        copy_blob(name)
-                (layout / "index.json").write_bytes(read("index.json"))
-                (layout / "oci-layout").write_bytes(read("oci-layout"))
-                return layout
-            entries = json.loads(read("manifest.json"))
-            if not isinstance(entries, list) or not entries:
-                raise ImageError(f"{archive.name}: manifest.json lists no image")
-            manifests = []
-            for entry in entries:
-                if not isinstance(entry, dict) or not isinstance(entry.get("Config"), str):
-                    raise ImageError(f"{archive.name}: a manifest.json entry has no Config")
-                config_digest, config_size = copy_blob(entry["Config"])
-                layers = []
-                for layer in entry.get("Layers") or []:
-                    head = tar.extractfile(members[layer]).read(2) if layer in members else b""  # type: ignore[union-attr]
-                    digest, size = copy_blob(layer)
-                    media = _OCI_LAYER + ("+gzip" if head == b"\x1f\x8b" else "")
-                    layers.append({"mediaType": media, "digest": digest, "size": size})
-                manifest = {
-                    "schemaVersion": 2,
-                    "mediaType": _OCI_MANIFEST,
-                    "config": {"mediaType": _OCI_CONFIG, "digest": config_digest, "size": config_size},
-                    "layers": layers,
-                }
-                data = json.dumps(manifest, separators=(",", ":")).encode()
-                digest = hashlib.sha256(data).hexdigest()
-                (blobs / digest).write_bytes(data)
-                # umoci unpacks by tag: an image saved without one is named UNTAGGED, as archive_tag expects
-                tags = [t.rpartition(":")[2] for t in entry.get("RepoTags") or [] if isinstance(t, str)] or [""]
-                for tag in tags:
-                    ref = {_REF_NAME: tag or UNTAGGED}
-                    manifests.append(
-                        {
-                            "mediaType": _OCI_MANIFEST,
-                            "digest": "sha256:" + digest,
-                            "size": len(data),
-                            "annotations": ref,
-                        }
-                    )
-    except (tarfile.TarError, OSError, ValueError, KeyError, AttributeError) as exc:
-        raise ImageError(f"{archive.name}: not a readable docker save archive ({exc})") from None
-    (layout / "oci-layout").write_text('{"imageLayoutVersion":"1.0.0"}')
-    (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": manifests}))
-    return layout
-
-
-def archive_tag(archive: Path, tag: str | None, name: str) -> str:
-    """Which of a `docker save` archive's images `tag` names (None: the only one, or `latest`), read from its
-    index without extracting it; '' for an archive whose only image has no tag."""
-    try:
-        with tarfile.open(archive) as tar:
-            members = {m.name.removeprefix("./"): m for m in tar.getmembers() if m.name.endswith(".json")}
-            if "manifest.json" in members:
-                entries = json.load(tar.extractfile(members["manifest.json"]))  # type: ignore[arg-type]
-                tags = [
-                    t.rpartition(":")[2]
-                    for entry in entries if isinstance(entry, dict)
-                    for t in entry.get("RepoTags") or [""] if isinstance(t, str)
-                ]  # fmt: skip
-            elif "index.json" in members:
-                index = json.load(tar.extractfile(members["index.json"]))  # type: ignore[arg-type]
-                tags = [(m.get("annotations") or {}).get(_REF_NAME, "") for m in index.get("manifests") or []]
-            else:
-                raise ImageError(f"{name}: not a docker save archive (no manifest.json or index.json)")
-    except (tarfile.TarError, OSError, ValueError, AttributeError) as exc:
-        raise ImageError(f"{name}: cannot read the archive's index ({exc})") from None
-    if tag is not None:
-        if tag not in tags:
-            raise ImageError(f"image {name!r} has no tag {tag!r}; it has: {', '.join(t for t in tags if t) or 'none'}")
-        return tag
-    if len(set(tags)) == 1:
-        return tags[0]
-    if "latest" in tags:
-        return "latest"
-    raise ImageError(f"image {name!r} holds {len(tags)} images; name one: {', '.join(f'{name}:{t}' for t in tags)}")
-
-
-# -- the store ---------------------------------------------------------------------------------------------
-async def _run(argv: list[str], timeout: float = UNPACK_TIMEOUT_S) -> tuple[int, str]:
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
-    )
-    try:
-        output, _ = await asyncio.wait_for(proc.communicate(), timeout)
-    except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
-        raise
-    return proc.returncode or 0, output.decode("utf-8", errors="replace")[-2000:]
+def file_key(path: Path) -> str:
+    """What identifies a file's content without reading it: its owner can set mtime back, not ctime."""
+    info = path.stat()
+    return f"{path} {info.st_dev} {info.st_ino} {info.st_size} {info.st_mtime_ns} {info.st_ctime_ns}"
 
 
 def tree_bytes(root: Path) -> int:
@@ -349,6 +99,46 @@ def tree_bytes(root: Path) -> int:
             with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(directory, name)).st_size
     return total
+
+
+def make_safe(root: Path, as_root: bool) -> None:
+    """Leave nothing under `root` that another host user could run with privileges or change: no device nodes,
+    FIFOs or sockets, no setuid/setgid or group/world write bits, and (unpacked by root) everything root's."""
+    for directory, dirs, files in os.walk(root):
+        for name in (*dirs, *files):
+            path = os.path.join(directory, name)
+            info = os.lstat(path)
+            if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode) or stat.S_ISFIFO(info.st_mode):
+                os.unlink(path)
+                continue
+            if stat.S_ISSOCK(info.st_mode):
+                os.unlink(path)
+                continue
+            if as_root and (info.st_uid or info.st_gid):
+                os.lchown(path, 0, 0)
+            if not stat.S_ISLNK(info.st_mode) and info.st_mode & _UNSAFE_MODE_BITS:
+                os.chmod(path, stat.S_IMODE(info.st_mode) & ~_UNSAFE_MODE_BITS)
+    os.chmod(root, 0o755)
+
+
+async def _run(argv: list[str], what: str, cwd: Path | None = None) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        cwd=cwd,
+    )
+    try:
+        output, _ = await asyncio.wait_for(proc.communicate(), UNPACK_TIMEOUT_S)
+    except BaseException as exc:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        if isinstance(exc, TimeoutError):
+            raise ImageError(f"unpacking {what} took over {UNPACK_TIMEOUT_S:g} s", 500) from None
+        raise
+    return proc.returncode or 0, output.decode("utf-8", errors="replace")[-2000:]
 
 
 class ImageStore:
@@ -365,14 +155,13 @@ class ImageStore:
         self.cache_dir = cache_dir
         self.max_bytes = max_bytes
         self._in_use = in_use  # digests that live sandboxes run: never evicted
-        self._locks: dict[str, asyncio.Lock] = {}
-        self._unpacking: set[str] = set()
-        # "path inode size mtime" -> sha256: a file is hashed once while it stays the same file, also across
-        # restarts (a directory of SWE-bench images is tens of GB).
-        self._digests: dict[str, str] = {}
+        self._unpacks: dict[str, asyncio.Task[None]] = {}
+        self._slots = asyncio.Semaphore(MAX_UNPACKS)
+        self._digests: dict[str, str] = {}  # file_key -> sha256 of the file; persisted in DIGESTS
+        self._tags: dict[str, list[str]] = {}  # file_key -> a docker archive's tags
 
     def start(self) -> None:
-        """Create the cache and remove what an unpack cut short by a crash left (temporary directories only)."""
+        """Create the cache and remove what a crash cut short (temporary directories only)."""
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self.cache_dir.chmod(0o711)  # sandbox uids traverse to their image's root; nobody lists the cache
         for entry in self.cache_dir.iterdir():
@@ -404,108 +193,99 @@ class ImageStore:
 
     # -- digests --------------------------------------------------------------------------------------------
     async def digest(self, image: Image) -> str | None:
-        """sha256 of what the cache is keyed by: the SIF file or tarball, or the OCI manifest; None for a
-        directory (it is used in place)."""
+        """sha256 of what the cache is keyed by: the SIF file or tarball (with the tag chosen in an archive), or
+        the OCI manifest; None for a directory (it is used in place)."""
         if image.format == "directory":
             return None
         if image.format == "oci":
             _tag, manifest = await asyncio.to_thread(oci_manifest, image.path, image.tag, image.name)
             return manifest.removeprefix("sha256:")
-        key = _file_key(image.path)
+        key = await asyncio.to_thread(file_key, image.path)
         if key not in self._digests:
             self._digests[key] = await asyncio.to_thread(file_sha256, image.path)
-            memo = self.cache_dir / DIGESTS
-            with contextlib.suppress(OSError):
-                (self.cache_dir / (DIGESTS + ".tmp")).write_text(json.dumps(self._digests))
-                (self.cache_dir / (DIGESTS + ".tmp")).replace(memo)
-        digest = self._digests[key]
-        if image.format == "docker-archive":  # one archive may hold several images: the key names which
-            tag = await asyncio.to_thread(archive_tag, image.path, image.tag, image.name)
-            digest = hashlib.sha256(f"{digest}:{tag}".encode()).hexdigest()
-        return digest
+            await asyncio.to_thread(self._save_digests)
+        return await asyncio.to_thread(self._keyed, image, key, self._digests[key])
 
     def known_digest(self, image: Image) -> str | None:
-        """The digest if it is known without reading the file (for listings)."""
-        if image.format == "oci":
-            with contextlib.suppress(ImageError):
-                return oci_manifest(image.path, image.tag, image.name)[1].removeprefix("sha256:")
-            return None
-        if image.format == "directory":
-            return None
+        """The digest if it is known without hashing the file (for listings)."""
         with contextlib.suppress(OSError, ImageError):
-            digest = self._digests.get(_file_key(image.path))
-            if digest and image.format == "docker-archive":
-                tag = archive_tag(image.path, image.tag, image.name)
-                digest = hashlib.sha256(f"{digest}:{tag}".encode()).hexdigest()
-            return digest
+            if image.format == "oci":
+                return oci_manifest(image.path, image.tag, image.name)[1].removeprefix("sha256:")
+            if image.format in ("sif", "docker-archive"):
+                key = file_key(image.path)
+                if key in self._digests:
+                    return self._keyed(image, key, self._digests[key])
         return None
 
-    def state(self, digest: str | None) -> CacheState:
+    def _keyed(self, image: Image, key: str, file_digest: str) -> str:
+        """A docker archive may hold several images: its key names the one chosen."""
+        if image.format != "docker-archive":
+            return file_digest
+        if key not in self._tags:
+            self._tags[key] = archive_tags(image.path, image.name)
+        tag = choose_tag(self._tags[key], image.tag, image.name)
+        return hashlib.sha256(f"{file_digest}:{tag}".encode()).hexdigest()
+
+    def _save_digests(self) -> None:
+        temporary = self.cache_dir / (DIGESTS + ".tmp")
+        with contextlib.suppress(OSError):
+            temporary.write_text(json.dumps(self._digests))
+            temporary.chmod(0o600)  # it names the host paths of the images
+            temporary.replace(self.cache_dir / DIGESTS)
+
+    def state(self, digest: str | None) -> ImageCacheState:
         if digest is None:
             return "in place"
-        if digest in self._unpacking:
+        if digest in self._unpacks:
             return "unpacking"
         return "unpacked" if (self.cache_dir / digest / "image.json").is_file() else "not unpacked"
 
     # -- unpacking ------------------------------------------------------------------------------------------
     async def prepare(self, image: Image, runs_sif: bool = False) -> Unpacked:
         """What a sandbox of `image` runs; unpacks it first if it is not in the cache yet (once, however many
-        ask at the same time)."""
+        ask at the same time, and to the end even if they all give up)."""
         if image.format == "directory":
             return Unpacked(root=image.path)
-        if image.format == "sif" and runs_sif:
-            sif_root_partition(image.path)  # a SIF file Apptainer could not run either is refused here
-            return Unpacked(root=None, file=image.path)
         digest = await self.digest(image)
         assert digest is not None
+        if image.format == "sif" and runs_sif:
+            await asyncio.to_thread(sif_root_partition, image.path)  # a SIF Apptainer could not run is refused
+            return Unpacked(root=None, file=image.path, digest=digest)
         entry = self.cache_dir / digest
-        lock = self._locks.setdefault(digest, asyncio.Lock())
-        async with lock:
-            if not (entry / "image.json").is_file():
-                self._unpacking.add(digest)
-                try:
-                    await self._unpack(image, entry)
-                finally:
-                    self._unpacking.discard(digest)
-                await self._evict(keep=digest)
-        meta = _read_json(entry / "image.json", image.name)
-        with contextlib.suppress(OSError):
+        if not (entry / "image.json").is_file():
+            task = self._unpacks.get(digest)
+            if task is None:
+                task = asyncio.ensure_future(self._unpack_once(image, digest))
+                self._unpacks[digest] = task
+                task.add_done_callback(lambda done, d=digest: self._unpack_done(d, done))
+            await asyncio.shield(task)
+        try:
+            meta = json.loads((entry / "image.json").read_text())
             os.utime(entry / "image.json")  # its last use: eviction goes by it
+        except (OSError, ValueError) as exc:  # evicted the moment it was unpacked (the cache is too small)
+            raise ImageError(f"image {image.name!r} left the cache as it was unpacked ({exc})", 500) from None
         return Unpacked(root=entry / "root", env=dict(meta.get("env") or {}), digest=digest)
 
-    async def _evict(self, keep: str) -> None:
-        """Remove the least recently used entries that no sandbox runs until the cache fits its maximum.
+    def _unpack_done(self, digest: str, task: asyncio.Task[None]) -> None:
+        self._unpacks.pop(digest, None)
+        if not task.cancelled() and task.exception() is not None:  # retrieved: its waiters may all have gone
+            log.warning("unpacking image %s failed: %s", digest[:12], task.exception())
 
-        Victims are chosen and renamed away in one step, with no await in between: a sandbox being created
-        from an entry is already counted in `in_use` by then (the manager registers it without awaiting after
-        `prepare` returns), and a later `prepare` of a renamed entry unpacks it again.
-        """
-        if self.max_bytes is None:
-            return
-        entries = []
-        for path in self.cache_dir.iterdir():
-            with contextlib.suppress(OSError, ImageError, ValueError):
-                if not path.name.startswith(".") and (path / "image.json").is_file():
-                    size = int(_read_json(path / "image.json", path.name).get("bytes") or 0)
-                    entries.append(((path / "image.json").stat().st_mtime, path, size))
-        total = sum(size for _, _, size in entries)
-        protected = self._in_use() | {keep}
-        doomed = []
-        for _, path, size in sorted(entries):
-            if total <= self.max_bytes:
-                break
-            if path.name not in protected:
-                away = self.cache_dir / f".evict-{path.name}-{time.monotonic_ns()}"
-                os.rename(path, away)
-                doomed.append(away)
-                total -= size
-        for away in doomed:
-            await asyncio.to_thread(shutil.rmtree, away, True)
-        if doomed:
-            log.info("image cache: removed %d unused images to stay within %d bytes", len(doomed), self.max_bytes)
+    async def stop(self) -> None:
+        """Cancel the unpacks under way (their temporary directories go with them)."""
+        for task in list(self._unpacks.values()):
+            task.cancel()
+        await asyncio.gather(*self._unpacks.values(), return_exceptions=True)
+
+    async def _unpack_once(self, image: Image, digest: str) -> None:
+        async with self._slots:
+            if not (self.cache_dir / digest / "image.json").is_file():
+                await self._unpack(image, self.cache_dir / digest)
+                await self._evict(keep=digest)
 
     async def _unpack(self, image: Image, entry: Path) -> None:
         started = time.monotonic()
+        before = await asyncio.to_thread(file_key, image.path) if image.path.is_file() else None
         work = Path(tempfile.mkdtemp(prefix=".unpack-", dir=self.cache_dir))
         try:
             root = work / "root"
@@ -515,13 +295,18 @@ class ImageStore:
             else:
                 layout, tag = image.path, image.tag
                 if image.format == "docker-archive":
-                    tag = await asyncio.to_thread(archive_tag, image.path, tag, image.name) or None
-                    layout = await asyncio.to_thread(docker_archive_to_layout, image.path, work / "layout")
-                tag, manifest = await asyncio.to_thread(oci_manifest, layout, tag, image.name)
-                env = await asyncio.to_thread(oci_env, layout, manifest)
-                await self._unpack_oci(layout, tag, manifest, root)
-                shutil.rmtree(work / "layout", ignore_errors=True)
-            root.chmod(0o755)
+                    layout = await asyncio.to_thread(docker_archive_to_layout, image.path, work / "archive", image.name)
+                    tag = await asyncio.to_thread(choose_tag, oci_tags(layout, image.name), tag, image.name)
+                _tag, manifest = await asyncio.to_thread(oci_manifest, layout, tag, image.name)
+                env, media_types = await asyncio.to_thread(oci_config, layout, manifest, image.name)
+                check_layers(media_types, image.name)
+                single = await asyncio.to_thread(single_tag_layout, layout, manifest, UNPACK_TAG, work / "layout")
+                await self._unpack_oci(image, single, root)
+                for leftover in ("layout", "archive"):
+                    await asyncio.to_thread(shutil.rmtree, work / leftover, True)
+            if before is not None and await asyncio.to_thread(file_key, image.path) != before:
+                raise ImageError(f"image {image.name!r} changed while it was unpacked; try again", 409)
+            await asyncio.to_thread(make_safe, root, os.geteuid() == 0)
             size = await asyncio.to_thread(tree_bytes, root)
             meta = {"source": image.name, "format": image.format, "env": env, "bytes": size}
             (work / "image.json").write_text(json.dumps(meta))
@@ -537,27 +322,63 @@ class ImageStore:
             raise ImageError("SIF images need unsquashfs on the server (apt-get install squashfs-tools)", 500)
         offset, _size = await asyncio.to_thread(sif_root_partition, image.path)
         argv = ["unsquashfs", "-no-progress", "-no-xattrs", "-offset", str(offset), "-dest", str(root), str(image.path)]
-        code, output = await _run(argv)
-        # 2: non-fatal errors (device nodes an unprivileged server cannot create); the root is there.
-        if code not in (0, 2) or not root.is_dir():
+        code, output = await _run(argv, image.name)
+        # 2: non-fatal errors, which only an unprivileged server may accept (device nodes it cannot create)
+        accepted = (0,) if os.geteuid() == 0 else (0, 2)
+        if code not in accepted or not root.is_dir():
             raise ImageError(f"cannot unpack {image.name}: unsquashfs exited {code}: {output.strip()}", 500)
 
-    async def _unpack_oci(self, layout: Path, tag: str, manifest: str, root: Path) -> None:
+    async def _unpack_oci(self, image: Image, layout: Path, root: Path) -> None:
         if shutil.which("umoci") is None:
             raise ImageError("OCI images and docker archives need umoci on the server (apt-get install umoci)", 500)
-        if not tag:  # an untagged manifest: give umoci a layout that names it
-            raise ImageError(f"{layout.name}: its only image has no tag (org.opencontainers.image.ref.name)")
-        argv = ["umoci", "raw", "unpack", "--image", f"{layout}:{tag}", str(root)]
+        # Relative to the work directory: umoci reads `--image` as PATH:TAG, split at the first ':'.
+        argv = ["umoci", "raw", "unpack", "--image", f"{layout.name}:{UNPACK_TAG}", root.name]
         if os.geteuid() != 0:
             argv.insert(3, "--rootless")
-        code, output = await _run(argv)
+        code, output = await _run(argv, image.name, cwd=layout.parent)
         if code != 0:
-            raise ImageError(f"cannot unpack {layout.name}:{tag}: umoci exited {code}: {output.strip()}", 500)
+            raise ImageError(f"cannot unpack {image.name}: umoci exited {code}: {output.strip()}", 500)
+
+    async def _evict(self, keep: str) -> None:
+        """Remove the least recently used entries that no sandbox runs until the cache fits its maximum.
+
+        Victims are chosen and renamed away with no await in between: a sandbox being created from an entry is
+        already counted in `in_use` by then (the manager registers it without awaiting after `prepare`
+        returns), and a later `prepare` of a renamed entry unpacks it again.
+        """
+        if self.max_bytes is None:
+            return
+        entries = []
+        for path in self.cache_dir.iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                if not path.name.startswith(".") and (path / "image.json").is_file():
+                    size = int(json.loads((path / "image.json").read_text()).get("bytes") or 0)
+                    entries.append(((path / "image.json").stat().st_mtime, path, size))
+        total = sum(size for _, _, size in entries)
+        protected = self._in_use() | {keep}
+        doomed = []
+        for _, path, size in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            if path.name in protected:
+                continue
+            away = self.cache_dir / f".evict-{path.name}-{time.monotonic_ns()}"
+            try:
+                os.rename(path, away)
+            except OSError as exc:
+                log.warning("image cache: cannot remove %s: %s", path.name, exc)
+                continue
+            doomed.append(away)
+            total -= size
+        for away in doomed:
+            await asyncio.to_thread(shutil.rmtree, away, True)
+        if doomed:
+            log.info("image cache: removed %d unused images to stay within %d bytes", len(doomed), self.max_bytes)
 
     # -- listing ------------------------------------------------------------------------------------------
     def image_list(self) -> ImageList:
         """Every image below the image directories (an OCI layout once per tag), with its format, digest where
-        known without reading the file, and cache state."""
+        known without hashing the file, and cache state; only names a spec can give."""
         found: list[Image] = []
         for directory in self.image_dirs:
             self._walk(directory, directory, 0, found)
@@ -568,8 +389,8 @@ class ImageStore:
         state = self.state(digest) if digest or image.format == "directory" else "not unpacked"
         size: int | None = None
         if state == "unpacked":
-            with contextlib.suppress(ImageError):
-                size = _read_json(self.cache_dir / str(digest) / "image.json", image.name).get("bytes")
+            with contextlib.suppress(OSError, ValueError):
+                size = json.loads((self.cache_dir / str(digest) / "image.json").read_text()).get("bytes")
         elif image.format in ("sif", "docker-archive"):
             with contextlib.suppress(OSError):
                 size = image.path.stat().st_size
@@ -588,13 +409,18 @@ class ImageStore:
             if not resolved.is_relative_to(base):
                 continue  # a link out of the image directory: find() would not take it either
             name = str(path.relative_to(base))
+            if ":" in name:  # a spec would name it as a tag of another image
+                continue
             kind = detect_format(resolved)
             if kind == "oci":
                 with contextlib.suppress(ImageError):
+                    tags = oci_tags(resolved, name)
+                    named = [f"{name}:{t}" for t in tags] if len(tags) > 1 else [name]
                     found += [
-                        Image(f"{name}:{t}" if t else name, resolved, kind, t or None) for t in oci_tags(resolved)
+                        Image(n, resolved, kind, n.partition(":")[2] or None) for n in named if IMAGE_NAME.fullmatch(n)
                     ]
             elif kind is not None:
-                found.append(Image(name, resolved, kind))
+                if IMAGE_NAME.fullmatch(name):
+                    found.append(Image(name, resolved, kind))
             elif entry.is_dir() and depth < MAX_DEPTH:
                 self._walk(base, path, depth + 1, found)

@@ -22,6 +22,7 @@ import secrets
 import stat
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -59,6 +60,12 @@ class SandboxNotFound(Exception):
 
 class CapacityError(Exception):
     status = 429
+
+
+class ClientGone(Exception):
+    """The client of a request went away before its answer: nothing is made for it."""
+
+    status = 499  # nginx's "client closed request": it is never sent, only logged
 
 
 class PolicyError(Exception):
@@ -149,6 +156,7 @@ class SandboxManager:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         await asyncio.gather(*(self.delete(i) for i in list(self._sandboxes)), return_exceptions=True)
+        await self.images.stop()
         if self._lock_file is not None:
             self._lock_file.close()  # closing releases the lock
 
@@ -205,7 +213,9 @@ class SandboxManager:
         box.touch()
         return box
 
-    async def create(self, spec: SandboxSpec) -> Sandbox:
+    async def create(self, spec: SandboxSpec, wanted: Callable[[], bool] = lambda: True) -> Sandbox:
+        """A new sandbox, its default session started. `wanted` is asked once its image is ready (a first use
+        may take minutes): a client that gave up meanwhile gets no sandbox that nobody would ever delete."""
         # Creations still preparing their image count: a burst of first uses may not unpack past the limit.
         if len(self._sandboxes) + self._preparing >= self.config.max_sandboxes:
             raise CapacityError(f"sandbox limit reached ({self.config.max_sandboxes}); delete some first")
@@ -222,9 +232,11 @@ class SandboxManager:
         spec = spec.model_copy(update={"backend": backend.name, "limits": self._limits(spec.limits)})
         self._preparing += 1
         try:
-            image = await self.prepare_image(spec.image, backend)
+            image = await self.prepare_image(spec.image, backend, seeded=spec.seed_workdir)
         finally:
             self._preparing -= 1
+        if not wanted():
+            raise ClientGone("the client went away while the image was being unpacked; no sandbox was created")
         # From here to the registration below nothing awaits: the image cache evicts only images that no
         # registered sandbox runs (ImageStore._evict), and this one is registered before anything can run.
         uid = self._allocate_uid() if self.sandbox_uids is not None else None
@@ -248,6 +260,7 @@ class SandboxManager:
         self._sandboxes[sandbox_id] = box
         try:
             box.write_record()
+            await box.seed()  # after the registration: the copy awaits, and the image must stay cached meanwhile
             await backend.create(dirs, spec)
             await box.session("default")
             box.created = True
@@ -278,13 +291,15 @@ class SandboxManager:
     def _images_in_use(self) -> set[str]:
         return {box.dirs.image_digest for box in self._sandboxes.values() if box.dirs.image_digest}
 
-    async def prepare_image(self, name: str | None, backend: Backend) -> Unpacked:
+    async def prepare_image(self, name: str | None, backend: Backend, seeded: bool = False) -> Unpacked:
         """What a sandbox of image `name` runs (the host's root when None), unpacked into the cache if it must
-        be; an unknown or unusable image is the client's error (400), a failed unpack the server's."""
+        be; an unknown or unusable image is the client's error (400), a failed unpack the server's. A `seeded`
+        sandbox (`seed_workdir`) copies from the unpacked root, so a backend that runs SIF files itself
+        (Apptainer) is given the unpacked root too."""
         if name is None:
             return Unpacked(root=None)
         try:
-            return await self.images.prepare(self.images.find(name), runs_sif=backend.runs_sif)
+            return await self.images.prepare(self.images.find(name), runs_sif=backend.runs_sif and not seeded)
         except ImageError as exc:
             if exc.status >= 500:
                 raise BackendError(str(exc), exc.status) from None

@@ -14,6 +14,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 from pydantic.json_schema import SkipJsonSchema
 
 ExecStatus = Literal["completed", "timeout", "interrupted", "dead", "running"]
+ImageFormat = Literal["directory", "sif", "oci", "docker-archive"]
+ImageCacheState = Literal["in place", "unpacked", "unpacking", "not unpacked"]
 SessionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
 
@@ -66,7 +68,7 @@ Environment = Annotated[
 ]
 MAX_WORKDIR_BYTES = 1024
 # A path below an image directory, then an optional `:TAG` for OCI layouts and docker archives.
-_IMAGE_NAME = re.compile(
+IMAGE_NAME = re.compile(
     r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*(/[A-Za-z0-9_][A-Za-z0-9_.+-]*)*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$"
 )
 MAX_FORWARDS = 8
@@ -119,6 +121,12 @@ class SandboxSpec(_Strict):
     )
     env: Environment = Field(default_factory=dict, description="environment of the sandboxed shell only")
     workdir: str = Field("/workspace", max_length=1024)
+    seed_workdir: bool = Field(
+        False,
+        description="the workspace, mounted at `workdir`, starts as a copy of what the image holds at `workdir` "
+        "(a SWE-bench image's /testbed), and again after each wipe; needs `image`, whose `workdir` must be a "
+        "directory. The copy counts against limits.disk_mb",
+    )
     network: Literal["none", "host"] = "none"
     forwards: list[PortForward] = Field(
         default_factory=list,
@@ -149,7 +157,7 @@ class SandboxSpec(_Strict):
     @field_validator("image")
     @classmethod
     def _image_name(cls, value: str | None) -> str | None:
-        if value is not None and (not _IMAGE_NAME.fullmatch(value) or ".." in value.split("/")):
+        if value is not None and (not IMAGE_NAME.fullmatch(value) or ".." in value.split("/")):
             raise ValueError(
                 f"image {value!r} is not an image name: names are relative to the server's image directories "
                 "(letters, digits, '._+-', '/' between parts, an optional ':TAG'; no '..', no absolute path)"
@@ -168,6 +176,12 @@ class SandboxSpec(_Strict):
         ports = [f.port for f in self.forwards]
         if len(set(ports)) != len(ports):
             raise ValueError(f"two forwards on one port: {sorted(ports)}")
+        return self
+
+    @model_validator(mode="after")
+    def _seed_needs_image(self) -> SandboxSpec:
+        if self.seed_workdir and self.image is None:
+            raise ValueError("seed_workdir copies the image's workdir into the workspace: it needs an `image`")
         return self
 
 
@@ -372,12 +386,12 @@ class SandboxList(BaseModel):
 
 class ImageInfo(BaseModel):
     name: str = Field(description="what a spec's `image` names it by")
-    format: Literal["directory", "sif", "oci", "docker-archive"]
+    format: ImageFormat
     digest: str | None = Field(
         description="sha256 the cache keys it by: an OCI layout's manifest digest; for a SIF file or an archive, "
         "the file's, known once it has been used (null until then); null for a root directory"
     )
-    cache: Literal["in place", "unpacked", "unpacking", "not unpacked"] = Field(
+    cache: ImageCacheState = Field(
         description="a root directory is used in place; the others are unpacked once, at their first use"
     )
     bytes: int | None = Field(

@@ -89,7 +89,7 @@ async def list_images(request: web.Request) -> web.Response:
 
 
 async def create_sandbox(request: web.Request, body: SandboxSpec) -> web.Response:
-    box = await request.app[MANAGER].create(body)
+    box = await request.app[MANAGER].create(body, wanted=lambda: request.transport is not None)
     return json_response(box.info(), status=201)
 
 
@@ -269,7 +269,10 @@ RUNTIME_API = API(
                 400: "the spec is not valid, or the server's policy refuses it (a limit above the maximum, an unknown "
                 "image, a backend that is not installed): the message says which",
                 403: "a backend the operator did not allow (`local`)",
+                409: "the image file changed while it was unpacked; try again",
+                413: "seed_workdir: the image's directory at workdir holds more than limits.disk_mb",
                 429: "the server holds its maximum number of sandboxes; delete some first",
+                507: "no space left where the sandbox's files are kept",
             },
             body=SandboxSpec,
             body_required=False,
@@ -311,7 +314,7 @@ RUNTIME_API = API(
             "POST",
             "/wipe",
             wipe_sandbox,
-            "End every process, then empty the workspace and /tmp",
+            "End every process, then empty the workspace and /tmp (and seed the workspace again: seed_workdir)",
             (Reply(200, "", SandboxWiped),),
         ),
         Operation(

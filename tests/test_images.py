@@ -4,8 +4,15 @@ restarts and crashes, tags, and what it refuses. Real files (tests/image_fixture
 from __future__ import annotations
 
 import asyncio
+import gzip
+import hashlib
 import json
+import os
+import platform
 import shutil
+import stat
+import struct
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -118,7 +125,8 @@ async def test_a_backend_that_runs_sif_gets_the_file_and_nothing_is_unpacked(ima
     images_store = store(images, tmp_path / "cache")
     unpacked = await images_store.prepare(images_store.find("tiny.sif"), runs_sif=True)
     assert unpacked.file == images / "tiny.sif" and unpacked.root is None
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert unpacked.digest == await images_store.digest(images_store.find("tiny.sif"))  # still known by its digest
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["digests.json"]  # hashed, not unpacked
     oci = await images_store.prepare(images_store.find("tiny.oci"), runs_sif=True)  # others still unpack
     assert oci.root is not None and oci.root.is_dir()
 
@@ -171,9 +179,9 @@ async def test_the_listing(images, tmp_path):
     (images / "notes.txt").write_text("not an image")
     images_store = store(images, tmp_path / "cache")
     listed = {i.name: i for i in images_store.image_list().images}
-    assert set(listed) == {"tiny.rootfs", "tiny.sif", "tiny.oci:latest", "tiny.docker.tar", "nested/deeper/n.sif"}
+    assert set(listed) == {"tiny.rootfs", "tiny.sif", "tiny.oci", "tiny.docker.tar", "nested/deeper/n.sif"}
     assert listed["tiny.sif"].digest is None and listed["tiny.sif"].cache == "not unpacked"
-    assert listed["tiny.oci:latest"].digest is not None
+    assert listed["tiny.oci"].digest is not None
     await images_store.prepare(images_store.find("tiny.sif"))
     relisted = {i.name: i for i in images_store.image_list().images}
     assert relisted["tiny.sif"].cache == "unpacked" and relisted["tiny.sif"].digest
@@ -203,3 +211,190 @@ async def test_the_cache_keeps_to_its_size_and_never_evicts_what_runs(images, tm
     assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".evict-")]
     again = await images_store.prepare(images_store.find("tiny.sif"))  # an evicted image unpacks again
     assert again.root is not None and (again.root / "etc" / "hello").is_file()
+
+
+def _sif_of(root: Path, sif: Path) -> Path:
+    """A SIF of `root` keeping its owners (the fixture's builder makes everything root's)."""
+    squashfs = sif.with_suffix(".squashfs")
+    image_fixtures.subprocess.run(["mksquashfs", str(root), str(squashfs), "-quiet", "-no-progress"], check=True)
+    image_fixtures.subprocess.run(["siftool", "new", str(sif)], check=True, capture_output=True)
+    partition = ["--datatype", "4", "--parttype", "2", "--partfs", "1", "--partarch", "2", "--groupid", "1"]
+    image_fixtures.subprocess.run(
+        ["siftool", "add", str(sif), str(squashfs), *partition], check=True, capture_output=True
+    )
+    return sif
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a root server's unpack: needs root (as CI runs)")
+async def test_what_a_root_server_unpacks_gives_no_host_user_anything(images, tmp_path):
+    root = tmp_path / "hostile"
+    shutil.copytree(images / "tiny.rootfs", root, symlinks=True)
+    shutil.copy(root / "usr" / "bin" / "bash", root / "usr" / "bin" / "suid-bash")
+    os.chmod(root / "usr" / "bin" / "suid-bash", 0o4755)
+    (root / "opt" / "conda").mkdir(parents=True)
+    os.chmod(root / "opt" / "conda", 0o777)
+    (root / "etc" / "theirs").write_text("owned by uid 1000")
+    os.chown(root / "etc" / "theirs", 1000, 1000)
+    os.mkfifo(root / "etc" / "fifo")
+    os.mknod(root / "etc" / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    _sif_of(root, images / "hostile.sif")
+    unpacked = await store(images, tmp_path / "cache").prepare(store(images, tmp_path / "cache").find("hostile.sif"))
+    assert unpacked.root is not None
+    found = {p.relative_to(unpacked.root).as_posix(): os.lstat(p) for p in unpacked.root.rglob("*")}
+    assert "etc/fifo" not in found and "etc/null" not in found
+    assert found["etc/theirs"].st_uid == 0 and found["usr/bin/suid-bash"].st_mode & stat.S_ISUID == 0
+    assert all(not s.st_mode & (stat.S_IWGRP | stat.S_IWOTH) for s in found.values() if not stat.S_ISLNK(s.st_mode))
+    assert all(s.st_uid == 0 for s in found.values())
+
+
+async def test_a_file_rewritten_behind_the_cache_is_a_new_image(images, tmp_path):
+    """Its owner can set the mtime back, not the ctime: the same size and mtime is not the same file."""
+    images_store = store(images, tmp_path / "cache")
+    first = await images_store.digest(images_store.find("tiny.sif"))
+    sif = images / "tiny.sif"
+    times = os.stat(sif)
+    data = bytearray(sif.read_bytes())
+    data[-1] ^= 0xFF
+    sif.write_bytes(bytes(data))
+    os.utime(sif, ns=(times.st_atime_ns, times.st_mtime_ns))
+    assert await images_store.digest(images_store.find("tiny.sif")) != first
+
+
+async def test_an_unpack_outlives_the_request_that_started_it(images, tmp_path):
+    images_store = store(images, tmp_path / "cache")
+    image = images_store.find("tiny.docker.tar")
+    request = asyncio.ensure_future(images_store.prepare(image))
+    while not images_store._unpacks:  # the unpack task is under way
+        await asyncio.sleep(0)
+    request.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    again = await images_store.prepare(image)  # waits for that same unpack, which went on
+    assert again.root is not None and (again.root / "etc" / "hello").is_file()
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".unpack-")]
+
+
+def _write_blob(layout: Path, value: dict) -> tuple[str, int]:
+    data = json.dumps(value).encode()
+    digest = hashlib.sha256(data).hexdigest()
+    (layout / "blobs" / "sha256" / digest).write_bytes(data)
+    return "sha256:" + digest, len(data)
+
+
+def _retag(layout: Path, entries: list[dict]) -> None:
+    (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": entries}))
+
+
+async def test_a_multi_platform_index_gives_this_machines_image(images, tmp_path):
+    layout = images / "tiny.oci"
+    manifest = json.loads((layout / "index.json").read_text())["manifests"][0]
+    arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
+    other = {**manifest, "platform": {"os": "linux", "architecture": "s390x" if arch != "s390x" else "arm64"}}
+    ours = {**manifest, "platform": {"os": "linux", "architecture": arch}}
+    digest, size = _write_blob(
+        layout, {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": [other, ours]}
+    )
+    _retag(
+        layout,
+        [
+            {
+                "mediaType": "application/vnd.oci.image.index.v1+json",
+                "digest": digest,
+                "size": size,
+                "annotations": {"org.opencontainers.image.ref.name": "multi"},
+            }
+        ],
+    )
+    images_store = store(images, tmp_path / "cache")
+    unpacked = await images_store.prepare(images_store.find("tiny.oci:multi"))
+    assert unpacked.digest == manifest["digest"].removeprefix("sha256:")
+    assert unpacked.root is not None and (unpacked.root / "etc" / "added").is_file()
+
+
+async def test_zstd_layers_are_refused_saying_what_to_do(images, tmp_path):
+    layout = images / "tiny.oci"
+    entry = json.loads((layout / "index.json").read_text())["manifests"][0]
+    manifest = json.loads((layout / "blobs" / "sha256" / entry["digest"].removeprefix("sha256:")).read_bytes())
+    for layer in manifest["layers"]:
+        layer["mediaType"] = "application/vnd.oci.image.layer.v1.tar+zstd"
+    digest, size = _write_blob(layout, manifest)
+    _retag(layout, [{**entry, "digest": digest, "size": size}])
+    images_store = store(images, tmp_path / "cache")
+    with pytest.raises(ImageError, match="zstd") as caught:
+        await images_store.prepare(images_store.find("tiny.oci"))
+    assert caught.value.status == 400
+
+
+async def test_paths_with_colons_and_untagged_images(images, tmp_path):
+    cache = tmp_path / "state:with:colons"
+    images_store = store(images, cache)
+    unpacked = await images_store.prepare(images_store.find("tiny.oci"))  # umoci splits --image at ':'
+    assert unpacked.root is not None and unpacked.root.is_dir()
+    layout = images / "tiny.oci"
+    entry = json.loads((layout / "index.json").read_text())["manifests"][0]
+    _retag(layout, [{k: v for k, v in entry.items() if k != "annotations"}])  # `docker save <id>`: no tag
+    assert images_store.find("tiny.oci").tag is None
+    assert (await images_store.prepare(images_store.find("tiny.oci"))).digest == unpacked.digest
+
+
+def test_a_damaged_sif_is_refused(images, tmp_path):
+    data = bytearray((images / "tiny.sif").read_bytes())
+    struct.pack_into("<q", data, 32 + 10 + 3 + 3 + 16 + 8 * 4, 1 << 40)  # the descriptors' offset, past the end
+    (tmp_path / "bad.sif").write_bytes(bytes(data))
+    with pytest.raises(ImageError, match="damaged SIF"):
+        sif_root_partition(tmp_path / "bad.sif")
+
+
+def test_the_listing_gives_only_names_a_spec_can_give(images, tmp_path):
+    shutil.copy(images / "tiny.sif", images / "python:3.11.sif")  # ':' would name a tag
+    listed = {i.name for i in store(images, tmp_path / "cache").image_list().images}
+    assert "python:3.11.sif" not in listed and "tiny.sif" in listed
+
+
+async def test_a_client_that_gives_up_during_a_first_use_gets_no_sandbox(images, tmp_path):
+    """The unpack goes on for the next client; the sandbox the first one asked for is never made."""
+    from aiohttp.test_utils import TestServer
+
+    from sandbox_runtime.client import SandboxClient, SandboxUnreachable
+    from sandbox_runtime.config import ServerConfig
+    from sandbox_runtime.server import MANAGER, create_app
+
+    base = Path(tempfile.mkdtemp(prefix="prorl-test-images-"))  # reachable by a root server's sandbox uids
+    base.chmod(0o711)
+    (base / "images").mkdir()
+    shutil.copy(images / "tiny.sif", base / "images" / "tiny.sif")
+    backend = "bwrap" if shutil.which("bwrap") else "local"
+    config = ServerConfig(
+        state_dir=base / "state", backend=backend, allow_local=backend == "local", image_dirs=[base / "images"]
+    )
+    release = asyncio.Event()
+    try:
+        async with TestServer(create_app(config)) as server:
+            store_ = server.app[MANAGER].images
+            unpack = store_._unpack
+
+            async def slow(image, entry):
+                await release.wait()
+                await unpack(image, entry)
+
+            store_._unpack = slow  # type: ignore[method-assign]
+            url = str(server.make_url("")).rstrip("/")
+            async with SandboxClient(url, timeout=0.5) as impatient:
+                with pytest.raises(SandboxUnreachable):
+                    await impatient.create_sandbox(image="tiny.sif")
+            release.set()
+            async with SandboxClient(url) as patient:
+                box = await patient.create_sandbox(image="tiny.sif")
+                assert [b.id for b in await patient.list_sandboxes()] == [box.id]
+                await patient.delete_sandbox(box.id)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+async def test_a_gzipped_docker_archive_is_the_same_image(images, tmp_path):
+    with open(images / "tiny.docker.tar", "rb") as plain, gzip.open(images / "tiny.docker.tar.gz", "wb") as packed:
+        shutil.copyfileobj(plain, packed)
+    assert detect_format(images / "tiny.docker.tar.gz") == "docker-archive"
+    images_store = store(images, tmp_path / "cache")
+    unpacked = await images_store.prepare(images_store.find("tiny.docker.tar.gz"))
+    assert unpacked.root is not None and tree(unpacked.root) == tree(images / "tiny.rootfs")

@@ -15,6 +15,7 @@ from prorl_plugins.tasks import swe_bench
 from prorl_plugins.tasks.swe import SweTask
 from prorl_plugins.tasks.swe_bench import bench_row, grade_log, graded_command, image_name, outside, patch_paths
 from prorl_plugins.tasks.swe_grading import AgentChanges
+from sandbox_runtime.models import SandboxSpec
 
 BASE = "0123456789abcdef0123456789abcdef01234567"
 TEST_PATCH = """diff --git a/tests/test_calc.py b/tests/test_calc.py
@@ -76,6 +77,8 @@ def test_a_dataset_row_is_read_with_its_json_test_lists():
         ({"test_patch": TEST_PATCH.replace("a/tests/test_calc.py", "a/../etc/passwd", 1)}, "'test_patch'"),
         ({"test_patch": "diff --git a/.git/config b/.git/config\n"}, "'test_patch'"),
         ({"repo_path": "testbed"}, "'repo_path'"),
+        ({"repo_path": "/usr/src/repo"}, "'repo_path'"),  # the sandbox's workdir may not hide a system directory
+        ({"repo_path": "/tmp/repo"}, "'repo_path'"),
         ({"test_cmd": ""}, "'test_cmd'"),
         ({"env": "PATH=/bin"}, "'env'"),
         ({"image": "/abs/x.sif"}, "'image'"),
@@ -118,8 +121,8 @@ def test_the_task_s_template_comes_from_its_argument_or_the_service_s_environmen
     monkeypatch.setenv(swe_bench.IMAGE_TEMPLATE_ENV, "images/{image_id}.oci")
     spec = SweTask().sandbox_spec(row())
     assert spec["image"] == "images/calc_1776_calc-1.oci"
-    assert spec["workdir"] == "/workspace"
-    assert spec["env"]["PYTHONPATH"] == "/workspace/repo"
+    assert spec["workdir"] == "/testbed" and spec["seed_workdir"] is True  # the agent works in /testbed itself
+    assert "PYTHONPATH" not in spec["env"]  # the image's own installation finds the repository
     assert spec["env"]["PATH"].startswith("/opt/miniconda3/envs/testbed/bin:")
     monkeypatch.delenv(swe_bench.IMAGE_TEMPLATE_ENV)
     assert SweTask().sandbox_spec(row())["image"] == "sweb.eval.x86_64.calc_1776_calc-1.sif"
@@ -131,7 +134,8 @@ def test_a_broken_row_gets_a_plain_sandbox_and_its_own_rows_keep_theirs():
     assert SweTask().sandbox_spec(own) == {"limits": {"memory_mb": 2048, "pids": 256}}
     assert SweTask().sandbox_spec(row(env={"A": "1"}, limits={"pids": 64})) == {
         "image": "sweb.eval.x86_64.calc_1776_calc-1.sif",
-        "workdir": "/workspace",
+        "workdir": "/testbed",
+        "seed_workdir": True,
         "env": {"A": "1"},
         "limits": {"pids": 64},
     }
@@ -164,6 +168,14 @@ def test_swebench_s_test_command_for_a_repository_it_knows():
     assert swe_bench.shown_command(django) == "./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1"
     assert "export LANG=en_US.UTF-8" in swe_bench.graded_script(django)
     assert swe_bench.graded_script(django).startswith(swe_bench.CONDA_ACTIVATE)
+    assert "\ncd /testbed\n./tests/runtests.py " in swe_bench.graded_script(django)
+
+
+def test_the_sandbox_is_seeded_at_the_row_s_repository_path():
+    spec = SweTask().sandbox_spec(row(repo_path="/srv/repo/"))
+    assert (spec["workdir"], spec["seed_workdir"]) == ("/srv/repo", True)
+    assert SandboxSpec(**spec).seed_workdir  # a spec the runtime takes
+    assert swe_bench.graded_script(checked(repo_path="/srv/repo/")).splitlines()[-2] == "cd /srv/repo"
 
 
 def test_an_unknown_repository_or_version_falls_back_to_pytest_on_the_test_files():
@@ -209,7 +221,7 @@ ORIGINAL = ["calc/__init__.py", "calc/ops.py", "calc/old.py", "tests/test_calc.p
 
 
 def test_new_modules_where_they_would_shadow_pytest_or_the_standard_library_are_left_out():
-    """The root is on PYTHONPATH and pytest puts a test's directory first on sys.path: a new module there would
+    """The root is first on sys.path and pytest puts a test's directory first on sys.path: a new module there would
     run in place of pytest (or `re`, ...); below the root, and where the repository has it already, it stays."""
     new = {
         "pytest.py": (b"", 0o644),
@@ -332,7 +344,7 @@ def test_swebench_is_imported_without_docker_modal_or_its_harness():
 def test_prompts_say_where_the_repository_is_and_never_show_the_test_patch():
     task = SweTask()
     system, user = task.system_prompt(row()), task.user_prompt(row())
-    assert "/workspace/repo" in system and "/testbed" in system and "tests" in system
+    assert "/testbed" in system and "/workspace" not in system and "tests" in system
     assert user.startswith("clamp() ignores its upper bound.")
-    assert "cd /workspace/repo && python3 -m pytest -rA" in user
+    assert "cd /testbed && python3 -m pytest -rA" in user
     assert "test_clamp" not in system + user and "test_calc.py" not in system + user

@@ -14,15 +14,23 @@ The image is the row's `image`, else its `image_template`, else the rollout serv
 else DEFAULT_IMAGE_TEMPLATE, formatted with {instance_id} (as in the row), {image_id} (as SWE-bench's published
 images spell it: lower case, `__` as `_1776_`), {repo} and {version}.
 
-init: the runtime shows the image's root read-only, so the repository is copied from /testbed into
-/workspace/repo (`cp -a`, so the build products the image's environment relies on stay), checked out at
-base_commit, and the test patch is checked to apply; the agent works in /workspace/repo and never sees the patch.
+The sandbox works where SWE-bench's agents work: in /testbed (`repo_path`) itself. The runtime shows the image's
+root read-only, so the sandbox's workspace is mounted at /testbed and seeded with a copy of the image's /testbed
+(`seed_workdir`: again at every wipe), build products and all. A SWE-bench image installs the repository in
+editable mode from /testbed (an egg-link, a `.pth` file, a src-layout package's path hook), so the code Python
+imports is the agent's, as in SWE-bench, whatever the repository's layout.
+
+init: the seeded /testbed is checked to be a git repository, checked out at base_commit where its HEAD is not
+there already (a SWE-bench image's is, and its tree holds the uncommitted changes of swebench's `pre_install`
+steps, which a forced checkout would undo; nothing is cleaned either: untracked build products are the
+environment's), and the test patch is checked to apply; the agent never sees the patch.
 
 eval, as SWE-bench grades, trusting nothing the agent could have planted (the pipeline has ended its processes):
 1. the agent's repository is read through the runtime's file API (its `.git` pruned of objects first, so that a
    big repository fits) and its changes computed in this process (swe_grading): its git never runs;
-2. the sandbox is wiped and a fresh copy made from /testbed, which the agent could not write, so git run there by
-   eval is trusted; the fresh tree, read back, is what the agent's changes are taken relative to;
+2. the sandbox is wiped, which seeds /testbed afresh from the image (which the agent could not write: the runtime
+   copies it from the read-only image), so git run there by eval is trusted; the fresh tree, read back (its .git
+   set aside in /tmp meanwhile), is what the agent's changes are taken relative to;
 3. the test patch is applied to the fresh copy (git apply), then the agent's changes, except at every path the
    test patch touches, at every conftest.py, sitecustomize.py and usercustomize.py (test machinery that a fix
    does not change, and that could report every test passed), compiled Python (`__pycache__`, .pyc), new
@@ -39,8 +47,9 @@ eval, as SWE-bench grades, trusting nothing the agent could have planted (the pi
 Not defended, as in SWE-bench: the code under test runs with the agent's changes, so it can change how the tests
 run (monkeypatch pytest when imported, shadow a module the tests import, or add a plugin in setup.cfg).
 
-The repository is in /workspace/repo, not /testbed, while a SWE-bench image's environment has it installed in
-editable mode from /testbed: PYTHONPATH puts /workspace/repo first, so that `import pkg` finds the agent's code.
+Not done, unlike SWE-bench's eval script: swebench's `install` step is not run again before the tests (it installs
+into the image's read-only site-packages); the editable install already points at /testbed, and compiled
+extensions are those the image built.
 """
 
 from __future__ import annotations
@@ -67,26 +76,25 @@ from sandbox_runtime.models import SandboxSpec
 
 from .swe_grading import AgentChanges, agent_changes, graded_tree, repository_tree, unified_patch
 
-WORKDIR = "/workspace"
-REPO = f"{WORKDIR}/repo"
 REPO_PATH = "/testbed"
 DEFAULT_IMAGE_TEMPLATE = "sweb.eval.x86_64.{image_id}.sif"
 IMAGE_TEMPLATE_ENV = "PRORL_SWE_IMAGE_TEMPLATE"
 FALLBACK_TEST_CMD = "python3 -m pytest -rA"
-# SWE-bench's images keep the instance's environment in conda's `testbed` env: first on PATH for the agent's shell
-# (nothing else activates it there), activated properly for the graded run. A directory that does not exist costs
-# nothing, so images without conda (SWE-Gym's own builds, the tests' Debian image) run as they are.
+# SWE-bench's images keep the instance's environment in conda's `testbed` env, which their Dockerfile activates in
+# root's .bashrc only: first on PATH for the agent's shell (which reads no .bashrc), activated properly for the
+# graded run. A directory that does not exist costs nothing, so images without conda (SWE-Gym's own builds, the
+# tests' Debian image) run as they are. Nothing else: the image's own installation finds the repository.
 TESTBED_ENV = {
     "PATH": "/opt/miniconda3/envs/testbed/bin:/opt/miniconda3/condabin:/opt/miniconda3/bin:"
     "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "PYTHONPATH": REPO,
 }
 CONDA_ACTIVATE = (
     "if [ -f /opt/miniconda3/bin/activate ]; then source /opt/miniconda3/bin/activate && conda activate testbed; fi"
 )
 REQUIRED = ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "FAIL_TO_PASS")
 PROTECTED_NAMES = frozenset({"conftest.py", "sitecustomize.py", "usercustomize.py"})
-COPY_TIMEOUT_S = 900.0  # a big repository with its .git, from a slow shared file system
+CHECKOUT_TIMEOUT_S = 900.0  # a big repository, on a slow shared file system
+MOVE_TIMEOUT_S = 900.0  # a big .git, copied to /tmp and back (another mount: mv copies)
 TEST_TIMEOUT_S = 1800.0  # SWE-bench's own per-instance default
 TEST_LOG_BYTES = 8 << 20
 TREE_BYTES = 1 << 30  # what a repository's files may hold in all, read into this process for grading
@@ -146,6 +154,10 @@ def bench_row(row: Mapping[str, Any], image_template: str | None = None) -> Benc
     repo_path = row.get("repo_path", REPO_PATH)
     if not isinstance(repo_path, str) or not repo_path.startswith("/") or ".." in repo_path.split("/"):
         raise TaskConfigError(f"'repo_path' must be an absolute path inside the image, not {repo_path!r}")
+    try:  # the sandbox's workdir: not a system directory such as /usr or /tmp
+        repo_path = SandboxSpec(image="x", workdir=repo_path, seed_workdir=True).workdir
+    except ValueError as exc:
+        raise TaskConfigError(f"'repo_path' {repo_path!r} cannot be the sandbox's workdir: {exc}") from None
     test_cmd, test_command = (_optional_string(row, name) for name in ("test_cmd", "test_command"))
     env, limits = row.get("env", TESTBED_ENV), row.get("limits", {})
     if not isinstance(env, dict) or not isinstance(limits, dict):
@@ -160,7 +172,7 @@ def bench_row(row: Mapping[str, Any], image_template: str | None = None) -> Benc
         pass_to_pass=named_tests(row, "PASS_TO_PASS"),
         version=None if version is None else str(version),
         image=image_name(row, image_template),
-        repo_path=repo_path.rstrip("/") or "/",
+        repo_path=repo_path,
         test_paths=frozenset(patch_paths(row["test_patch"])),
         test_cmd=test_cmd,
         test_command=test_command,
@@ -351,7 +363,8 @@ def graded_script(row: BenchRow) -> str:
     """The graded run's bash script: the conda environment where the image has one, swebench's `eval_commands`
     for the repository (environment variables; what fails on the read-only root is skipped), the tests."""
     eval_commands = (_specs(row) or {}).get("eval_commands", []) if not row.test_command else []
-    return "\n".join([CONDA_ACTIVATE, *eval_commands, f"cd {shlex.quote(REPO)}", graded_command(row)]) + "\n"
+    repo = shlex.quote(row.repo_path)
+    return "\n".join([CONDA_ACTIVATE, *eval_commands, f"cd {repo}", graded_command(row)]) + "\n"
 
 
 def grade_log(row: BenchRow, log: str) -> tuple[bool, list[str]]:
@@ -393,25 +406,33 @@ def grade_log(row: BenchRow, log: str) -> tuple[bool, list[str]]:
 
 
 def sandbox_spec(row: Mapping[str, Any], image_template: str | None) -> dict[str, Any]:
-    """The sandbox of a SWE-bench row: its image, the workspace at WORKDIR, the conda environment first on PATH.
-    A row too broken to name an image gets a plain sandbox, where init then fails with what is wrong with it."""
+    """The sandbox of a SWE-bench row: its image, the workspace at the repository's path, seeded with the image's
+    repository, the conda environment first on PATH. A row too broken to name an image gets a plain sandbox,
+    where init then fails with what is wrong with it."""
     try:
         checked = bench_row(row, image_template)
     except TaskConfigError:
         return {}
-    return {"image": checked.image, "workdir": WORKDIR, "env": checked.env, "limits": checked.limits}
+    return {
+        "image": checked.image,
+        "workdir": checked.repo_path,
+        "seed_workdir": True,
+        "env": checked.env,
+        "limits": checked.limits,
+    }
 
 
 async def init(env: Environment, row: BenchRow) -> None:
-    """The repository copied from the image into REPO at base_commit, and the test patch checked to apply there
-    (then removed: the agent never sees it). TaskConfigError for an image or row that cannot serve."""
+    """The image's repository, seeded into the sandbox's workspace, at base_commit, and the test patch checked
+    to apply there (then removed: the agent never sees it). TaskConfigError for an image or row that cannot
+    serve."""
     await asyncio.to_thread(swebench)  # fails early where swebench is missing; imported once per process
     await fresh_checkout(env, row)
     patch = f"/tmp/test-patch-{uuid.uuid4().hex}.diff"
     await env.write_file(patch, row.test_patch)
     check = await env.run(
         script=f"git apply --check {shlex.quote(patch)} 2>&1; status=$?; rm -f {shlex.quote(patch)}; exit $status",
-        cwd=REPO,
+        cwd=row.repo_path,
         timeout=120,
     )
     if check.status != "completed" or check.exit_code != 0:
@@ -419,19 +440,23 @@ async def init(env: Environment, row: BenchRow) -> None:
 
 
 async def fresh_checkout(env: Environment, row: BenchRow) -> None:
-    """REPO made anew as a copy of the image's repository, checked out at base_commit. Only what the image holds
-    is read, so git runs here without the agent's config or hooks (the image's own hooks are switched off too)."""
-    source, base = shlex.quote(row.repo_path), shlex.quote(row.base_commit)
+    """The repository the runtime seeded from the image (at creation, or at a wipe: only what the image holds,
+    so git runs here without the agent's config or hooks; the image's own hooks are switched off too), checked
+    out at base_commit unless its HEAD is there already (SWE-bench's images: their tree's uncommitted changes,
+    swebench's `pre_install` edits, are part of the environment and stay)."""
+    repo, base = shlex.quote(row.repo_path), shlex.quote(row.base_commit)
     git = "git -c safe.directory='*' -c core.hooksPath=/dev/null -c advice.detachedHead=false"
     script = f"""
-if [ ! -d {source}/.git ]; then echo "{row.repo_path} in image {row.image} is not a git repository"; exit 3; fi
-rm -rf {REPO} && mkdir -p {REPO} && cp -a {source}/. {REPO}/ || exit 4
-cd {REPO} && {git} checkout -q -f {base} 2>&1 || {{ echo "base_commit {base} is not in {source}"; exit 5; }}
+cd {repo} || exit 3
+if [ ! -d .git ]; then echo "{row.repo_path} in image {row.image} is not a git repository"; exit 3; fi
+head=$({git} rev-parse -q --verify HEAD 2>/dev/null)
+case "$head" in {base}*) exit 0 ;; esac
+{git} checkout -q -f {base} 2>&1 || {{ echo "base_commit {base} is not in {repo}"; exit 5; }}
 """
-    result = await env.run(script=script, timeout=COPY_TIMEOUT_S, max_output_bytes=64 << 10)
+    result = await env.run(script=script, timeout=CHECKOUT_TIMEOUT_S, max_output_bytes=64 << 10)
     if result.status != "completed" or result.exit_code != 0:
         raise TaskConfigError(
-            f"could not copy the repository from image {row.image!r}: {result.status}, {result.output[-800:]}"
+            f"could not check out the repository of image {row.image!r}: {result.status}, {result.output[-800:]}"
         )
 
 
@@ -440,17 +465,17 @@ cd {REPO} && {git} checkout -q -f {base} 2>&1 || {{ echo "base_commit {base} is 
 
 def system_prompt(row: BenchRow) -> str:
     return (
-        f"You resolve an issue in the git repository in {REPO}, using the bash tool (one call per turn, inside "
-        f"<tool_call></tool_call>). {row.repo_path} holds a read-only copy of the original: make your changes in "
-        f"{REPO}. Change the code, not the tests: the tests are replaced by the graders' own. Call finish when "
-        "the issue is resolved."
+        f"You resolve an issue in the git repository in {row.repo_path}, using the bash tool (one call per turn, "
+        "inside <tool_call></tool_call>). Make your changes there: the environment runs the code from there. "
+        "Change the code, not the tests: the tests are replaced by the graders' own. Call finish when the issue "
+        "is resolved."
     )
 
 
 def user_prompt(row: BenchRow) -> str:
     return (
-        f"{row.problem_statement}\n\nThe repository ({row.repo}, at commit {row.base_commit[:12]}) is in {REPO}. "
-        f"Run the tests with: cd {REPO} && {shown_command(row)}"
+        f"{row.problem_statement}\n\nThe repository ({row.repo}, at commit {row.base_commit[:12]}) is in "
+        f"{row.repo_path}. Run the tests with: cd {row.repo_path} && {shown_command(row)}"
     )
 
 
@@ -459,20 +484,22 @@ def user_prompt(row: BenchRow) -> str:
 
 async def evaluate(env: Environment, row: BenchRow, state: EpisodeState) -> dict[str, float]:
     # 1. The agent's tree, read by the runtime; its git objects and index are nothing to grade and may be large.
+    repo = row.repo_path
     agent_tree: bytes | None = None
-    await env.run(argv=["rm", "-rf", "--", *(f"{REPO}/.git/{name}" for name in ("objects", "lfs", "modules"))])
+    await env.run(argv=["rm", "-rf", "--", *(f"{repo}/.git/{name}" for name in ("objects", "lfs", "modules"))])
     try:
-        agent_tree = await env.download_archive(REPO)
-    except SandboxAPIError as exc:  # no readable repository (replaced by a link, too large): no patch
+        agent_tree = await env.download_archive(repo)
+    except SandboxAPIError as exc:  # no readable repository (too large): no patch
         if exc.status >= 500:
             raise
-    # 2. A fresh copy from the image; its tree as the original (its .git set aside while it is read).
+    # 2. The wipe seeds the repository afresh from the image; its tree as the original (its .git set aside in /tmp
+    # while it is read: the workspace is the repository, and /tmp the one other place the sandbox may write).
     await env.wipe()
     await fresh_checkout(env, row)
-    aside = f"{WORKDIR}/.git-{uuid.uuid4().hex}"
-    await _checked_run(env, ["mv", "--", f"{REPO}/.git", aside])
-    original, original_links = repository_tree(await env.download_archive(REPO), TREE_BYTES)
-    await _checked_run(env, ["mv", "--", aside, f"{REPO}/.git"])
+    aside = f"/tmp/.git-{uuid.uuid4().hex}"
+    await _checked_run(env, ["mv", "--", f"{repo}/.git", aside], timeout=MOVE_TIMEOUT_S)
+    original, original_links = repository_tree(await env.download_archive(repo), TREE_BYTES)
+    await _checked_run(env, ["mv", "--", aside, f"{repo}/.git"], timeout=MOVE_TIMEOUT_S)
     if agent_tree is None:
         return {"outcome": 0.0}
     try:
@@ -484,24 +511,24 @@ async def evaluate(env: Environment, row: BenchRow, state: EpisodeState) -> dict
     # 3. The test patch on the fresh copy, then the agent's changes outside the test machinery.
     patch = f"/tmp/test-patch-{uuid.uuid4().hex}.diff"
     await env.write_file(patch, row.test_patch)
-    applied = await env.run(script=f"git apply {shlex.quote(patch)} 2>&1", cwd=REPO, timeout=120)
+    applied = await env.run(script=f"git apply {shlex.quote(patch)} 2>&1", cwd=repo, timeout=120)
     if applied.status != "completed" or applied.exit_code != 0:
         raise TaskConfigError(f"'test_patch' no longer applies to a fresh checkout: {applied.output[-800:]}")
     kept = outside(changes, row.test_paths, original.keys() | original_links.keys())
     if kept.deleted:
         listing = f"/tmp/deleted-{uuid.uuid4().hex}"
         await env.write_file(listing, b"".join(path.encode() + b"\0" for path in sorted(kept.deleted)))
-        await _checked_run(env, ["xargs", "-0", "-r", "-a", listing, "rm", "-f", "--"], cwd=REPO)
+        await _checked_run(env, ["xargs", "-0", "-r", "-a", listing, "rm", "-f", "--"], cwd=repo)
     if kept.written or kept.symlinks:
         try:  # the runtime refuses a patch whose links lead out of the repository: such a patch scores nothing
-            await env.upload_archive(REPO, graded_tree({}, {}, kept))
+            await env.upload_archive(repo, graded_tree({}, {}, kept))
         except SandboxAPIError as exc:
             if exc.status >= 500:
                 raise
             return {"outcome": 0.0}
     # 4. The tests, and the log read by swebench's parser.
     result = await env.run(
-        script=graded_script(row), cwd=REPO, env=row.env, timeout=TEST_TIMEOUT_S, max_output_bytes=TEST_LOG_BYTES
+        script=graded_script(row), cwd=repo, env=row.env, timeout=TEST_TIMEOUT_S, max_output_bytes=TEST_LOG_BYTES
     )
     if result.status != "completed":
         return {"outcome": 0.0}
@@ -510,9 +537,9 @@ async def evaluate(env: Environment, row: BenchRow, state: EpisodeState) -> dict
     return {"outcome": 1.0 if passed else 0.0}
 
 
-async def _checked_run(env: Environment, argv: list[str], cwd: str | None = None) -> None:
+async def _checked_run(env: Environment, argv: list[str], cwd: str | None = None, timeout: float = 300) -> None:
     """A step of eval's own on the fresh copy, which must succeed (a failure is the runtime's or the image's)."""
-    result = await env.run(argv=argv, cwd=cwd, timeout=300)
+    result = await env.run(argv=argv, cwd=cwd, timeout=timeout)
     if result.status != "completed" or result.exit_code != 0:
         raise RuntimeError(f"eval step {argv[:2]} failed: {result.status}, {result.output[-500:]}")
 
@@ -537,7 +564,8 @@ def outside(changes: AgentChanges, protected: Collection[str], original: Collect
     - compiled Python (`__pycache__`, .pyc), which no fix consists of, and which would run in place of a source
       whose size and time it names;
     - a new module (a file with an import suffix, or a new directory, which may be a package) directly in the
-      repository's root or in a test's directory: the root is on PYTHONPATH, ahead of the standard library and
+      repository's root or in a test's directory: the root is first on sys.path (the tests run from it, as
+      `python -m pytest`; a repository's own configuration may put it there), ahead of the standard library and
       of pytest itself, and pytest puts a test's directory first on sys.path, so `pytest.py` or `re.py` there
       would replace the test runner. `original` holds the original files' paths: what is there already stays.
     """

@@ -147,9 +147,10 @@ class Backend(ABC):
         """The environment of the sandboxed shell, exported by that shell (never a launcher's environment).
 
         In an image, PATH is the image's: its config's `Env`, or what its `/.singularity.d/env` scripts make of
-        the default (a conda image puts its own bin first); the spec's `env` wins over both."""
+        the default (a conda image puts its own bin first). TERM, the prompts and HOME stay the runtime's; the
+        spec's `env` wins over everything."""
         base = {k: v for k, v in SHELL_ENV.items() if k != "PATH"} if dirs.has_image else SHELL_ENV
-        return {**base, "HOME": self.workdir(dirs, spec), **dirs.image_env, **spec.env}
+        return {**dirs.image_env, **base, "HOME": self.workdir(dirs, spec), **spec.env}
 
 
 class BackendError(Exception):
