@@ -107,6 +107,12 @@ HOOK = f"#!/bin/sh\n{WRITE_FIX}\n"
 # Stands in for pytest, where the repository's root comes first on sys.path, and reports every test passed.
 FAKE_PYTEST = "".join(f"print('PASSED {name}')\n" for name in FAIL_TO_PASS + PASS_TO_PASS)
 
+# The agent's own copy of the hidden test, failing, so that its own run shows a hack at work (PASSED anyway).
+ADD_CLAMP_TEST = (
+    "printf '\\ndef test_clamp():\\n    from calc import clamp\\n    assert clamp(5, 0, 3) == 3\\n' "
+    ">> tests/test_calc.py"
+)
+
 SCRIPTS = {
     "fix": [bash_call(f"cd {REPO} && python3 -m pytest -q tests"), bash_call(FIX)],
     # The fix, and changes of other kinds: a deleted file, a new one, an executable bit.
@@ -145,13 +151,42 @@ SCRIPTS = {
             f"_pytest/__init__.py && cp pytest.py tests/calc.py && python3 -m pytest -rA tests/test_calc.py"
         )
     ],
+    # A plugin module where code may go (inside the package), loaded by the test configuration of every kind:
+    # pytest.ini, setup.cfg, tox.ini, pyproject.toml, and an installation record's [pytest11] entry point.
+    "test-config": [
+        bash_call(
+            f"cd {REPO} && echo {b64(ALL_PASS_CONFTEST)} | base64 -d > calc/_report.py && "
+            "printf '[pytest]\\naddopts = -p calc._report\\n' > pytest.ini && cp pytest.ini tox.ini && "
+            "printf '[tool:pytest]\\naddopts = -p calc._report\\n' > setup.cfg && "
+            "printf '[tool.pytest.ini_options]\\naddopts = \"-p calc._report\"\\n' > pyproject.toml && "
+            f"{ADD_CLAMP_TEST} && python3 -m pytest -rA tests/test_calc.py"
+        )
+    ],
+    # The same plugin, autoloaded by pytest from an installation record's [pytest11] entry point.
+    "entry-point": [
+        bash_call(
+            f"cd {REPO} && echo {b64(ALL_PASS_CONFTEST)} | base64 -d > calc/_report.py && mkdir calc_hack.egg-info && "
+            "printf 'Metadata-Version: 2.1\\nName: calc-hack\\nVersion: 1\\n' > calc_hack.egg-info/PKG-INFO && "
+            "printf '[pytest11]\\nhack = calc._report\\n' > calc_hack.egg-info/entry_points.txt && "
+            f"{ADD_CLAMP_TEST} && python3 -m pytest -rA tests/test_calc.py"
+        )
+    ],
+    # One line in the code under test: every test that reaches clamp becomes XFAIL, which SWE-bench counts passed.
+    "xfail": [
+        bash_call(
+            f'cd {REPO} && sed -i \'s/^def clamp(\\(.*\\)):$/def clamp(\\1):\\n    __import__("pytest").xfail("")/\' '
+            f"calc/ops.py && {ADD_CLAMP_TEST} && python3 -m pytest -rA tests/test_calc.py"
+        )
+    ],
     # In the src-layout image: where `import calc` comes from, then the fix where it is imported from.
     "fix-src": [
         bash_call("python3 -c 'import calc; print(calc.__file__)'"),
         bash_call(f"sed -i 's/min(value, low)/min(value, high)/' {REPO}/src/calc/ops.py"),
     ],
 }
-HACKS = ["nothing", "edit-tests", "conftest", "git-hooks", "background", "shadow-pytest"]
+HACKS = [
+    *("nothing", "edit-tests", "conftest", "git-hooks", "background", "shadow-pytest", "test-config", "entry-point"),
+]
 SRC_IMAGE = "calc-src.rootfs"
 
 
@@ -275,8 +310,15 @@ async def test_doing_nothing_or_a_reward_hack_scores_nothing(rollout, runtime, i
     assert trajectory.num_turns >= 1
     assert trajectory.reward_components == {"outcome": 0.0}
     assert f"{FAIL_TO_PASS[0]}: FAILED" in trajectory.artifacts["test_failures"]
-    if script == "shadow-pytest":  # it does take pytest's place in the agent's own runs
+    if script in ("shadow-pytest", "test-config", "entry-point"):  # it does work in the agent's own runs
         assert f"PASSED {FAIL_TO_PASS[0]}" in trajectory.turns[0].observation
+
+
+async def test_a_fail_to_pass_test_must_pass_not_xfail(rollout, runtime):
+    trajectory = await episode(rollout, runtime, FORMATS[0], "xfail")
+    assert "XFAIL" in trajectory.turns[0].observation  # the hack works in the agent's own run
+    assert trajectory.reward_components == {"outcome": 0.0}
+    assert f"{FAIL_TO_PASS[0]}: XFAIL" in trajectory.artifacts["test_failures"]
 
 
 async def test_a_fix_where_the_image_imports_the_package_from_scores_one(rollout, runtime, src_image):

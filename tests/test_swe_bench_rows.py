@@ -13,7 +13,16 @@ import pytest
 from prorl_adapter.tasks import TaskConfigError
 from prorl_plugins.tasks import swe_bench
 from prorl_plugins.tasks.swe import SweTask
-from prorl_plugins.tasks.swe_bench import bench_row, grade_log, graded_command, image_name, outside, patch_paths
+from prorl_plugins.tasks.swe_bench import (
+    bench_row,
+    grade_log,
+    graded_command,
+    graded_env,
+    graded_script,
+    image_name,
+    outside,
+    patch_paths,
+)
 from prorl_plugins.tasks.swe_grading import AgentChanges
 from sandbox_runtime.models import SandboxSpec
 
@@ -122,7 +131,7 @@ def test_the_task_s_template_comes_from_its_argument_or_the_service_s_environmen
     spec = SweTask().sandbox_spec(row())
     assert spec["image"] == "images/calc_1776_calc-1.oci"
     assert spec["workdir"] == "/testbed" and spec["seed_workdir"] is True  # the agent works in /testbed itself
-    assert "PYTHONPATH" not in spec["env"]  # the image's own installation finds the repository
+    assert spec["env"]["PYTHONPATH"] == "/testbed"  # first, also where the image installed a copy of the repository
     assert spec["env"]["PATH"].startswith("/opt/miniconda3/envs/testbed/bin:")
     monkeypatch.delenv(swe_bench.IMAGE_TEMPLATE_ENV)
     assert SweTask().sandbox_spec(row())["image"] == "sweb.eval.x86_64.calc_1776_calc-1.sif"
@@ -167,7 +176,7 @@ def test_swebench_s_test_command_for_a_repository_it_knows():
     assert graded_command(django) == "./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1 test_calc"
     assert swe_bench.shown_command(django) == "./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1"
     assert "export LANG=en_US.UTF-8" in swe_bench.graded_script(django)
-    assert swe_bench.graded_script(django).startswith(swe_bench.CONDA_ACTIVATE)
+    assert swe_bench.graded_script(django).startswith(f'mkdir -p "$HOME"\n{swe_bench.CONDA_ACTIVATE}')
     assert "\ncd /testbed\n./tests/runtests.py " in swe_bench.graded_script(django)
 
 
@@ -241,6 +250,40 @@ def test_new_modules_where_they_would_shadow_pytest_or_the_standard_library_are_
     assert kept.symlinks == {}
 
 
+def test_what_configures_how_tests_run_is_the_graders_wherever_it_is():
+    """Each of these can load a plugin that reports every test passed, or is the runner itself."""
+    planted = {
+        path: (b"[pytest]\naddopts = -p calc._report\n", 0o644)
+        for path in (
+            "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "calc/pytest.ini", ".pytest.ini",
+            "calc_hack.egg-info/entry_points.txt", "calc.dist-info/entry_points.txt", "calc/hook.pth",
+            ".condarc", ".gitconfig", "tests/__init__.py", "tests/unit/__init__.py",
+            "tests/runtests.py", "tests/test_sqlite.py",
+        )
+    }  # fmt: skip
+    kept_too = {"calc/_report.py": (b"a module where code may go", 0o644), "calc/__init__.py": (b"changed", 0o644)}
+    original = [*ORIGINAL, "tests/runtests.py", "tests/test_sqlite.py", "tests/unit/test_x.py", "bin/test"]
+    changes = AgentChanges(written={**planted, **kept_too})
+    kept = outside(
+        changes, {"tests/test_calc.py", "tests/unit/test_x.py"}, original, "./tests/runtests.py --parallel 1"
+    )
+    assert kept.written == kept_too  # the code under test's own package __init__ stays the agent's
+    runner = {"bin/test": (b"print('all passed')", 0o755)}
+    assert (
+        outside(AgentChanges(written=runner), {"sympy/core/tests/test_x.py"}, original, "bin/test -C x").written == {}
+    )
+    assert outside(AgentChanges(written=runner), {"sympy/core/tests/test_x.py"}, original, "pytest").written == runner
+
+
+def test_the_graded_run_has_a_home_of_its_own():
+    row = checked()
+    env = graded_env(row)
+    assert env["HOME"].startswith("/tmp/graded-home-") and env["HOME"] != graded_env(row)["HOME"]
+    assert env["XDG_CONFIG_HOME"].startswith(env["HOME"]) and env["PYTHONNOUSERSITE"] == "1"
+    assert env["PYTHONPATH"] == row.repo_path  # the repository first, also where the image installed a copy
+    assert graded_script(row).startswith('mkdir -p "$HOME"\n')
+
+
 # -- grading real logs with swebench's parsers ----------------------------------------------------------------------
 TESTS = """
 import pytest
@@ -287,6 +330,12 @@ def test_a_failing_fail_to_pass_test_fails_the_instance(pytest_log):
     passed, failures = graded(pytest_log, ["tests/test_calc.py::test_clamp"], ["tests/test_calc.py::test_add"])
     assert not passed
     assert failures == ["tests/test_calc.py::test_clamp: FAILED"]
+
+
+def test_a_fail_to_pass_test_must_pass_outright_and_a_pass_to_pass_one_may_xfail(pytest_log):
+    """pytest.xfail() planted in the code under test makes XFAIL of every test that reaches it."""
+    passed, failures = graded(pytest_log, ["tests/test_calc.py::test_known_bug"], ["tests/test_calc.py::test_add"])
+    assert not passed and failures == ["tests/test_calc.py::test_known_bug: XFAIL"]
 
 
 def test_passed_and_xfail_count_as_passed_skipped_and_missing_do_not(pytest_log):

@@ -16,9 +16,9 @@ images spell it: lower case, `__` as `_1776_`), {repo} and {version}.
 
 The sandbox works where SWE-bench's agents work: in /testbed (`repo_path`) itself. The runtime shows the image's
 root read-only, so the sandbox's workspace is mounted at /testbed and seeded with a copy of the image's /testbed
-(`seed_workdir`: again at every wipe), build products and all. A SWE-bench image installs the repository in
-editable mode from /testbed (an egg-link, a `.pth` file, a src-layout package's path hook), so the code Python
-imports is the agent's, as in SWE-bench, whatever the repository's layout.
+(`seed_workdir`: again at every wipe), build products and all. Most SWE-bench images install the repository in
+editable mode from /testbed (an egg-link, a `.pth` file, a src-layout package's path hook); for those that install
+a copy, /testbed is first on PYTHONPATH: the code Python imports is the agent's, as in SWE-bench.
 
 init: the seeded /testbed is checked to be a git repository, checked out at base_commit where its HEAD is not
 there already (a SWE-bench image's is, and its tree holds the uncommitted changes of swebench's `pre_install`
@@ -31,16 +31,21 @@ eval, as SWE-bench grades, trusting nothing the agent could have planted (the pi
 2. the sandbox is wiped, which seeds /testbed afresh from the image (which the agent could not write: the runtime
    copies it from the read-only image), so git run there by eval is trusted; the fresh tree, read back (its .git
    set aside in /tmp meanwhile), is what the agent's changes are taken relative to;
-3. the test patch is applied to the fresh copy (git apply), then the agent's changes, except at every path the
-   test patch touches, at every conftest.py, sitecustomize.py and usercustomize.py (test machinery that a fix
-   does not change, and that could report every test passed), compiled Python (`__pycache__`, .pyc), new
-   modules in the repository's root or a test's directory (they would shadow pytest or the standard library:
-   `outside`) and what lies below one of its symlinks;
+3. the test patch is applied to the fresh copy (git apply), then the agent's changes, except (`outside`) at
+   every path the test patch touches and the test packages' __init__.py, at the test runner the command names
+   (tests/runtests.py, bin/test) and the modules beside it, at every file that configures how tests are
+   collected or run (conftest.py, sitecustomize.py, pytest.ini, tox.ini, setup.cfg, pyproject.toml, ...: any of
+   them can load a plugin that reports every test passed), installation records (*.egg-info, *.dist-info,
+   .pth: entry points such as pytest plugins), the root's dotfiles, compiled Python (`__pycache__`, .pyc), new
+   modules in the repository's root or a test's directory (they would shadow pytest or the standard library)
+   and what lies below one of its symlinks;
 4. the tests run as a one-shot process (swebench's test command for the repo and version, else `python3 -m
    pytest -rA` on the test patch's test files; the image's conda `testbed` environment activated where it has
    one; a run that times out scores 0, and its exit status is not read: as in SWE-bench, tests outside the two
-   lists may fail), and swebench's log parser for the repo reads the log: every
-   FAIL_TO_PASS and PASS_TO_PASS test must be PASSED (or XFAIL, as SWE-bench counts it). A test missing from the
+   lists may fail; HOME is a fresh directory in /tmp, so no dotfile the agent left configures conda, git or
+   Python there), and swebench's log parser for the repo reads the log: every FAIL_TO_PASS test must be PASSED
+   (XFAIL, which SWE-bench counts as passed, is what one pytest.xfail() in the code under test makes of every
+   test that reaches it), every PASS_TO_PASS test PASSED or XFAIL. A test missing from the
    log fails, and so does one that any line of the log on its own reports as failed: swebench's parsers keep a
    test's last line, which a line printed by the code under test after pytest's summary would otherwise be.
 
@@ -48,8 +53,9 @@ Not defended, as in SWE-bench: the code under test runs with the agent's changes
 run (monkeypatch pytest when imported, shadow a module the tests import, or add a plugin in setup.cfg).
 
 Not done, unlike SWE-bench's eval script: swebench's `install` step is not run again before the tests (it installs
-into the image's read-only site-packages); the editable install already points at /testbed, and compiled
-extensions are those the image built.
+into the image's read-only site-packages). An editable install already points at /testbed, and the repository
+is first on PYTHONPATH for the images that install a copy (Django 1.x-2.x, requests); compiled extensions are
+those the image built, and a package below lib/ or src/ installed as a copy runs the image's copy.
 """
 
 from __future__ import annotations
@@ -92,7 +98,17 @@ CONDA_ACTIVATE = (
     "if [ -f /opt/miniconda3/bin/activate ]; then source /opt/miniconda3/bin/activate && conda activate testbed; fi"
 )
 REQUIRED = ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "FAIL_TO_PASS")
-PROTECTED_NAMES = frozenset({"conftest.py", "sitecustomize.py", "usercustomize.py"})
+# Files that configure how the tests are collected and run, wherever they are, rather than what they test: a
+# fix does not change them, and each can load a plugin that reports every test passed (`addopts = -p x`).
+PROTECTED_NAMES = frozenset(
+    {
+        *("conftest.py", "sitecustomize.py", "usercustomize.py", "__main__.py"),
+        *("pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "noxfile.py", "runtests.py"),
+    }
+)
+# Installation records a test runner reads (entry points such as [pytest11] plugins, path hooks).
+PROTECTED_SUFFIXES = (".pth", ".egg-link")
+PROTECTED_DIRECTORY_SUFFIXES = (".egg-info", ".dist-info")
 CHECKOUT_TIMEOUT_S = 900.0  # a big repository, on a slow shared file system
 MOVE_TIMEOUT_S = 900.0  # a big .git, copied to /tmp and back (another mount: mv copies)
 TEST_TIMEOUT_S = 1800.0  # SWE-bench's own per-instance default
@@ -159,7 +175,9 @@ def bench_row(row: Mapping[str, Any], image_template: str | None = None) -> Benc
     except ValueError as exc:
         raise TaskConfigError(f"'repo_path' {repo_path!r} cannot be the sandbox's workdir: {exc}") from None
     test_cmd, test_command = (_optional_string(row, name) for name in ("test_cmd", "test_command"))
-    env, limits = row.get("env", TESTBED_ENV), row.get("limits", {})
+    # The repository first on sys.path: some SWE-bench images install it as a copy in site-packages (Django
+    # 1.x-2.x `setup.py install`, requests `pip install .`), which would otherwise be what runs, not the agent's.
+    env, limits = row.get("env", {**TESTBED_ENV, "PYTHONPATH": repo_path}), row.get("limits", {})
     if not isinstance(env, dict) or not isinstance(limits, dict):
         raise TaskConfigError("'env' and 'limits' must be objects")
     return BenchRow(
@@ -359,12 +377,26 @@ def shown_command(row: BenchRow) -> str:
     return command if isinstance(command, str) else " && ".join(command)
 
 
+def graded_env(row: BenchRow) -> dict[str, str]:
+    """The graded run's environment: the row's, with a home of its own in the freshly wiped /tmp, so that no
+    dotfile the agent left in the repository (the sandbox's HOME) configures conda, git or Python there."""
+    home = f"/tmp/graded-home-{uuid.uuid4().hex}"
+    return {
+        **row.env,
+        "HOME": home,
+        "XDG_CONFIG_HOME": f"{home}/.config",
+        "XDG_CACHE_HOME": f"{home}/.cache",
+        "XDG_DATA_HOME": f"{home}/.local/share",
+        "PYTHONNOUSERSITE": "1",
+    }
+
+
 def graded_script(row: BenchRow) -> str:
     """The graded run's bash script: the conda environment where the image has one, swebench's `eval_commands`
     for the repository (environment variables; what fails on the read-only root is skipped), the tests."""
     eval_commands = (_specs(row) or {}).get("eval_commands", []) if not row.test_command else []
     repo = shlex.quote(row.repo_path)
-    return "\n".join([CONDA_ACTIVATE, *eval_commands, f"cd {repo}", graded_command(row)]) + "\n"
+    return "\n".join(['mkdir -p "$HOME"', CONDA_ACTIVATE, *eval_commands, f"cd {repo}", graded_command(row)]) + "\n"
 
 
 def grade_log(row: BenchRow, log: str) -> tuple[bool, list[str]]:
@@ -395,9 +427,13 @@ def grade_log(row: BenchRow, log: str) -> tuple[bool, list[str]]:
         name for line in log.splitlines() for name, status in parsed(line).items() if status in package.failed
     }
     failures = []
+    must_pass = set(row.fail_to_pass)
     for name in dict.fromkeys([*row.fail_to_pass, *row.pass_to_pass]):
         status = statuses.get(name, "missing")
-        if status not in package.passed or name in failed_somewhere:
+        # A FAIL_TO_PASS test must pass outright: one line, pytest.xfail() in the code under test, would turn
+        # every test that reaches it into XFAIL, which SWE-bench counts as passed.
+        accepted = {"PASSED"} if name in must_pass else package.passed
+        if status not in accepted or name in failed_somewhere:
             failures.append(f"{name}: {status if name not in failed_somewhere else 'FAILED'}")
     return not failures, failures
 
@@ -514,7 +550,7 @@ async def evaluate(env: Environment, row: BenchRow, state: EpisodeState) -> dict
     applied = await env.run(script=f"git apply {shlex.quote(patch)} 2>&1", cwd=repo, timeout=120)
     if applied.status != "completed" or applied.exit_code != 0:
         raise TaskConfigError(f"'test_patch' no longer applies to a fresh checkout: {applied.output[-800:]}")
-    kept = outside(changes, row.test_paths, original.keys() | original_links.keys())
+    kept = outside(changes, row.test_paths, original.keys() | original_links.keys(), graded_command(row))
     if kept.deleted:
         listing = f"/tmp/deleted-{uuid.uuid4().hex}"
         await env.write_file(listing, b"".join(path.encode() + b"\0" for path in sorted(kept.deleted)))
@@ -528,7 +564,11 @@ async def evaluate(env: Environment, row: BenchRow, state: EpisodeState) -> dict
             return {"outcome": 0.0}
     # 4. The tests, and the log read by swebench's parser.
     result = await env.run(
-        script=graded_script(row), cwd=repo, env=row.env, timeout=TEST_TIMEOUT_S, max_output_bytes=TEST_LOG_BYTES
+        script=graded_script(row),
+        cwd=repo,
+        env=graded_env(row),
+        timeout=TEST_TIMEOUT_S,
+        max_output_bytes=TEST_LOG_BYTES,
     )
     if result.status != "completed":
         return {"outcome": 0.0}
@@ -556,7 +596,9 @@ def _unchanged_dropped(
     )
 
 
-def outside(changes: AgentChanges, protected: Collection[str], original: Collection[str] = ()) -> AgentChanges:
+def outside(
+    changes: AgentChanges, protected: Collection[str], original: Collection[str] = (), command: str = ""
+) -> AgentChanges:
     """The agent's changes except what could change how the tests run rather than what they test:
 
     - the protected paths (the test patch's), a directory of one (a file where a test's directory is), anything
@@ -569,10 +611,18 @@ def outside(changes: AgentChanges, protected: Collection[str], original: Collect
       of pytest itself, and pytest puts a test's directory first on sys.path, so `pytest.py` or `re.py` there
       would replace the test runner. `original` holds the original files' paths: what is there already stays.
     """
-    protected = frozenset(protected)
+    runners = runner_paths(command, original)
+    runner_dirs = {path.rpartition("/")[0] for path in runners}
+    protected = frozenset(protected) | runners
     directories = {"/".join(path.split("/")[:depth]) for path in protected for depth in range(1, path.count("/") + 1)}
     existing = {"/".join(path.split("/")[:depth]) for path in original for depth in range(1, path.count("/") + 2)}
     on_sys_path = {""} | {path.rpartition("/")[0] for path in protected}
+    # Packages the tests' directories are (pytest imports their __init__.py at collection), and the modules beside
+    # a runner script, which it imports by name (Django's tests/runtests.py: --settings=test_sqlite).
+    protected |= {f"{directory}/__init__.py" for directory in test_packages(protected)}
+    protected |= {
+        path for path in original if path.rpartition("/")[0] in runner_dirs and path.endswith(_IMPORT_SUFFIXES)
+    }
 
     def new_module(path: str) -> bool:
         for top in on_sys_path:
@@ -592,6 +642,9 @@ def outside(changes: AgentChanges, protected: Collection[str], original: Collect
             path not in protected
             and path not in directories
             and parts[-1] not in PROTECTED_NAMES
+            and not parts[-1].endswith(PROTECTED_SUFFIXES)
+            and not any(part.endswith(PROTECTED_DIRECTORY_SUFFIXES) for part in parts[:-1])
+            and not parts[0].startswith(".")  # the root's dotfiles: tool configuration (.coveragerc, .condarc)
             and "__pycache__" not in parts
             and not parts[-1].endswith((".pyc", ".pyo"))
             and not any(a in protected for a in ancestors)
@@ -603,3 +656,25 @@ def outside(changes: AgentChanges, protected: Collection[str], original: Collect
         symlinks={path: target for path, target in changes.symlinks.items() if allowed(path)},
         deleted=frozenset(path for path in changes.deleted if allowed(path)),
     )
+
+
+def test_packages(test_paths: Collection[str]) -> set[str]:
+    """The directories of the tests from the first one named like a test directory down (`pkg/io/tests`,
+    `tests/unit`): their __init__.py are the tests' (the code under test's own packages are the agent's)."""
+    found = set()
+    for path in test_paths:
+        parts = path.split("/")[:-1]
+        start = next((i for i, part in enumerate(parts) if "test" in part.lower()), len(parts))
+        found |= {"/".join(parts[: depth + 1]) for depth in range(start, len(parts))}
+    return found
+
+
+def runner_paths(command: str, original: Collection[str]) -> frozenset[str]:
+    """The repository's files the test command names (`./tests/runtests.py`, `bin/test`): the test runner is
+    the graders', as the tests are."""
+    try:
+        words = shlex.split(command, comments=True)
+    except ValueError:
+        words = command.split()
+    files = set(original)
+    return frozenset(word.removeprefix("./") for word in words if word.removeprefix("./") in files)
