@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,6 +166,31 @@ def standin_runtime(tmp_path_factory) -> Iterator[RuntimeServer]:
     standin = start_standin_server(standin_bin(tools / "bin"), [images])
     yield RuntimeServer(standin.service, standin.state, "apptainer", None, unprivileged=True, image_name=image)
     standin.stop()
+
+
+def image_server(kind: str, state: Path, image_dir: Path) -> Iterator[RuntimeServer]:
+    """A runtime server on `image_dir`, as deployed: `root` (bwrap, as CI runs it), `unprivileged` (bwrap, run
+    by nobody) or `apptainer` (the stand-in, unprivileged). For a module fixture: `yield from image_server(...)`."""
+    if kind == "apptainer":
+        if python_for_user() is None:
+            pytest.skip("no Python that the unprivileged user nobody can run with this checkout importable")
+        standin = start_standin_server(standin_bin(reachable(state) / "bin"), [image_dir])
+        yield RuntimeServer(standin.service, standin.state, "apptainer", None, unprivileged=True)
+        standin.stop()
+        return
+    if kind == "root":
+        server = start_server(state, "bwrap", None, "--image-dir", str(image_dir))
+    else:
+        server = start_unprivileged_server(state, "bwrap", "--image-dir", str(image_dir))
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture
+async def client(server) -> AsyncIterator[SandboxClient]:
+    """A client of the module's `server` fixture, a RuntimeServer (a module may define its own)."""
+    async with server.client() as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

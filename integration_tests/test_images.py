@@ -15,7 +15,7 @@ from sandbox_runtime.backends.base import DEFAULT_PATH
 from sandbox_runtime.client import SandboxAPIError
 from tests import image_fixtures
 
-from .conftest import BACKEND_SKIPS, reachable, start_server, start_unprivileged_server, stop_server
+from .conftest import BACKEND_SKIPS, image_server, reachable
 
 FORMATS = {"tiny.rootfs": "directory", "tiny.sif": "sif", "tiny.oci": "oci", "tiny.docker.tar": "docker-archive"}
 
@@ -35,19 +35,7 @@ def image_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module", params=["root", "unprivileged"])
 def server(request, tmp_path_factory, image_dir):
-    state = tmp_path_factory.mktemp(f"state-images-{request.param}")
-    if request.param == "root":
-        runtime = start_server(state, "bwrap", None, "--image-dir", str(image_dir))
-    else:
-        runtime = start_unprivileged_server(state, "bwrap", "--image-dir", str(image_dir))
-    yield runtime
-    stop_server(runtime)
-
-
-@pytest.fixture
-async def client(server):
-    async with server.client() as client:
-        yield client
+    yield from image_server(request.param, tmp_path_factory.mktemp(f"state-images-{request.param}"), image_dir)
 
 
 @pytest.mark.parametrize("name", FORMATS)

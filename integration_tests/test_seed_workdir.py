@@ -5,7 +5,6 @@ never written, and a spec the image cannot seed is a 400 (413 over limits.disk_m
 
 from __future__ import annotations
 
-import os
 import stat
 from pathlib import Path
 
@@ -14,18 +13,9 @@ import pytest
 
 from sandbox_runtime.client import SandboxAPIError
 from tests import image_fixtures
-from tests.standins.runtime import python_for_user, standin_bin, start_standin_server
-from tests.test_seed_workdir_spec import listing
+from tests.image_fixtures import listing
 
-from .conftest import (
-    BACKEND_SKIPS,
-    NOBODY,
-    RuntimeServer,
-    reachable,
-    start_server,
-    start_unprivileged_server,
-    stop_server,
-)
+from .conftest import BACKEND_SKIPS, NOBODY, image_server, reachable
 
 pytestmark = [
     pytest.mark.skipif(bool(image_fixtures.MISSING_TOOLS), reason=image_fixtures.SKIP_REASON),
@@ -33,28 +23,13 @@ pytestmark = [
 ]
 
 IMAGES = ("seed.rootfs", "seed.sif")
-MTIME = 1_600_000_000
-SEEDED = {"a.txt": b"original a\n", "sub/b.txt": b"original b\n", "run.sh": b"#!/bin/bash\necho ran\n"}
+MTIME, SEEDED = image_fixtures.SEED_MTIME, image_fixtures.SEED_FILES
 
 
 def seeded_root(target: Path) -> Path:
-    """The tiny image's root with a /testbed: files in a subdirectory, an executable, a setuid file, links (one
-    leading out of /testbed, one dangling) and a read-only directory."""
+    """The tiny image's root with a /testbed (image_fixtures.seed_tree)."""
     image_fixtures.tiny_root(target)
-    testbed = target / "testbed"
-    (testbed / "sub").mkdir(parents=True)
-    for name, content in SEEDED.items():
-        (testbed / name).write_bytes(content)
-    (testbed / "run.sh").chmod(0o755)
-    (testbed / "setuid").write_text("s\n")
-    (testbed / "setuid").chmod(0o4755)
-    (testbed / "link").symlink_to("a.txt")
-    (testbed / "hello-link").symlink_to("/etc/hello")
-    (testbed / "dangling").symlink_to("/nowhere/at/all")
-    (testbed / "locked").mkdir()
-    (testbed / "locked" / "inside").write_text("in\n")
-    (testbed / "locked").chmod(0o555)
-    os.utime(testbed / "a.txt", (MTIME, MTIME))
+    image_fixtures.seed_tree(target / "testbed")
     return target
 
 
@@ -77,26 +52,7 @@ def image_dir(tmp_path_factory) -> Path:
 def server(request, tmp_path_factory, image_dir):
     """bwrap under a root server and an unprivileged one; the apptainer backend (tests/standins/apptainer, run
     unprivileged), which is given the unpacked root of a SIF image, not the file, when it seeds."""
-    state = tmp_path_factory.mktemp(f"state-seed-{request.param}")
-    if request.param == "root":
-        runtime = start_server(state, "bwrap", None, "--image-dir", str(image_dir))
-    elif request.param == "unprivileged":
-        runtime = start_unprivileged_server(state, "bwrap", "--image-dir", str(image_dir))
-    else:
-        if python_for_user() is None:
-            pytest.skip("no Python that the unprivileged user nobody can run with this checkout importable")
-        standin = start_standin_server(standin_bin(reachable(state) / "bin"), [image_dir])
-        yield RuntimeServer(standin.service, standin.state, "apptainer", None, unprivileged=True)
-        standin.stop()
-        return
-    yield runtime
-    stop_server(runtime)
-
-
-@pytest.fixture
-async def client(server):
-    async with server.client() as client:
-        yield client
+    yield from image_server(request.param, tmp_path_factory.mktemp(f"state-seed-{request.param}"), image_dir)
 
 
 def image_testbed(server, image_dir: Path, name: str, digest: str | None) -> Path:
@@ -108,7 +64,7 @@ def image_testbed(server, image_dir: Path, name: str, digest: str | None) -> Pat
 
 def expected_seed(image_dir: Path) -> dict[str, tuple]:
     found = listing(image_dir / "seed.rootfs" / "testbed")
-    mode = found["setuid"][1] & ~stat.S_ISUID
+    mode = found["setuid"][1] & ~(stat.S_ISUID | stat.S_ISGID)
     return {**found, "setuid": ("file", mode, found["setuid"][2])}
 
 

@@ -27,13 +27,14 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from .host_tree import DIR_FLAGS
+
 __all__ = ["FileAccessError", "SandboxFiles"]
 
 # O_NONBLOCK on every open of a final component: the agent can plant a FIFO where we expect a
 # file, and a blocking open of a FIFO would hang the server thread until someone opens the other
 # end.  With O_NONBLOCK the open returns at once (or fails with ENXIO) and fstat() then tells us
 # it is not a regular file.
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -153,7 +154,7 @@ def _open_dir(dir_fd: int, name: str, display: str, create: bool, owner: tuple[i
     A directory we create is given to ``owner``; one that already exists is left as it is.
     """
     try:
-        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        return os.open(name, DIR_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError as err:
         if not create:
             raise _fs_error(err, display) from None
@@ -167,7 +168,7 @@ def _open_dir(dir_fd: int, name: str, display: str, create: bool, owner: tuple[i
     except OSError as err:
         raise _fs_error(err, display) from None
     try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
     except OSError as err:
         raise _classify_open_failure(dir_fd, name, display, err) from None
     if created:
@@ -510,7 +511,7 @@ def _dir_usage(dir_fd: int, display: str, depth: int, seen: set[tuple[int, int]]
                 continue
             sub = _join(display, [entry.name])
             try:
-                fd = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
+                fd = os.open(entry.name, DIR_FLAGS, dir_fd=dir_fd)
             except OSError as err:
                 if err.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
                     continue  # removed, or swapped for a file or link since the stat

@@ -182,15 +182,20 @@ def oci_index(layout: Path, name: str) -> list[dict]:
 
 def oci_tags(layout: Path, name: str) -> list[str]:
     """The tags of an OCI layout's images, in index order; an image without a ref name is UNTAGGED."""
-    return [(entry.get("annotations") or {}).get(_REF_NAME) or UNTAGGED for entry in oci_index(layout, name)]
+    return _tags(oci_index(layout, name))
+
+
+def _tags(entries: list[dict]) -> list[str]:
+    return [(entry.get("annotations") or {}).get(_REF_NAME) or UNTAGGED for entry in entries]
 
 
 def oci_manifest(layout: Path, tag: str | None, name: str) -> tuple[str, str]:
     """(tag, manifest digest) of the image `tag` names (None: the only one, or `latest`); for a multi-platform
     image, the manifest of this machine's platform."""
     entries = oci_index(layout, name)
-    chosen = choose_tag(oci_tags(layout, name), tag, name)
-    entry = entries[oci_tags(layout, name).index(chosen)]
+    tags = _tags(entries)
+    chosen = choose_tag(tags, tag, name)
+    entry = entries[tags.index(chosen)]
     for _ in range(4):  # an index of indexes, at most this deep
         if entry.get("mediaType") not in (_OCI_INDEX, _DOCKER_LIST):
             return chosen, str(entry.get("digest"))

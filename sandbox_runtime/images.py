@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -99,6 +100,22 @@ def tree_bytes(root: Path) -> int:
             with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(directory, name)).st_size
     return total
+
+
+def free_bytes(path: Path) -> int:
+    """What an unprivileged writer may still put on the file system of `path`."""
+    info = os.statvfs(path)
+    return info.f_bavail * info.f_frsize
+
+
+_NO_SPACE = ("no space left on device", "disk quota exceeded")
+
+
+def _out_of_space(exc: BaseException) -> bool:
+    """Whether an unpack failed for want of room: an OSError of ours, or the tools' own words for it."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(exc, ImageError) and any(words in str(exc).lower() for words in _NO_SPACE)
 
 
 def make_safe(root: Path, as_root: bool) -> None:
@@ -286,6 +303,7 @@ class ImageStore:
     async def _unpack(self, image: Image, entry: Path) -> None:
         started = time.monotonic()
         before = await asyncio.to_thread(file_key, image.path) if image.path.is_file() else None
+        await asyncio.to_thread(self._check_room, image)
         work = Path(tempfile.mkdtemp(prefix=".unpack-", dir=self.cache_dir))
         try:
             root = work / "root"
@@ -312,10 +330,26 @@ class ImageStore:
             (work / "image.json").write_text(json.dumps(meta))
             work.chmod(0o711)
             os.rename(work, entry)
-        except BaseException:
+        except BaseException as exc:
             await asyncio.to_thread(shutil.rmtree, work, True)
+            if _out_of_space(exc):
+                raise ImageError(
+                    f"no space left in the image cache ({self.cache_dir}) to unpack {image.name}: {exc}", 507
+                ) from None
             raise
         log.info("unpacked image %s (%s) in %.1f s", image.name, image.format, time.monotonic() - started)
+
+    def _check_room(self, image: Image) -> None:
+        """Refuse (507) an unpack that cannot fit: the image unpacks to at least its own (compressed) bytes. One
+        that passes may still run out of room midway, which `_unpack` reports as a 507 too."""
+        packed = tree_bytes(image.path) if image.path.is_dir() else image.path.stat().st_size
+        free = free_bytes(self.cache_dir)
+        if free < packed:
+            raise ImageError(
+                f"no space in the image cache ({self.cache_dir}) to unpack {image.name}: it takes at least "
+                f"{packed} bytes and {free} are free",
+                507,
+            )
 
     async def _unpack_sif(self, image: Image, root: Path) -> None:
         if shutil.which("unsquashfs") is None:

@@ -30,10 +30,11 @@ from . import procs
 from .backends import make_backend
 from .backends.base import Backend, BackendError, SandboxDirs
 from .config import ServerConfig
+from .host_tree import remove_tree
 from .images import ImageError, ImageStore, Unpacked
 from .metrics import Metrics
 from .models import Limits, SandboxSpec
-from .sandbox import Sandbox, own_dirs, remove_tree
+from .sandbox import Sandbox, own_dirs
 from .session import SessionError
 
 log = logging.getLogger(__name__)
@@ -129,16 +130,15 @@ class SandboxManager:
         self.sandbox_uids = config.sandbox_uids if os.geteuid() == 0 else None
         self._free_uids: deque[int] = deque(self.sandbox_uids or ())
         self._uid_locks: dict[int, TextIO] = {}
-        self.image_dirs = [d.resolve() for d in config.image_dirs]
         self.images = ImageStore(
-            self.image_dirs, self.state_dir / "images", int(config.image_cache_gb * 2**30), self._images_in_use
+            config.image_dirs, self.state_dir / "images", int(config.image_cache_gb * 2**30), self._images_in_use
         )
 
     # -- start and stop ---------------------------------------------------------------------------------
     async def start(self) -> None:
         self.boxes_dir.mkdir(parents=True, exist_ok=True)
         self._lock_state_dir()
-        for directory in self.image_dirs:
+        for directory in self.images.image_dirs:
             if not directory.is_dir():
                 raise RuntimeError(f"image directory {directory} does not exist")
         self.images.start()
@@ -164,7 +164,7 @@ class SandboxManager:
         """Sandbox uids must reach their own workspaces (bwrap binds them as that uid) and the images."""
         for directory in (self.state_dir, self.boxes_dir):
             directory.chmod(0o711)  # traversable, not listable: a sandbox cannot list the others
-        for path, what in [(self.boxes_dir, "state dir"), *((d, "image directory") for d in self.image_dirs)]:
+        for path, what in [(self.boxes_dir, "state dir"), *((d, "image directory") for d in self.images.image_dirs)]:
             blocked = unreachable_ancestor(path)
             if blocked is not None:
                 raise RuntimeError(
@@ -215,7 +215,8 @@ class SandboxManager:
 
     async def create(self, spec: SandboxSpec, wanted: Callable[[], bool] = lambda: True) -> Sandbox:
         """A new sandbox, its default session started. `wanted` is asked once its image is ready (a first use
-        may take minutes): a client that gave up meanwhile gets no sandbox that nobody would ever delete."""
+        may take minutes) and again once the sandbox is made: a client that gave up meanwhile gets no sandbox
+        that nobody would ever delete."""
         # Creations still preparing their image count: a burst of first uses may not unpack past the limit.
         if len(self._sandboxes) + self._preparing >= self.config.max_sandboxes:
             raise CapacityError(f"sandbox limit reached ({self.config.max_sandboxes}); delete some first")
@@ -263,6 +264,8 @@ class SandboxManager:
             await box.seed()  # after the registration: the copy awaits, and the image must stay cached meanwhile
             await backend.create(dirs, spec)
             await box.session("default")
+            if not wanted():  # asked again: a seed of a large workdir may take as long as an unpack
+                raise ClientGone("the client went away while the sandbox was being created; it was deleted")
             box.created = True
         except BaseException as exc:
             await self.delete(sandbox_id)

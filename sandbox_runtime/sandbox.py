@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import logging
 import os
-import stat
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 from .backends.base import ONESHOT_ARGV, Backend, SandboxDirs
 from .files import SandboxFiles
+from .host_tree import SeedError, empty_directory, seed_workspace
 from .models import RunRequest, RunResult, SandboxInfo, SandboxSpec, SessionInfo
 from .oneshot import run_once, run_script
 from .session import SessionError, ShellSession
@@ -25,6 +26,7 @@ RECORD = "record.json"
 # The other limits cannot: bash opens no file and starts no process before its first command, and their
 # minimums (models.Limits) leave room for that command.
 OUT_OF_MEMORY = "cannot allocate"
+T = TypeVar("T")
 
 
 class Sandbox:
@@ -43,6 +45,16 @@ class Sandbox:
         self._sessions: dict[str, ShellSession] = {}
         self._starting: dict[str, asyncio.Task[ShellSession]] = {}
         self._runs: set[asyncio.Task[RunResult]] = set()
+        # A reset (a wipe, an end of processes) is kept apart from everything else done in the sandbox: while
+        # one is under way (`_open` clear) new commands, runs and file operations wait for its end, and it
+        # starts only once the file operations in flight (`_file_ops`) are done. Resets run one at a time.
+        self._open = asyncio.Event()
+        self._open.set()
+        self._file_ops = 0
+        self._no_file_ops = asyncio.Event()
+        self._no_file_ops.set()
+        self._reset_lock = asyncio.Lock()
+        self._resets: set[asyncio.Task[list[str]]] = set()
         self.workdir = backend.workdir(dirs, spec)
         owner = None if dirs.uid is None else (dirs.uid, dirs.uid)
         self.files = SandboxFiles(backend.visible_paths(dirs, spec), self.workdir, owner=owner)
@@ -53,6 +65,7 @@ class Sandbox:
     async def session(self, name: str) -> ShellSession:
         """The live session `name`, started (or restarted after it died) on first use."""
         self.touch()
+        await self._passage()
         current = self._sessions.get(name)
         if current is not None and not current.dead:
             return current
@@ -122,6 +135,7 @@ class Sandbox:
 
     async def run(self, request: RunRequest, timeout: float, max_output: int) -> RunResult:
         """A one-shot run (oneshot.py): a fresh process whose exit status comes from waitpid."""
+        await self._passage()
         if self.closing:
             raise SessionError(f"sandbox {self.id} is being deleted", status=404)
         self.touch()
@@ -137,13 +151,63 @@ class Sandbox:
                 self._runs.discard(task)
             self.touch()
 
+    async def _passage(self) -> None:
+        """Return once no reset is under way. Checked again after each wait: a reset may begin between the wake-up
+        and the resumption, and what follows the return must not await before it registers its work."""
+        while not self._open.is_set():
+            await self._open.wait()
+
+    async def in_thread(self, function: Callable[..., T], *args: object) -> T:
+        """`function(*args)` in a thread, as the file API runs its work: never during a reset, and a reset waits
+        for it. A thread cannot be stopped midway, so a cancelled caller leaves it to finish before any reset
+        may begin (an upload racing a wipe would otherwise land in the emptied workspace, or half of it)."""
+        await self._passage()
+        self._file_ops += 1
+        self._no_file_ops.clear()
+        work = asyncio.ensure_future(asyncio.to_thread(function, *args))
+        work.add_done_callback(self._file_op_done)
+        return await asyncio.shield(work)
+
+    def _file_op_done(self, _: object) -> None:
+        self._file_ops -= 1
+        if not self._file_ops:
+            self._no_file_ops.set()
+
     async def end_processes(self) -> list[str]:
         """End every process of the sandbox: each session (a daemon it started too) and each one-shot run.
         The sandbox stays; a later command starts a fresh session. Returns the names of the sessions ended."""
-        ended = await self._stop_sessions_and_runs()
-        await self.backend.end_processes(self.dirs, self.spec)
-        self.write_record()
-        return ended
+        return await self._reset(None)
+
+    async def wipe(self) -> list[str]:
+        """End every process, then give the workspace and /tmp their owner and mode back, empty them and seed
+        the workspace again (`seed_workdir`): the sandbox is as it was when created."""
+        return await self._reset(self._clean_slate)
+
+    async def _reset(self, clean: Callable[[], Awaitable[None]] | None) -> list[str]:
+        """Run a reset to its end even if its caller goes away: one cut short would leave the workspace half
+        emptied. Only a delete cancels it (`close`)."""
+        task = asyncio.ensure_future(self._reset_now(clean))
+        self._resets.add(task)
+        task.add_done_callback(self._resets.discard)
+        return await asyncio.shield(task)
+
+    async def _reset_now(self, clean: Callable[[], Awaitable[None]] | None) -> list[str]:
+        async with self._reset_lock:
+            self._open.clear()
+            try:
+                await self._no_file_ops.wait()
+                ended = await self._stop_sessions_and_runs()
+                await self.backend.reset(self.dirs, self.spec, clean)
+                self.write_record()
+                return ended
+            finally:
+                self._open.set()
+
+    async def _clean_slate(self) -> None:
+        own_dirs(self.dirs)
+        for directory in (self.dirs.workspace, self.dirs.tmp):
+            await to_the_end(empty_directory, directory)
+        await self.seed()
 
     async def _stop_sessions_and_runs(self) -> list[str]:
         for task in list(self._starting.values()):
@@ -154,16 +218,6 @@ class Sandbox:
             task.cancel()
         await asyncio.gather(*(s.close() for s in sessions.values()), *runs, return_exceptions=True)
         return sorted(sessions)
-
-    async def wipe(self) -> list[str]:
-        """End every process, then give the workspace and /tmp their owner and mode back, empty them and seed
-        the workspace again (`seed_workdir`): the sandbox is as it was when created."""
-        ended = await self.end_processes()
-        own_dirs(self.dirs)
-        for directory in (self.dirs.workspace, self.dirs.tmp):
-            await asyncio.to_thread(empty_directory, directory)
-        await self.seed()
-        return ended
 
     async def seed(self) -> None:
         """With `seed_workdir`, fill the (empty) workspace with a copy of what the image holds at the workdir;
@@ -196,6 +250,10 @@ class Sandbox:
     async def close(self) -> None:
         """Kill every session and run (each waits until its processes are gone), then the backend's own state."""
         self.closing = True
+        resets = list(self._resets)
+        for task in resets:  # a seed stops at its next entry, an emptying at its end
+            task.cancel()
+        await asyncio.gather(*resets, return_exceptions=True)
         await self._stop_sessions_and_runs()
         await self.backend.destroy(self.dirs, self.spec)
 
@@ -266,219 +324,12 @@ def own_dirs(dirs: SandboxDirs) -> None:
         own.chmod(0o700)
 
 
-class SeedError(Exception):
-    """The image cannot seed the workspace (400), its copy is over limits.disk_mb (413), or the host has no room
-    for it (507)."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-
-
-def seed_workspace(
-    image_root: Path,
-    workdir: str,
-    workspace: Path,
-    uid: int | None,
-    max_bytes: int | None = None,
-    stop: threading.Event | None = None,
-) -> int:
-    """Copy the directory `image_root`/`workdir` into the empty `workspace`; returns the bytes of its files.
-
-    No link is ever followed, neither on the way to `workdir` (a link there is refused: in the image it could
-    lead anywhere on the host) nor in the tree (links are copied as links). Regular files keep their mode less
-    setuid and setgid, and their times (git's index stays valid); directories their mode (set once they are
-    filled); device nodes, FIFOs and sockets are skipped. Under a root server (`uid`) every copy is given to
-    the sandbox's uid, as the rest of its workspace. SeedError when the image holds no directory at `workdir`,
-    part of it cannot be read, or its files hold more than `max_bytes`. One directory level at a time holds
-    two descriptors: no recursion."""
+async def to_the_end(function: Callable[..., T], *args: object) -> T:
+    """`function(*args)` in a thread; a cancelled caller still waits for the thread to end (it cannot be stopped
+    midway) before the cancellation goes on, so that nothing else touches the same tree meanwhile."""
+    work = asyncio.ensure_future(asyncio.to_thread(function, *args))
     try:
-        source = _image_directory(image_root, workdir)
-    except OSError:
-        raise SeedError(
-            f"the image holds no directory at {workdir} to seed the workspace from (seed_workdir; a link there "
-            "is not followed)"
-        ) from None
-    try:
-        target = os.open(workspace, _DIR_FLAGS)
-    except BaseException:
-        os.close(source)
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.gather(work, return_exceptions=True)
         raise
-    try:
-        return _copy_tree(source, target, uid, max_bytes, stop or threading.Event(), workdir)
-    except PermissionError as exc:
-        raise SeedError(f"the image's {workdir} cannot be copied into the workspace: {exc}") from None
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise SeedError(f"no space left for the copy of the image's {workdir}: {exc}", 507) from None
-        raise
-
-
-def _image_directory(image_root: Path, workdir: str) -> int:
-    """A descriptor of the directory at `workdir` in the image, each name of it opened without following links."""
-    fd = os.open(image_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        for name in workdir.strip("/").split("/"):
-            child = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = child
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _copy_tree(
-    source: int, target: int, uid: int | None, max_bytes: int | None, stop: threading.Event, what: str
-) -> int:
-    total = 0
-    # (source fd, target fd, names left, the source directory's stat): the levels from the top down.
-    stack: list[tuple[int, int, list[str], os.stat_result | None]] = [(source, target, [], None)]
-    try:
-        stack[0] = (source, target, os.listdir(source), None)
-        while stack:
-            src, dst, names, directory = stack[-1]
-            if not names:  # a level filled: its mode and times last (a read-only one could not be filled)
-                stack.pop()
-                if directory is not None:
-                    os.fchmod(dst, _kept_mode(directory))
-                    os.utime(dst, ns=(directory.st_atime_ns, directory.st_mtime_ns))
-                os.close(src)
-                os.close(dst)
-                continue
-            if stop.is_set():
-                raise SeedError("the seeding of the workspace was cancelled", 500)
-            name = names.pop()
-            info = os.stat(name, dir_fd=src, follow_symlinks=False)
-            if stat.S_ISDIR(info.st_mode):
-                os.mkdir(name, 0o700, dir_fd=dst)
-                child_src = os.open(name, _DIR_FLAGS, dir_fd=src)
-                try:
-                    child_dst = os.open(name, _DIR_FLAGS, dir_fd=dst)
-                except BaseException:
-                    os.close(child_src)
-                    raise
-                stack.append((child_src, child_dst, os.listdir(child_src), info))
-                if uid is not None:
-                    os.fchown(child_dst, uid, uid)
-            elif stat.S_ISLNK(info.st_mode):
-                link = os.readlink(name, dir_fd=src)
-                total += len(os.fsencode(link))
-                os.symlink(link, name, dir_fd=dst)
-                if uid is not None:
-                    os.chown(name, uid, uid, dir_fd=dst, follow_symlinks=False)
-                os.utime(name, ns=(info.st_atime_ns, info.st_mtime_ns), dir_fd=dst, follow_symlinks=False)
-            elif stat.S_ISREG(info.st_mode):
-                total += info.st_size
-                if max_bytes is not None and total > max_bytes:
-                    raise SeedError(
-                        f"the image's {what} holds more than the sandbox's disk budget of {max_bytes} bytes "
-                        "(limits.disk_mb)",
-                        413,
-                    )
-                _copy_file(src, dst, name, info, uid)
-    finally:
-        for src, dst, _, _ in stack:
-            os.close(src)
-            os.close(dst)
-    return total
-
-
-def _kept_mode(info: os.stat_result) -> int:
-    return stat.S_IMODE(info.st_mode) & ~(stat.S_ISUID | stat.S_ISGID)
-
-
-def _copy_file(src: int, dst: int, name: str, info: os.stat_result, uid: int | None) -> None:
-    fd_in = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=src)
-    try:
-        fd_out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dst)
-        try:
-            offset = 0
-            while os.fstat(fd_in).st_size > offset:
-                sent = os.sendfile(fd_out, fd_in, offset, 1 << 30)
-                if sent == 0:
-                    break
-                offset += sent
-            if uid is not None:
-                os.fchown(fd_out, uid, uid)
-            os.fchmod(fd_out, _kept_mode(info))
-            os.utime(fd_out, ns=(info.st_atime_ns, info.st_mtime_ns))
-        finally:
-            os.close(fd_out)
-    finally:
-        os.close(fd_in)
-
-
-def empty_directory(directory: Path) -> None:
-    """Remove everything inside `directory`, never following a link, at any depth: one directory open at a time
-    and a stack of names, not recursion (an agent's tree may be deeper than Python's recursion limit and than
-    PATH_MAX). What its owner made unwritable or unreadable is made accessible again (an unprivileged server owns
-    its sandboxes' files). Call it only once every process that could write there is gone: the walk climbs back
-    through '..'."""
-    fd = os.open(directory, _DIR_FLAGS)
-    below: list[str] = []  # the directories from `directory` down to the one open on fd
-    try:
-        while True:
-            sub = _unlink_all_but_directories(fd)
-            if sub is not None:
-                child = _open_accessible(fd, sub)
-                os.close(fd)
-                fd = child
-                below.append(sub)
-            elif below:
-                parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
-                os.close(fd)
-                fd = parent
-                _writable_retry(fd, os.rmdir, below.pop())
-            else:
-                return
-    finally:
-        os.close(fd)
-
-
-def remove_tree(directory: Path) -> None:
-    """`directory` and everything in it, as empty_directory does; what cannot be removed stays (logged), for the
-    next server on the state dir to reap."""
-    try:
-        empty_directory(directory)
-        directory.rmdir()
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("could not remove %s: %s", directory, exc)
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def _unlink_all_but_directories(fd: int) -> str | None:
-    """Unlink the entries of the directory open on `fd` up to its first subdirectory, whose name is returned;
-    None once only subdirectories were left (and there were none)."""
-    with os.scandir(fd) as entries:
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                return entry.name
-            _writable_retry(fd, os.unlink, entry.name)
-    return None
-
-
-def _writable_retry(fd: int, remove, name: str) -> None:
-    """`remove(name, dir_fd=fd)`; if the directory was made unwritable, make it writable (0700) and retry."""
-    try:
-        remove(name, dir_fd=fd)
-    except FileNotFoundError:
-        pass
-    except PermissionError:
-        os.fchmod(fd, 0o700)
-        remove(name, dir_fd=fd)
-
-
-def _open_accessible(fd: int, name: str) -> int:
-    """Open subdirectory `name` of `fd` without following a link. If `fd` was made untraversable or `name`
-    unreadable, both are given 0700 first."""
-    try:
-        return os.open(name, _DIR_FLAGS, dir_fd=fd)
-    except PermissionError:
-        os.fchmod(fd, 0o700)
-        os.chmod(name, 0o700, dir_fd=fd)  # a directory (scandir said so, and nothing runs to swap it)
-        return os.open(name, _DIR_FLAGS, dir_fd=fd)

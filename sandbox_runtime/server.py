@@ -73,7 +73,7 @@ async def server_info(request: web.Request) -> web.Response:
             default_limits=manager.default_limits,
             max_limits=manager.max_limits,
             local_backend_allowed=config.allow_local,
-            image_dirs=len(manager.image_dirs),
+            image_dirs=len(manager.images.image_dirs),
             sandbox_uids=None
             if manager.sandbox_uids is None
             else f"{manager.sandbox_uids.start}-{manager.sandbox_uids.stop - 1}",
@@ -177,17 +177,17 @@ def mb(value: int | None) -> int | None:
 async def write_file(request: web.Request, query: PathQuery) -> web.Response:
     box = request.app[MANAGER].get(request.match_info["id"])
     data = await request.read()
-    disk = await asyncio.to_thread(box.files.usage)
+    disk = await box.in_thread(box.files.usage)
     budget = mb(box.spec.limits.disk_mb)
     if budget is not None and disk + len(data) > budget:
         raise FileAccessError(413, f"{query.path!r}: over the sandbox's disk budget of {budget} bytes (limits.disk_mb)")
-    written = await asyncio.to_thread(box.files.write, query.path, data, mb(box.spec.limits.file_size_mb))
+    written = await box.in_thread(box.files.write, query.path, data, mb(box.spec.limits.file_size_mb))
     return json_response(FileWritten(path=query.path, bytes=written), status=201)
 
 
 async def read_file(request: web.Request, query: PathQuery) -> web.Response:
     box = request.app[MANAGER].get(request.match_info["id"])
-    data = await asyncio.to_thread(box.files.read, query.path, request.app[CONFIG].max_body_bytes)
+    data = await box.in_thread(box.files.read, query.path, request.app[CONFIG].max_body_bytes)
     return web.Response(body=data, content_type="application/octet-stream")
 
 
@@ -195,8 +195,8 @@ async def upload_archive(request: web.Request, query: PathQuery) -> web.Response
     box = request.app[MANAGER].get(request.match_info["id"])
     archive = await request.read()
     budget = mb(box.spec.limits.disk_mb)
-    room = None if budget is None else max(budget - await asyncio.to_thread(box.files.usage), 0)
-    count = await asyncio.to_thread(box.files.unpack, query.path, archive, mb(box.spec.limits.file_size_mb), room)
+    room = None if budget is None else max(budget - await box.in_thread(box.files.usage), 0)
+    count = await box.in_thread(box.files.unpack, query.path, archive, mb(box.spec.limits.file_size_mb), room)
     return json_response(ArchiveWritten(path=query.path, members=count), status=201)
 
 
@@ -205,7 +205,7 @@ async def download_archive(request: web.Request, query: PathQuery) -> web.Respon
     limit = request.app[CONFIG].max_body_bytes
     # Sparse files compress to nothing: bound what is read, not only what is sent.
     content_limit = max(limit, mb(box.spec.limits.disk_mb) or 0)
-    data = await asyncio.to_thread(box.files.pack, query.path, limit, content_limit)
+    data = await box.in_thread(box.files.pack, query.path, limit, content_limit)
     return web.Response(body=data, content_type="application/gzip")
 
 

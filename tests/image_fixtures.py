@@ -10,6 +10,7 @@ import io
 import json
 import os
 import shutil
+import stat
 import subprocess
 import tarfile
 from pathlib import Path
@@ -32,6 +33,45 @@ def tiny_root(target: Path) -> Path:
     (scripts / "90-environment.sh").write_text('export PRORL_FROM_SCRIPT=yes\nPATH="/opt/tool/bin:$PATH"\n')
     (scripts / "99-base.sh").write_text('PS1="Apptainer> "\nexport PS1\n')
     return target
+
+
+SEED_MTIME = 1_600_000_000
+SEED_FILES = {"a.txt": b"original a\n", "sub/b.txt": b"original b\n", "run.sh": b"#!/bin/bash\necho ran\n"}
+
+
+def seed_tree(testbed: Path) -> Path:
+    """A workdir to seed workspaces from (`seed_workdir`), with what a copy must get right: files in a subdirectory,
+    an executable, a setuid and setgid file, links (one inside, one leading out of the tree, one dangling), a
+    read-only directory, and a.txt with an old mtime (git's index stays valid only if times are kept)."""
+    (testbed / "sub").mkdir(parents=True)
+    for name, content in SEED_FILES.items():
+        (testbed / name).write_bytes(content)
+    (testbed / "run.sh").chmod(0o755)
+    (testbed / "setuid").write_text("s\n")
+    (testbed / "setuid").chmod(0o6755)
+    (testbed / "link").symlink_to("a.txt")
+    (testbed / "hello-link").symlink_to("/etc/hello")
+    (testbed / "dangling").symlink_to("/nowhere/at/all")
+    (testbed / "locked").mkdir()
+    (testbed / "locked" / "inside").write_text("in\n")
+    (testbed / "locked").chmod(0o555)
+    os.utime(testbed / "a.txt", (SEED_MTIME, SEED_MTIME))
+    return testbed
+
+
+def listing(directory: Path) -> dict[str, tuple]:
+    """Each path below `directory`: a link's target, a file's mode and content, a directory's type and mode."""
+    found = {}
+    for path in sorted(directory.rglob("*")):
+        info = path.lstat()
+        name = str(path.relative_to(directory))
+        if stat.S_ISLNK(info.st_mode):
+            found[name] = ("link", os.readlink(path))
+        elif stat.S_ISREG(info.st_mode):
+            found[name] = ("file", stat.S_IMODE(info.st_mode), path.read_bytes())
+        else:
+            found[name] = (stat.S_IFMT(info.st_mode), stat.S_IMODE(info.st_mode))
+    return found
 
 
 def build_sif(root: Path, sif: Path) -> Path:

@@ -429,9 +429,22 @@ async def test_destroy_failure_is_a_500(dirs: SandboxDirs) -> None:
     assert info.value.status == 500
 
 
-async def test_end_processes_restarts_the_instance(dirs: SandboxDirs) -> None:
+async def test_a_reset_restarts_the_instance(dirs: SandboxDirs) -> None:
     runner = Recorder()
-    assert await backend(runner).end_processes(dirs, SandboxSpec(image="base.sif")) == 0
+    await backend(runner).reset(dirs, SandboxSpec(image="base.sif"))
+    assert [call[2:4] for call in runner.calls] == [["instance", "stop"], ["instance", "start"]]
+
+
+async def test_a_wipe_cleans_between_the_stop_and_the_start(dirs: SandboxDirs) -> None:
+    """The new instance never sees the workspace half emptied or half seeded."""
+    runner = Recorder()
+    order: list[str] = []
+
+    async def clean() -> None:
+        order.append(f"clean after {len(runner.calls)} calls")
+
+    await backend(runner).reset(dirs, SandboxSpec(image="base.sif"), clean)
+    assert order == ["clean after 1 calls"]
     assert [call[2:4] for call in runner.calls] == [["instance", "stop"], ["instance", "start"]]
 
 

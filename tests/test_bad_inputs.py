@@ -28,10 +28,10 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from sandbox_runtime.config import ServerConfig
 from sandbox_runtime.files import FileAccessError, SandboxFiles
+from sandbox_runtime.host_tree import empty_directory, remove_tree
 from sandbox_runtime.manager import SandboxManager
 from sandbox_runtime.metrics import Metrics
 from sandbox_runtime.models import MIN_MEMORY_MB, MIN_OPEN_FILES, MIN_PIDS
-from sandbox_runtime.sandbox import empty_directory, remove_tree
 from sandbox_runtime.server import RUNTIME_API, create_app
 
 BWRAP = shutil.which("bwrap") is not None

@@ -12,6 +12,8 @@ import platform
 import shutil
 import stat
 import struct
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -398,3 +400,47 @@ async def test_a_gzipped_docker_archive_is_the_same_image(images, tmp_path):
     images_store = store(images, tmp_path / "cache")
     unpacked = await images_store.prepare(images_store.find("tiny.docker.tar.gz"))
     assert unpacked.root is not None and tree(unpacked.root) == tree(images / "tiny.rootfs")
+
+
+# An image store on a small tmpfs of its own, in a private mount namespace (nothing is mounted on the host's).
+ON_SMALL_CACHE = """
+import asyncio, json, sys
+from pathlib import Path
+from sandbox_runtime.images import ImageError, ImageStore
+
+async def main():
+    store = ImageStore([Path(sys.argv[1])], Path(sys.argv[2]))
+    store.start()
+    try:
+        await store.prepare(store.find(sys.argv[3]))
+        answer = {"status": 200}
+    except ImageError as exc:
+        answer = {"status": exc.status, "error": str(exc)}
+    answer["left"] = sorted(p.name for p in Path(sys.argv[2]).iterdir() if p.name != "digests.json")
+    print(json.dumps(answer))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="mounting a tmpfs needs root")
+@pytest.mark.parametrize("room", ["less than the file", "the file, not its unpacked root"])
+def test_a_cache_without_room_for_the_image_is_a_507_that_leaves_nothing(images, tmp_path, room):
+    sif = images / "tiny.sif"
+    unpacked = tree_bytes(images / "tiny.rootfs")
+    assert unpacked > 2 * sif.stat().st_size + (256 << 10), "the test needs an image that compresses"
+    size = sif.stat().st_size // 2 if room == "less than the file" else sif.stat().st_size + (128 << 10)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    mount = f'mount -t tmpfs -o size={size} tmpfs {cache} && exec "$0" -c "$1" {images} {cache} tiny.sif'
+    run = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, sys.executable, ON_SMALL_CACHE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[1],
+    )
+    assert run.returncode == 0, run.stderr
+    answer = json.loads(run.stdout)
+    assert answer["status"] == 507 and "no space" in answer["error"], answer
+    assert answer["left"] == []  # no half-unpacked root stays behind

@@ -1,18 +1,18 @@
-"""`seed_workdir`: the spec's rule (it needs an image) and the copy itself (sandbox.seed_workspace), on plain
+"""`seed_workdir`: the spec's rule (it needs an image) and the copy itself (host_tree.seed_workspace), on plain
 directories; integration_tests/test_seed_workdir.py runs it through real servers and sandboxes."""
 
 from __future__ import annotations
 
 import os
-import stat
 import threading
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
+from sandbox_runtime.host_tree import SeedError, empty_directory, seed_workspace
 from sandbox_runtime.models import SandboxSpec
-from sandbox_runtime.sandbox import SeedError, empty_directory, seed_workspace
+from tests.image_fixtures import SEED_MTIME, listing, seed_tree
 
 
 def test_seed_workdir_is_off_by_default_and_needs_an_image():
@@ -31,38 +31,14 @@ def test_seed_workdir_is_in_the_openapi_schema():
 
 @pytest.fixture
 def image(tmp_path) -> Path:
+    """A root whose /srv/testbed is image_fixtures.seed_tree, with a FIFO and a link to a host directory too."""
     root = tmp_path / "image"
-    testbed = root / "srv" / "testbed"
-    (testbed / "pkg" / "deep").mkdir(parents=True)
-    (testbed / "pkg" / "__init__.py").write_text("x = 1\n")
-    (testbed / "pkg" / "deep" / "data").write_bytes(bytes(range(256)) * 64)
-    (testbed / "tool").write_text("#!/bin/sh\n")
-    (testbed / "tool").chmod(0o755)
-    (testbed / "setuid").write_text("s")
-    (testbed / "setuid").chmod(0o6755)
-    (testbed / "link").symlink_to("pkg/__init__.py")
-    (testbed / "out").symlink_to("/etc/passwd")
+    testbed = seed_tree(root / "srv" / "testbed")
+    (testbed / "sub" / "deep").mkdir()
+    (testbed / "sub" / "deep" / "data").write_bytes(bytes(range(256)) * 64)
     (testbed / "dir-link").symlink_to("/etc")
     os.mkfifo(testbed / "fifo")
-    (testbed / "readonly").mkdir()
-    (testbed / "readonly" / "f").write_text("r")
-    (testbed / "readonly").chmod(0o555)
-    os.utime(testbed / "tool", (1_500_000_000, 1_500_000_000))
     return root
-
-
-def listing(directory: Path) -> dict[str, tuple]:
-    found = {}
-    for path in sorted(directory.rglob("*")):
-        info = path.lstat()
-        name = str(path.relative_to(directory))
-        if stat.S_ISLNK(info.st_mode):
-            found[name] = ("link", os.readlink(path))
-        elif stat.S_ISREG(info.st_mode):
-            found[name] = ("file", stat.S_IMODE(info.st_mode), path.read_bytes())
-        else:
-            found[name] = (stat.S_IFMT(info.st_mode), stat.S_IMODE(info.st_mode))
-    return found
 
 
 def test_the_copy_keeps_links_modes_and_times_and_drops_setuid_and_fifos(image, tmp_path):
@@ -71,13 +47,13 @@ def test_the_copy_keeps_links_modes_and_times_and_drops_setuid_and_fifos(image, 
     copied = seed_workspace(image, "/srv/testbed", workspace, None)
     source = listing(image / "srv" / "testbed")
     del source["fifo"]
-    source["setuid"] = ("file", 0o755, b"s")
+    source["setuid"] = ("file", 0o755, b"s\n")
     assert listing(workspace) == source
     assert copied == sum(len(v[2]) for v in source.values() if v[0] == "file") + sum(
         len(v[1]) for v in source.values() if v[0] == "link"
     )
-    assert (workspace / "tool").stat().st_mtime == 1_500_000_000
-    assert (workspace / "dir-link").is_symlink() and not (workspace / "passwd").exists()
+    assert (workspace / "a.txt").stat().st_mtime == SEED_MTIME
+    assert (workspace / "dir-link").is_symlink() and os.readlink(workspace / "dir-link") == "/etc"
     empty_directory(workspace)  # a read-only directory of the seed is no obstacle to a wipe
     assert list(workspace.iterdir()) == []
     seed_workspace(image, "/srv/testbed", workspace, None)  # and the seed comes back as it was
@@ -93,7 +69,7 @@ def test_under_root_every_copy_is_the_sandboxs(image, tmp_path):
     assert owners == {(12345, 12345)}
 
 
-@pytest.mark.parametrize("workdir", ["/nothere", "/srv/testbed/tool", "/srv/testbed/dir-link", "/srv/testbed/link"])
+@pytest.mark.parametrize("workdir", ["/nothere", "/srv/testbed/run.sh", "/srv/testbed/dir-link", "/srv/testbed/link"])
 def test_no_directory_at_the_workdir_is_a_400(image, tmp_path, workdir):
     workspace = tmp_path / "workspace"
     workspace.mkdir()

@@ -381,6 +381,23 @@ def test_the_repository_s_own_parser_reads_its_log():
     assert graded(log, ["test_clamp (utils_tests.test_numbers.ClampTests)"], [], repo="django/django")[0]
 
 
+def test_a_forged_ok_does_not_hide_a_failure_in_the_runner_s_summary():
+    """The code under test prints `ok` where the runner's `... FAIL` would follow, and the newline before it: the
+    result line then reads as a pass, and only the summary says the test failed."""
+    log = (
+        "test_round (utils_tests.test_numbers.ClampTests) ... ok\n"
+        "FAIL\n"
+        "======================================================================\n"
+        "FAIL: test_round (utils_tests.test_numbers.ClampTests)\n"
+        "----------------------------------------------------------------------\n"
+    )
+    name = "test_round (utils_tests.test_numbers.ClampTests)"
+    parse = swe_bench.swebench().parsers["django/django"]
+    assert parse(log, None).get(name) == "PASSED"  # swebench's parser alone is fooled
+    passed, failures = graded(log, [name], [], repo="django/django", version="3.0")
+    assert not passed and failures == [f"{name}: FAILED"]
+
+
 def test_swebench_is_imported_without_docker_modal_or_its_harness():
     probe = (
         "import sys; from prorl_plugins.tasks import swe_bench; swe_bench.swebench(); "

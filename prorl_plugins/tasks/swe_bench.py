@@ -399,12 +399,18 @@ def graded_script(row: BenchRow) -> str:
     return "\n".join(['mkdir -p "$HOME"', CONDA_ACTIVATE, *eval_commands, f"cd {repo}", graded_command(row)]) + "\n"
 
 
+# The summary unittest's runner (Django's too) prints for each test that did not pass, whatever its own output did
+# to the `name (module.Class) ... FAIL` line before it.
+_UNITTEST_SUMMARY = re.compile(r"^(?:FAIL|ERROR): (\S+ \([\w.]+\))\s*$", re.MULTILINE)
+
+
 def grade_log(row: BenchRow, log: str) -> tuple[bool, list[str]]:
     """Whether every FAIL_TO_PASS and PASS_TO_PASS test passed in the log, by swebench's parser for the
     repository (its pytest parser for one it does not know), and 'name: STATUS' for each that did not.
 
     A test passes when the parser reads the log as PASSED or XFAIL, and no line of the log, read on its own,
-    reports it FAILED or ERROR; a test the log never mentions is 'missing' and fails."""
+    reports it FAILED or ERROR (a unittest runner's summary line `FAIL: name (module.Class)` among them, which
+    swebench's django parser keys by the bare name); a test the log never mentions is 'missing' and fails."""
     package = swebench()
     parse = package.parsers.get(row.repo, package.pytest_parser)
     spec = types.SimpleNamespace(
@@ -425,7 +431,7 @@ def grade_log(row: BenchRow, log: str) -> tuple[bool, list[str]]:
     statuses = parsed(log)
     failed_somewhere = {
         name for line in log.splitlines() for name, status in parsed(line).items() if status in package.failed
-    }
+    } | {match[1] for match in _UNITTEST_SUMMARY.finditer(log)}
     failures = []
     must_pass = set(row.fail_to_pass)
     for name in dict.fromkeys([*row.fail_to_pass, *row.pass_to_pass]):

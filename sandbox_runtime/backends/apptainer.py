@@ -355,11 +355,15 @@ class ApptainerBackend(Backend):
             pid_namespace=False,
         )
 
-    async def end_processes(self, dirs: SandboxDirs, spec: SandboxSpec) -> int:
-        """A daemon a session started lives on in the instance's pid namespace: restarting it ends them all."""
+    async def reset(
+        self, dirs: SandboxDirs, spec: SandboxSpec, clean: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        """A daemon a session started lives on in the instance's pid namespace: stopping the instance ends them
+        all. It starts again only after `clean`, so that nothing of the new one sees a half-emptied workspace."""
         await self.destroy(dirs, spec)
+        if clean is not None:
+            await clean()
         await self.create(dirs, spec)
-        return 0
 
     async def destroy(self, dirs: SandboxDirs, spec: SandboxSpec) -> None:
         await self._stop(self.instance_name(dirs))

@@ -3,8 +3,8 @@
 A backend turns a sandbox spec into processes: `create` prepares whatever outlives a single shell (an
 Apptainer instance), `launch` returns the command line of one process inside the sandbox (a bash session, or
 the bash of a one-shot run), `end_processes` ends whatever the sandbox's processes left running outside their
-sessions, `destroy` removes what `create` made. The sandbox manager owns the directories, the uids and the
-sessions; backends own argv.
+sessions (`reset` calls it, and runs a wipe's cleaning after it), `destroy` removes what `create` made. The
+sandbox manager owns the directories, the uids and the sessions; backends own argv.
 
 Two rules every backend keeps:
 - Under a root server, every process of a sandbox runs as the sandbox's own unprivileged host uid, with no
@@ -17,6 +17,7 @@ Two rules every backend keeps:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,6 +131,15 @@ class Backend(ABC):
         """End what the sandbox's processes left running beyond their sessions (daemons, `setsid`); called
         after every session is closed. Returns how many processes were signalled."""
         return 0
+
+    async def reset(
+        self, dirs: SandboxDirs, spec: SandboxSpec, clean: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        """End what the sandbox's processes left running (`end_processes`), then run `clean` (a wipe's emptying and
+        seeding of the workspace) while nothing of the sandbox runs; called after every session is closed."""
+        await self.end_processes(dirs, spec)
+        if clean is not None:
+            await clean()
 
     async def destroy(self, dirs: SandboxDirs, spec: SandboxSpec) -> None:
         """Remove what `create` made; called after every session of the sandbox is gone. Idempotent."""
