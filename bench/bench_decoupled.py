@@ -43,7 +43,14 @@ dominates a lock-step batch. "Tail" episodes are those above the stream's 90th p
 Modes, each on the same stream: (a) coupled: each step submits B episodes, waits for all (the slowest
 dominates), trains T while generation idles; (b) decoupled, pace K = 0 (a check: it must reproduce (a)),
 K = 1, K = 2, and K = 4, 8 (how much slack pacing needs under this tail); (c) drop K = 2; (d) linear K = 4
-(weights 1, .75, .5, .25, dropped from s = 4).
+(weights 1, .75, .5, .25, dropped from s = 4); (e) pace by the `deadline-take` rule (`should_pace`; no
+setting of the plugin: DeadlinePace), K = 1, 2, 4: up to (K + 1) x B pending whatever their age, and a trainer
+whose take serves deadlines
+(`prorl_plugins.staleness.deadline_demands`): the buffer serves the oldest version first
+(`OldestFirstBuffer`, the simulation's own; the service's buffers serve the newest first) and before each
+take the trainer waits, polling every POLL_S virtual seconds, until `deadline_take_ready` (the B oldest ready
+trajectories hold every episode at its limit, and enough of each level that the later takes can). Every pace
+run checks that no trajectory was trained with staleness > K.
 
 Settings: balanced (T = B x mean duration / slots: generation capacity = the trainer's appetite), the main
 table; then, trainer busy fraction only: training-bound (2 T), generation-bound (T / 2), and T chosen so that
@@ -61,6 +68,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import heapq
 import math
 import random
 import selectors
@@ -74,10 +82,10 @@ from typing import Any
 from common import command_line, machine, replace_section, utc_now
 
 from prorl_adapter.hooks import PluginSet, hookimpl
-from prorl_adapter.models import JobRequest, JobState, StageTimings, Trajectory
+from prorl_adapter.models import AdmissionState, JobRequest, JobState, StageTimings, Trajectory
 from prorl_adapter.service.decoupled import Producer, ProducerConfig
 from prorl_adapter.service.storage.memory_buffer import MemoryBuffer
-from prorl_plugins.staleness import StalenessControl
+from prorl_plugins.staleness import StalenessControl, deadline_take_ready, should_pace
 
 BLOCK_START = "<!-- bench_decoupled:start -->"
 BLOCK_END = "<!-- bench_decoupled:end -->"
@@ -88,6 +96,8 @@ TAIL_QUANTILE = 0.9
 FEED_EVERY_S = 5.0  # how often (virtual seconds) the trainer's loader tops up the upcoming prompts
 ANCHORS = (("the seed article", 0.45, 0.82), ("the paper's ablation", 0.42, 0.78))
 ADMISSION_QUEUES = (1_000, 10_000, 40_000)  # prompts handed over at once, for the admission-cost table
+DEADLINE = "deadline-take"  # a mode's own key: pace by that rule (DeadlinePace), with a deadline take
+POLL_S = 0.25  # how often (virtual seconds) a deadline take asks again whether it may take
 
 
 # -- virtual time ---------------------------------------------------------------------------------------
@@ -285,6 +295,43 @@ class RecordingBuffer(MemoryBuffer):
         return entry_id
 
 
+class DeadlinePace(StalenessControl):
+    """The staleness plugin's pace, admitting by the `deadline-take` rule of `should_pace`: no setting of the
+    plugin, since only a take that serves deadlines keeps its bound (here: OldestFirstBuffer and
+    wait_for_deadlines)."""
+
+    @hookimpl
+    def prorl_admit_episode(self, state: AdmissionState) -> bool | None:
+        c = self.config
+        return not should_pace(state, c.max_staleness, c.batch_size, c.pace_max_in_flight, rule="deadline-take")
+
+
+class OldestFirstBuffer(RecordingBuffer):
+    """The MemoryBuffer serving the oldest version first (FIFO within one), the order a deadline take needs:
+    the simulation's own, by its heap key; the service's buffers serve the newest first."""
+
+    def _mark_ready(self, entry: Any) -> None:
+        heap, self._ready = self._ready, []
+        super()._mark_ready(entry)  # the index by version; its newest-first heap key goes to a list thrown away
+        self._ready = heap
+        heapq.heappush(heap, (entry.version, entry.seq, entry.id))
+
+    def ready_counts(self) -> dict[int, int]:
+        return {version: len(ids) for version, ids in self._ready_by_version.items()}
+
+
+async def wait_for_deadlines(producer: Producer, buffer: OldestFirstBuffer, k: int, batch: int) -> None:
+    """A deadline take's wait: until the B oldest ready trajectories meet `deadline_demands` (nothing leased:
+    the previous batch is acknowledged; an episode put into the buffer and not yet settled counts twice, which
+    only waits longer)."""
+    while True:
+        running = await producer.prompts.running_versions()
+        state = AdmissionState(producer.pipeline.policy_version, running, await buffer.version_counts())
+        if deadline_take_ready(state, buffer.ready_counts(), k, batch):
+            return
+        await asyncio.sleep(POLL_S)
+
+
 class WeighObserver:
     """A plugin with no opinion that records every weighing: (episode index, staleness)."""
 
@@ -321,6 +368,7 @@ MODES = [
     Mode("pace K=8", {"mode": "pace", "max_staleness": 8}),
     Mode("drop K=2", {"mode": "drop", "max_staleness": 2}),
     Mode("linear K=4", {"mode": "linear", "max_staleness": 4}),
+    *(Mode(f"pace deadline K={k}", {"mode": "pace", "max_staleness": k, DEADLINE: True}) for k in (1, 2, 4)),
 ]
 
 
@@ -372,16 +420,21 @@ async def run_coupled(clock: VirtualClock, stream: Stream, setting: Setting) -> 
 
 async def run_decoupled(clock: VirtualClock, stream: Stream, setting: Setting, mode: Mode) -> RunResult:
     section = dict(mode.staleness or {}, batch_size=setting.batch)
+    deadline = bool(section.pop(DEADLINE, False))
     observer = WeighObserver()
-    plugins = PluginSet.load(objects=[StalenessControl(section), observer], entry_points=False)
+    control = (DeadlinePace if deadline else StalenessControl)(section)
+    plugins = PluginSet.load(objects=[control, observer], entry_points=False)
     pipeline = SimulatedPipeline(plugins, stream, setting.slots)
-    producer = Producer(pipeline, RecordingBuffer(clock=clock))
+    buffer = (OldestFirstBuffer if deadline else RecordingBuffer)(clock=clock)
+    producer = Producer(pipeline, buffer)
     plugins.register(producer, name="decoupled-producer")
     producer.start()
     loader = asyncio.ensure_future(feed(producer, len(stream.durations), prompts_ahead(setting)))
     result = RunResult(mode.name, setting)
     for step in range(setting.steps):
         batch = []
+        if deadline:
+            await wait_for_deadlines(producer, buffer, section["max_staleness"], setting.batch)
         while len(batch) < setting.batch:
             batch += await producer.take_batch(setting.batch - len(batch), timeout=None)
         result.trained += [
@@ -400,6 +453,9 @@ async def run_decoupled(clock: VirtualClock, stream: Stream, setting: Setting, m
     result.left_in_buffer = (await producer.buffer.stats()).ready
     result.left_oldest_s = setting.steps - min(await producer.buffer.buffered_versions(), default=setting.steps)
     assert stats.dropped == len(result.dropped), (stats.dropped, len(result.dropped))
+    if section.get("mode") == "pace":  # pace's guarantee, checked on every trained trajectory
+        worst = max(s for _, s, _ in result.trained)
+        assert worst <= section["max_staleness"], f"{mode.name}: a trajectory trained with staleness {worst}"
     # Which episodes expired: delivered to the buffer, yet neither trained, dropped nor left in it at the end.
     left = {int(e.trajectory.labels["episode"]) for e in await producer.buffer.take(10**9, timeout=0)}
     delivered = set(producer.buffer.episodes_put)
@@ -547,8 +603,40 @@ def takeaways(stream: Stream, main: list[RunResult], bound: list[RunResult]) -> 
         + ") and the next batch starts almost lock-step. It catches up when K x T nears the time "
         f"a lock-step batch waits for its slowest episode ({wait:.0f} s here vs T = {coupled.setting.train_s:.0f} "
         "s): see the training-bound and anchor-matched rows.",
+        _deadline(stream, main),
         _starvation(next(r for r in bound if r.mode == drop.mode)),
     ]
+
+
+def _deadline(stream: Stream, main: list[RunResult]) -> str:
+    by = {r.mode: r for r in main}
+    runs = [(k, by[f"pace K={k}"], by[f"pace deadline K={k}"]) for k in (1, 2, 4)]
+
+    def worst(r: RunResult) -> int:
+        return max(s for _, s, _ in r.trained)
+
+    def tails(r: RunResult) -> str:
+        started = [i for i, start, _ in r.runs if start < r.wall_s]
+        return f"{pct(tail_share(stream, started))} → {pct(tail_share(stream, [i for i, *_ in r.trained]))}"
+
+    return (
+        "Pace by the `deadline-take` rule (up to (K + 1) x B pending whatever their age; the take serves the "
+        "oldest version first and waits only for what the later takes could not hold), against `any-take`: "
+        "trainer busy "
+        + ", ".join(f"K={k} {pct(new.busy)} (was {pct(old.busy)})" for k, old, new in runs)
+        + "; generation slots busy "
+        + ", ".join(f"{pct(new.slot_busy())} (was {pct(old.slot_busy())})" for _, old, new in runs)
+        + "; max staleness trained "
+        + ", ".join(str(worst(new)) for *_, new in runs)
+        + " (each pace run checks that none exceeds K), the price of the oldest first: trained at s = K "
+        + ", ".join(pct(sum(s == k for _, s, _ in new.trained) / len(new.trained)) for k, _, new in runs)
+        + " (with `any-take` "
+        + ", ".join(pct(sum(s == k for _, s, _ in old.trained) / len(old.trained)) for k, old, _ in runs)
+        + "); tail share started → trained "
+        + ", ".join(tails(new) for *_, new in runs)
+        + ". It needs a take that serves deadlines: the service's take serves the newest version first and "
+        "waits for nothing, so there `any-take` (the default) is the rule that holds."
+    )
 
 
 def _starvation(drop: RunResult) -> str:
@@ -651,7 +739,10 @@ def render_block(stream: Stream, main: list[RunResult], sweeps: list[list[RunRes
   (slots / mean duration) equals the trainer's appetite (B / T).
 - **Modes:** coupled = each step submits B episodes, waits for the slowest, trains T while generation idles;
   decoupled = the real `Producer` + `MemoryBuffer` + staleness plugin (pace, drop, linear) over a stand-in
-  pipeline on a virtual clock (the benchmark's docstring says what is real and what is simulated).
+  pipeline on a virtual clock (the benchmark's docstring says what is real and what is simulated);
+  pace deadline = pace by the `deadline-take` rule (`should_pace`), whose trainer takes the oldest version first and
+  waits, before each take, until the batch meets `deadline_demands` (the buffer's oldest-first order is the
+  simulation's own: the service's take serves the newest first, for which `any-take`, the default, holds).
 
 ### Balanced setting (T = {s.train_s:.0f} s)
 

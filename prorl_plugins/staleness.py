@@ -24,13 +24,20 @@ Keys: `mode` (required), `max_staleness` K (int >= 0, required unless `off`), `i
 `pace_max_in_flight` (optional int >= 1: in `pace`, also never run more episodes at once). A bad value raises
 `PluginConfigError` naming `staleness.<key>` and what is allowed.
 
+Pace admits by the `any-take` rule of `should_pace`, which holds whichever finished trajectories the trainer
+takes. The `deadline-take` rule (`deadline_demands`) admits more and is proven, but it holds only when every take
+serves deadlines (the oldest version first, waiting for episodes at their limit). The service's take
+(`Producer.take_batch`: newest version first, no waiting) does not, so that rule is not a configuration yet: a
+setting the service could not keep would break pace's bound silently. The decoupled simulation
+(bench/bench_decoupled.py) runs it with a take of its own.
+
 Registration: the entry point names the class, `prorl_plugins.staleness:StalenessControl`; each plugin set
 (the service's, a trainer's) creates its own instance from its `staleness` section. Tests and embedders may
 register a `StalenessControl(section)` of their own instead (with the entry point blocked or not loaded:
 two instances' verdicts would multiply).
 
-The pure functions `staleness`, `linear_weight`, `truncated_importance_weights` and `should_pace` are the
-arithmetic, for backends and tests.
+The pure functions `staleness`, `linear_weight`, `truncated_importance_weights`, `should_pace`,
+`deadline_demands` and `deadline_take_ready` are the arithmetic, for backends and tests.
 """
 
 from __future__ import annotations
@@ -38,12 +45,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 from prorl_adapter.hooks import PluginConfigError, hookimpl
 from prorl_adapter.models import AdmissionState, Trajectory, TrajectoryWeight
 
 MODES = ("off", "drop", "linear", "pace", "importance")
+PACE_RULES = ("any-take", "deadline-take")
 SECTION = "staleness"
 _KEYS = ("mode", "max_staleness", "importance_cap", "batch_size", "pace_max_in_flight")
 _MAX_EXP = 709.0  # math.exp overflows above ~709.78
@@ -95,10 +104,20 @@ def truncated_importance_weights(
     return weights
 
 
-def should_pace(state: AdmissionState, k: int, batch_size: int, max_in_flight: int | None = None) -> bool:
+def should_pace(
+    state: AdmissionState,
+    k: int,
+    batch_size: int,
+    max_in_flight: int | None = None,
+    rule: str = "any-take",
+) -> bool:
     """True when a new episode must be held back for now, so that no trajectory is consumed with staleness > k.
 
-    The rule. Let c be the current version, P the number of pending episodes (in flight + buffered), and
+    `rule` is `any-take` (below: it assumes nothing about which finished trajectories the trainer takes) or
+    `deadline-take` (`deadline_demands`: it admits up to (k + 1) * B pending whatever their age, and needs the
+    take to serve deadlines).
+
+    The `any-take` rule. Let c be the current version, P the number of pending episodes (in flight + buffered), and
     v_min the oldest version among them and the new episode (which starts at c). Admit iff
 
         P + 1 <= (v_min + k - c + 1) * batch_size
@@ -125,9 +144,80 @@ def should_pace(state: AdmissionState, k: int, batch_size: int, max_in_flight: i
     """
     if k < 0 or batch_size < 1:
         raise ValueError(f"max_staleness {k} must be >= 0 and batch_size {batch_size} >= 1")
+    if rule not in PACE_RULES:
+        raise ValueError(f"pace rule {rule!r} is not one of {', '.join(PACE_RULES)}")
     if max_in_flight is not None and state.running >= max_in_flight:
         return True
+    if rule == "deadline-take":
+        return state.pending + 1 > (k + 1) * batch_size
     return state.pending + 1 > (state.oldest_version + k - state.current_version + 1) * batch_size
+
+
+def deadline_demands(state: AdmissionState, k: int, batch_size: int) -> dict[int, int]:
+    """What the take at version c must hold for pace's `deadline-take` rule: {j: d_j}, at least d_j of the batch
+    of B = `batch_size` at versions <= j, for each j with d_j > 0, where d_j = N(<= j) - (j + k - c) * B and
+    N(<= j) counts the pending episodes at versions <= j (`state`: running ones at the version they were
+    admitted at, buffered ones at their trajectory's; the previous batch acknowledged, none leased).
+
+    The rule. Admit a new episode iff P + 1 <= (k + 1) * B (P: pending episodes), and let every take at version
+    c hold, for every j, at least d_j trajectories of versions <= j, waiting for them to finish where they run
+    (`deadline_take_ready`); the rest of the batch may be any finished ones.
+
+    Why no trajectory is consumed with staleness > k. The invariant, at every admission and before every take
+    at version c: for all j, N(<= j) <= (j + k - c + 1) * B. For j < c - k the bound is <= 0: nothing pending
+    is older than c - k, so whatever the take at c holds has staleness <= k (a trajectory's version is never
+    older than the version its episode was admitted at). It holds at the start (nothing pending).
+    - Admitting at c adds one episode at level c, so N(<= j) + 1 for j >= c, where N(<= j) = P (nothing pending
+      is newer than c): the tightest is j = c, P + 1 <= (k + 1) * B, the rule. Levels below c do not change.
+    - An episode that finishes with a trajectory newer than its admission moves up a level: N(<= j) only falls.
+    - The take at c removes at least d_j from versions <= j, so afterwards N(<= j) <= (j + k - c) * B, which is
+      the invariant at version c + 1 (where d_j <= 0 it held already). Admission may count the taken batch as
+      pending until it is acknowledged (the service does): that only holds back more. The demands of the next
+      take must not count it: acknowledge before taking again.
+    The take is always possible: the invariant gives d_j <= B, and d_j <= N(<= j), so the B oldest pending
+    episodes hold min(B, N(<= j)) >= d_j at versions <= j, for every j at once. It never deadlocks: while a
+    take waits, admission adds only at level c, which raises d_j for j >= c to at most P - k * B <= B (met by
+    any B ready), and lowers nothing it needs; the episodes below c all finish in finite time, after which
+    every demand is met by what is ready, and with prompts to admit, P reaches (k + 1) * B >= B, so B are
+    ready eventually. With k = 0 it is synchronous training: P <= B and d_c = P, the batch is every pending
+    episode.
+
+    Versus `any-take`: its invariant P <= (v_min + k - c + 1) * B implies this one, so `deadline-take`
+    admits whenever `any-take` would, and more once an old episode is pending. `any-take` cannot admit more
+    without a take like this one: it must hold whichever finished trajectories the trainer takes, and when the
+    oldest one finishes last the others fill every batch up to its limit. `deadline-take` is the loosest rule
+    for a deadline take too: (k + 1) * B + 1 episodes admitted at c, all slow, cannot fit the k + 1 batches
+    c..c + k.
+
+    What it costs the trainer: a take waits for a running episode only while what is ready cannot meet a
+    demand: every episode at its limit (j = c - k), and, for a later j, only as many as the levels up to j hold
+    beyond what the takes after this one can still hold before j's limit.
+
+    Why the take must wait: a take that prefers the oldest finished trajectories but waits for none gains
+    nothing in the worst case, since younger finished ones fill the batches while an old episode still runs;
+    only the `any-take` bound holds for it.
+    """
+    if k < 0 or batch_size < 1:
+        raise ValueError(f"max_staleness {k} must be >= 0 and batch_size {batch_size} >= 1")
+    c = state.current_version
+    levels = sorted(set(state.in_flight) | set(state.buffered))
+    counts = [state.in_flight.get(v, 0) + state.buffered.get(v, 0) for v in levels]
+    demands = {}
+    for j, at_most_j in zip(levels, accumulate(counts)):
+        d = at_most_j - (j + k - c) * batch_size
+        if d > 0:
+            demands[j] = d
+    return demands
+
+
+def deadline_take_ready(state: AdmissionState, ready: Mapping[int, int], k: int, batch_size: int) -> bool:
+    """Whether a take at version `state.current_version` may happen now under pace's `deadline-take` rule: B
+    trajectories are ready (`ready`: version -> count, what the take can have) and the B oldest of them meet
+    every demand of `deadline_demands`. A take that returns the B oldest ready then holds them."""
+    if sum(ready.values()) < batch_size:
+        return False
+    demands = deadline_demands(state, k, batch_size)
+    return all(sum(n for v, n in ready.items() if v <= j) >= d for j, d in demands.items())
 
 
 # -- configuration -----------------------------------------------------------------------------------------

@@ -214,6 +214,7 @@ def test_pacing_holds_while_the_oldest_is_at_its_limit():
         ({"mode": "pace", "max_staleness": 2}, "batch_size"),
         ({"mode": "pace", "max_staleness": 2, "batch_size": 0}, "batch_size"),
         ({"mode": "pace", "max_staleness": 2, "batch_size": 4, "pace_max_in_flight": 0}, "pace_max_in_flight"),
+        ({"mode": "pace", "max_staleness": 2, "batch_size": 4, "pace_rule": "oldest"}, "pace_rule"),
         ({"mode": "drop", "max_staleness": 2, "max_stalenes": 3}, "max_stalenes"),
     ],
 )
@@ -286,6 +287,16 @@ def test_pace_through_a_plugin_set_admits_and_never_drops():
     w = plugins.weigh(make_trajectory(0), current_version=9)
     assert w.sample == 1.0
     assert "despite pacing (kept)" in w.reasons[0]
+
+
+def test_pace_deadline_take_admits_k_plus_one_batches_whatever_their_age():
+    # The episode at 3 is at its limit at version 5: any-take admits 4 pending, deadline-take 12 (its take
+    # holds the one at 3, `deadline_demands`).
+    assert not should_pace(admission(5, [3], [5] * 10), 2, 4, rule="deadline-take")
+    assert should_pace(admission(5, [3], [5] * 11), 2, 4, rule="deadline-take")
+    assert should_pace(admission(5, [3], [5] * 10), 2, 4)
+    with pytest.raises(ValueError, match="pace rule"):
+        should_pace(admission(5, [], []), 2, 4, rule="oldest")
 
 
 @pytest.mark.parametrize(
