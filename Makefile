@@ -57,7 +57,8 @@ openapi: $(VENV)/.installed  # docs/openapi/: both servers' OpenAPI documents an
 test: system-packages lint llm agent-env test-images
 	PRORL_REQUIRE_BACKENDS=1 $(PY) -m pytest
 
-bench: system-packages $(VENV)/.installed llm
+bench: system-packages $(VENV)/.installed llm test-images
 	$(PY) bench/bench_runtime.py --out docs/benchmarks.md
+	$(PY) bench/bench_images.py --out docs/benchmarks.md
 	$(PY) bench/bench_rollout.py --out docs/benchmarks.md
 	$(PY) bench/bench_scale_out.py --out docs/benchmarks.md

@@ -62,7 +62,10 @@ async def test_a_decoupled_batch_survives_a_dead_node_and_a_dead_replica(vllm, t
                 deadline = time.monotonic() + 600
                 turn = 0
                 while len(seen) < until or (also is not None and not await also()):
-                    assert time.monotonic() < deadline, f"only {len(seen)} of {until} prompts delivered in time"
+                    if time.monotonic() >= deadline:  # what each replica was doing, for the failure to explain
+                        states = [(await t.status()).model_dump(include={"active", "finished"}) for t in takers]
+                        waited = f"; still waiting for: {also.__doc__}" if len(seen) >= until and also else ""
+                        raise AssertionError(f"{len(seen)} of {until} prompts delivered in time{waited}; {states}")
                     taker, acker = takers[turn % len(takers)], takers[(turn + 1) % len(takers)]
                     turn += 1
                     try:
@@ -81,6 +84,7 @@ async def test_a_decoupled_batch_survives_a_dead_node_and_a_dead_replica(vllm, t
             cluster.remove_node(node)  # the machine goes: raylet, actor, runtime and its sandboxes
 
             async def second_runs_episodes() -> bool:
+                """the second replica to run episodes (to be killed with them in hand)"""
                 return sum((await second.status()).active.values()) > 0
 
             await consume(12, [first, second], also=second_runs_episodes)  # killed with episodes in hand
