@@ -519,6 +519,22 @@ class RuntimeRegistered(BaseModel):
     alive: bool = Field(description="whether sandboxes may be placed on it now (false after `leaving`)")
 
 
+class WarmSandboxState(BaseModel):
+    """The warm sandboxes of one sandbox spec (`--warm-sandboxes`), since the spec was first asked for."""
+
+    image: str | None = Field(description="the spec's image")
+    size: int = Field(description="the most warm sandboxes kept for it, ready or being created (--warm-sandboxes)")
+    ready: int = Field(description="warm sandboxes ready to be handed out now")
+    creating: int = Field(description="warm sandboxes being created (or waiting to be)")
+    hits: int = Field(description="episodes that got a warm sandbox")
+    misses: int = Field(description="episodes that created their own")
+    created: int = Field(description="warm sandboxes created")
+    expired: int = Field(description="warm sandboxes deleted unused: too old, too short a TTL, or their runtime gone")
+    failures: int = Field(description="warm sandboxes that could not be created")
+    paused: bool = Field(description="refills stopped (one failed or found no room) until an episode asks again")
+    saved_s: float = Field(description="creation time the hits saved: hits times a warm creation's mean time")
+
+
 class ServiceStatus(BaseModel):
     policy_version: int
     queues: dict[str, int] = Field(description="jobs waiting for each stage's workers: init, run, eval")
@@ -536,6 +552,11 @@ class ServiceStatus(BaseModel):
         default_factory=list, description="every replica sharing this one's state (itself alone with memory://)"
     )
     runtimes: list[RuntimeState] = Field(default_factory=list, description="the sandbox runtimes this replica may use")
+    warm_sandboxes: dict[str, WarmSandboxState] = Field(
+        default_factory=dict,
+        description="warm sandboxes by spec (a digest of its canonical JSON), most recently asked first; empty "
+        "without --warm-sandboxes",
+    )
 
 
 class TaskList(BaseModel):

@@ -13,6 +13,7 @@ from ..launch.cli import add_ray_parser, run_ray
 from .config import RolloutConfig
 from .decoupled import ProducerConfig
 from .pipeline import PipelineConfig
+from .warm_sandboxes import WarmConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +99,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="HOST:PORT at which the sandbox runtimes reach the gateway (default: its own address, 127.0.0.1 when "
         "it listens on all interfaces); give it where runtimes on other machines must reach it",
     )
+    warm = WarmConfig()
+    serve.add_argument(
+        "--warm-sandboxes",
+        type=int,
+        default=warm.size,
+        metavar="N",
+        help="keep N sandboxes created ahead for each sandbox spec episodes ask for, each used once "
+        "(default %(default)s: off)",
+    )
+    serve.add_argument(
+        "--warm-refill-per-s",
+        type=float,
+        default=warm.refill_per_s,
+        help="warm sandboxes created per second at most, all specs together (default %(default)s)",
+    )
+    serve.add_argument(
+        "--warm-max-specs",
+        type=int,
+        default=warm.max_specs,
+        help="specs kept warm; the least recently asked is dropped, its warm sandboxes deleted (default %(default)s)",
+    )
+    serve.add_argument(
+        "--warm-max-age-s",
+        type=float,
+        default=warm.max_age_s,
+        help="a warm sandbox older than this is deleted instead of handed out (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-concurrent-creates",
+        type=int,
+        default=0,
+        help="sandbox creations in flight on one runtime from this replica at most, episodes' before warm "
+        "refills (default %(default)s: no limit)",
+    )
     serve.add_argument("--log-level", default="INFO")
     plugins = sub.add_parser("plugins", help="list the plugins and task handlers that would be loaded")
     plugins.add_argument("--plugin", action="append", default=[])
@@ -154,6 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         result_ttl_s=args.result_ttl_s,
         gateway_host=args.gateway_host or args.host,
         gateway_port=args.gateway_port,
+        warm=WarmConfig(
+            size=args.warm_sandboxes,
+            refill_per_s=args.warm_refill_per_s,
+            max_specs=args.warm_max_specs,
+            max_age_s=args.warm_max_age_s,
+        ),
+        max_concurrent_creates=args.max_concurrent_creates,
     )
     try:
         config.plugin_config = read_plugin_config(args.plugin_config)

@@ -11,6 +11,7 @@ from sandbox_runtime.registration import advertised_url
 
 from .decoupled import ProducerConfig
 from .pipeline import PipelineConfig
+from .warm_sandboxes import WarmConfig
 
 
 @dataclass
@@ -42,6 +43,9 @@ class RolloutConfig:
     advertise_url: str | None = None  # None: http://HOST:PORT
     heartbeat_s: float = 1.0
     result_ttl_s: float = 86_400.0
+    # Sandboxes created ahead per spec (size 0: none), and the most creations in flight per runtime (0: no limit).
+    warm: WarmConfig = field(default_factory=WarmConfig)
+    max_concurrent_creates: int = 0
 
     @property
     def sandbox_owner(self) -> str:
@@ -63,5 +67,10 @@ class RolloutConfig:
             raise ValueError(f"--result-ttl-s {self.result_ttl_s:g} must be > 0")
         if not 0 < self.heartbeat_s <= 3600:
             raise ValueError(f"the replica heartbeat {self.heartbeat_s:g} s must be in (0, 3600]")
+        self.warm.check()
+        if not isinstance(self.max_concurrent_creates, int) or self.max_concurrent_creates < 0:
+            raise ValueError(
+                f"--max-concurrent-creates {self.max_concurrent_creates!r} must be an integer >= 0 (0: no limit)"
+            )
         if self.advertise_url is not None and not SERVICE_URL.fullmatch(self.advertise_url):
             raise ValueError(f"--advertise-url {self.advertise_url!r} is not a URL such as http://rollout-host:8766")

@@ -38,6 +38,19 @@ class RolloutMetrics:
         self.degraded = Gauge(
             "prorl_rollout_degraded", "1 while the buffer or the prompt queue cannot be used (see /healthz)", registry=r
         )
+        self.warm = Counter(
+            "prorl_rollout_warm_sandboxes",
+            "Sandboxes asked for with --warm-sandboxes: hit (a warm one) or miss",
+            ["outcome"],
+            registry=r,
+        )
+        self._warm_counted = {"hit": 0, "miss": 0}
+
+    def count_warm(self, hits: int, misses: int) -> None:
+        """Bring the hit and miss counters up to the warm pool's totals (at each scrape)."""
+        for outcome, total in (("hit", hits), ("miss", misses)):
+            self.warm.labels(outcome).inc(total - self._warm_counted[outcome])
+            self._warm_counted[outcome] = total
 
     @hookimpl
     def prorl_job_finished(self, trajectory: Trajectory, state: JobState) -> None:

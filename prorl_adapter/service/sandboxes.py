@@ -11,6 +11,11 @@ job's budget plus a margin), so the runtime reaps it even if this service dies; 
 sandbox is being created deletes the sandbox once the creation returns; a replica deletes whatever sandboxes an
 earlier incarnation of it (same id) left on a runtime the first time it sees that runtime; and the replica that
 takes over a dead one deletes the dead one's sandboxes (`delete_owned_by`).
+
+Optionally (`warm`, off by default), sandboxes are created ahead for the specs episodes ask for, and an acquire
+takes one of those when there is one: see `warm_sandboxes`, whose sandboxes this pool places, counts and deletes
+like any other (a warm one is used once; `release` deletes it). At most `max_concurrent_creates` creations are
+in flight on one runtime (0: no limit), an episode's before any refill's.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ from typing import Any
 from sandbox_runtime.client import SandboxAPIError, SandboxClient
 from sandbox_runtime.models import SandboxInfo
 
-from ..models import RuntimeState
+from ..models import RuntimeState, WarmSandboxState
 from ..tasks import Environment
 from .storage.buffer import ExperienceBufferError
 from .storage.coordination import Coordination, LocalCoordination
+from .warm_sandboxes import CreateGate, WarmBox, WarmConfig, WarmSandboxes
 
 log = logging.getLogger(__name__)
 OWNER_LABEL = "prorl_service"
@@ -61,6 +67,7 @@ class RuntimeServer:
     seen_at: float | None = None
     created: set[str] = field(default_factory=set)  # ids of this incarnation's sandboxes on it
     swept: bool = True  # a registered one: no sandbox goes there before an earlier run's leftovers are gone
+    gate: CreateGate = field(default_factory=CreateGate)  # its creations in flight from this replica
 
     def free(self) -> int:
         return self.capacity - max(self.reported, self.active)
@@ -74,23 +81,34 @@ class SandboxPool:
         owner: str = "prorl-rollout",
         coordination: Coordination | None = None,
         wait_for_runtime_s: float = WAIT_FOR_RUNTIME_S,
+        warm: WarmConfig | None = None,
+        max_concurrent_creates: int = 0,
     ) -> None:
         self.owner = owner
         self._token = token
         self.coordination = coordination or LocalCoordination(owner)
         self.wait_for_runtime_s = wait_for_runtime_s
+        self.max_concurrent_creates = max_concurrent_creates
         self.servers: dict[str, RuntimeServer] = {}
         for url in urls:
             url = url.rstrip("/")
-            self.servers[url] = RuntimeServer(url, url, self._client(url), static=True)
+            self.servers[url] = self._server(url, url, static=True)
+        self.warm: WarmSandboxes | None = None
+        if warm is not None and warm.size > 0:
+            self.warm = WarmSandboxes(warm, self._create_warm, self._delete_warm, self._serves)
         self._refreshed = 0.0
         self._now = 0.0  # the coordination's clock at the last refresh
         self._late_deletes: set[asyncio.Task[None]] = set()  # awaited at close: a sandbox must not leak
         self._sweeps: set[asyncio.Task[None]] = set()  # cancelled at close: looks for an earlier run's leftovers
+        self._creations: set[asyncio.Future[SandboxInfo]] = set()  # awaited at close: their sandboxes are deleted
         self._refresh_lock = asyncio.Lock()
 
     def _client(self, url: str) -> SandboxClient:
         return SandboxClient(url, token=self._token, timeout=120)
+
+    def _server(self, name: str, url: str, static: bool, swept: bool = True) -> RuntimeServer:
+        gate = CreateGate(self.max_concurrent_creates or None)
+        return RuntimeServer(name, url, self._client(url), static=static, swept=swept, gate=gate)
 
     # -- the runtimes -----------------------------------------------------------------------------------
     async def refresh(self) -> None:
@@ -107,7 +125,7 @@ class SandboxPool:
             for url, record in heard.items():
                 server = self.servers.get(url)
                 if server is None:
-                    server = RuntimeServer(record.name, url, self._client(url), static=False, swept=False)
+                    server = self._server(record.name, url, static=False, swept=False)
                     self.servers[url] = server
                     self._in_background(self._delete_leftovers_on(server), self._sweeps)
                 if not server.static:
@@ -160,10 +178,26 @@ class SandboxPool:
 
     # -- sandboxes --------------------------------------------------------------------------------------
     async def acquire(self, spec: dict[str, Any], exclude: set[str]) -> Environment:
+        if self.warm is not None and (box := self.warm.take(spec, exclude)) is not None:
+            server = self.servers[box.server_url]  # counted in `active` since it was created
+            return Environment(server.client, box.sandbox_id, server.url, box.workdir)
         server = await self._choose(exclude)
+        info = await self._create(server, spec, urgent=True)
+        return Environment(server.client, info.id, server.url, info.workdir)
+
+    async def _create(self, server: RuntimeServer, spec: dict[str, Any], urgent: bool) -> SandboxInfo:
+        """A sandbox on `server`, counted there; through its gate (an episode's creation is `urgent`)."""
         spec = {**spec, "labels": {**spec.get("labels", {}), OWNER_LABEL: self.owner}}
         server.active += 1  # counted before the request, so concurrent inits spread over the servers
+        try:
+            await server.gate.enter(urgent)
+        except asyncio.CancelledError:
+            server.active -= 1
+            raise
         creation = asyncio.ensure_future(server.client.create_sandbox(**spec))
+        creation.add_done_callback(lambda _: server.gate.leave())
+        self._creations.add(creation)
+        creation.add_done_callback(self._creations.discard)
         try:
             # Shielded: a cancel here must not abandon a sandbox the runtime goes on creating.
             info = await asyncio.shield(creation)
@@ -176,7 +210,28 @@ class SandboxPool:
             server.failures += 1
             raise SandboxServerError(server.url, f"cannot create a sandbox: {exc}") from exc
         server.created.add(info.id)
-        return Environment(server.client, info.id, server.url, info.workdir)
+        return info
+
+    # -- warm sandboxes (see warm_sandboxes) ----------------------------------------------------------------
+    def _serves(self, url: str) -> bool:
+        server = self.servers.get(url)
+        return server is not None and server.alive
+
+    async def _create_warm(self, spec: dict[str, Any]) -> WarmBox | None:
+        """A warm sandbox on the live runtime with the most room, None when none has room; it does not wait."""
+        await self._refresh_if_stale()
+        roomy = [s for s in self.servers.values() if s.alive and s.swept and s.free() > 0]
+        if not roomy:
+            return None
+        server = max(roomy, key=lambda s: (s.free(), -s.active, -s.failures))
+        info = await self._create(server, spec, urgent=False)
+        return WarmBox(info.id, server.url, info.workdir, started=0.0, ttl_s=spec["ttl_s"])
+
+    async def _delete_warm(self, box: WarmBox) -> None:
+        await self._delete_placed(box.server_url, box.sandbox_id)
+
+    def describe_warm(self) -> dict[str, WarmSandboxState]:
+        return {} if self.warm is None else self.warm.describe()
 
     def _in_background(self, work, tasks: set[asyncio.Task[None]] | None = None) -> None:
         tasks = self._late_deletes if tasks is None else tasks
@@ -244,17 +299,24 @@ class SandboxPool:
 
     async def release(self, env: Environment) -> None:
         """Delete the episode's sandbox. A server that is gone took its sandboxes with it."""
-        server = self.servers.get(env.server_url)
+        await self._delete_placed(env.server_url, env.sandbox_id)
+
+    async def _delete_placed(self, url: str, sandbox_id: str) -> None:
+        server = self.servers.get(url)
         if server is None:  # forgotten meanwhile: gone, with its sandboxes
             return
         server.active -= 1
-        server.created.discard(env.sandbox_id)
-        with contextlib.suppress(SandboxAPIError):
-            await server.client.delete_sandbox(env.sandbox_id)
+        server.created.discard(sandbox_id)
+        await self._delete_quietly(server, sandbox_id)
 
     async def close(self) -> None:
+        if self.warm is not None:
+            await self.warm.close()
         for sweep in self._sweeps:
             sweep.cancel()
-        await asyncio.gather(*self._sweeps, *self._late_deletes, return_exceptions=True)
+        # A creation whose caller was cancelled deletes its sandbox once it returns (a callback that runs before
+        # this gather's): wait for both.
+        await asyncio.gather(*self._sweeps, *self._creations, return_exceptions=True)
+        await asyncio.gather(*self._late_deletes, return_exceptions=True)
         for server in self.servers.values():
             await server.client.aclose()

@@ -113,6 +113,8 @@ async def metrics(request: web.Request) -> web.Response:
     for figure in DECOUPLED_FIGURES:
         app_metrics.decoupled.labels(figure).set(getattr(figures, figure))
     app_metrics.degraded.set(figures.degraded is not None)
+    if pipeline.sandboxes.warm is not None:
+        app_metrics.count_warm(pipeline.sandboxes.warm.hits, pipeline.sandboxes.warm.misses)
     return web.Response(body=app_metrics.render(), content_type="text/plain")
 
 
@@ -156,6 +158,7 @@ async def service_status(request: web.Request) -> web.Response:
             replica=replica.id,
             replicas=replicas,
             runtimes=pipeline.sandboxes.describe(),
+            warm_sandboxes=pipeline.sandboxes.describe_warm(),
         )
     )
 
@@ -479,7 +482,12 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
 
     async def sandbox_pool(app: web.Application):
         app[SANDBOXES] = SandboxPool(
-            config.sandbox_urls, token=config.sandbox_token, owner=config.sandbox_owner, coordination=app[COORDINATION]
+            config.sandbox_urls,
+            token=config.sandbox_token,
+            owner=config.sandbox_owner,
+            coordination=app[COORDINATION],
+            warm=config.warm,
+            max_concurrent_creates=config.max_concurrent_creates,
         )
         await app[SANDBOXES].delete_leftovers()
         yield
