@@ -54,12 +54,14 @@ async def test_drop_mode_drops_what_is_too_stale(vllm, sandbox_server, tmp_path)
     try:
         async with RolloutClient(rollout.url) as client:
             await client.enqueue_prompts([shell_job("pwd", max_turns=1) for _ in range(4)])
-            first = await client.take_batch(1, timeout=300)
-            await client.set_policy_version(5)  # the trainer moved on: the other three are now 5 versions old
-            await client.ack([item.id for item in first.items])
+            # All four produced at version 0 first: an episode that started after the version changed would be
+            # fresh, and rightly taken.
             deadline = time.monotonic() + 300
             while (await client.buffer()).produced < 4 and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)  # until all four are in the buffer
+            first = await client.take_batch(1, timeout=300)
+            await client.set_policy_version(5)  # the trainer moved on: the other three are now 5 versions old
+            await client.ack([item.id for item in first.items])
             # Too stale to weigh above 0: removed before the take.
             rest = await client.take_batch(3, timeout=0)
             status = await client.buffer()
