@@ -130,6 +130,51 @@ async def test_newest_version_first_fifo_within_a_version(redis_server, prefix):
         assert jobs(await buf.take(10, timeout=0)) == ["g5", "f2", "a1", "e1"]
 
 
+async def test_oldest_version_first_fifo_within_a_version_and_handed_back_entries_keep_their_place(
+    redis_server, prefix
+):
+    async with (
+        RedisBuffer(redis_server.url, prefix=prefix, consumer="service") as buf,
+        RedisBuffer(redis_server.url, prefix=prefix, consumer="crashed") as crashed,
+    ):
+        for job, version in [("a1", 1), ("b3", 3), ("c2", 2), ("d3", 3), ("e1", 1), ("f2", 2)]:
+            await buf.put(make_trajectory(job, version))
+        assert await buf.ready_counts() == {1: 2, 2: 2, 3: 2}
+        first = await buf.take(3, timeout=0, order="oldest")
+        assert jobs(first) == ["a1", "e1", "c2"]
+        [lost] = await crashed.take(1, timeout=0)  # the default order is unchanged: b3, taken by another consumer
+        assert jobs([lost]) == ["b3"]
+        assert await buf.ready_counts() == {2: 1, 3: 1}  # pending for any consumer is not ready
+        await buf.put(make_trajectory("g0", 0))  # an older version put later still comes first
+        assert await buf.release([first[1].id, first[0].id]) == 2  # back in their place
+        assert await buf.take_over("crashed") == 1  # b3: back before d3
+        assert await buf.ready_counts() == {0: 1, 1: 2, 2: 1, 3: 2}
+        again = await buf.take(3, timeout=0, order="oldest")
+        assert jobs(again) == ["g0", "a1", "e1"]
+        assert [b.deliveries for b in again] == [1, 2, 2]
+        rest = await buf.take(10, timeout=0, order="oldest")
+        assert jobs(rest) == ["f2", "b3", "d3"]
+        assert await buf.ready_counts() == {}
+        assert await buf.ack([b.id for b in first + again + rest]) == 7
+        assert await buf.stats() == BufferStats(ready=0, pending=0, acked=7)
+        with pytest.raises(ValueError, match="order must be one of newest, oldest"):
+            await buf.take(1, order="fifo")
+
+
+async def test_an_oldest_first_take_waits_for_a_put_from_another_client(redis_server, prefix):
+    async with (
+        RedisBuffer(redis_server.url, prefix=prefix) as producer,
+        RedisBuffer(redis_server.url, prefix=prefix) as trainer,
+    ):
+        waiter = asyncio.create_task(trainer.take(2, timeout=30, order="oldest"))
+        await producer.put(make_trajectory("new", 5))
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(waiter), 0.2)
+        await producer.put(make_trajectory("old", 1))
+        # Woken by the put; what a waiting take has read stays taken, so the later, older entry comes after it.
+        assert jobs(await asyncio.wait_for(waiter, 10)) == ["new", "old"]
+
+
 async def test_take_waits_for_a_put_from_another_client_and_times_out_with_what_there_is(redis_server, prefix):
     async with (
         RedisBuffer(redis_server.url, prefix=prefix) as producer,

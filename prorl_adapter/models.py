@@ -535,6 +535,36 @@ class WarmSandboxState(BaseModel):
     saved_s: float = Field(description="creation time the hits saved: hits times a warm creation's mean time")
 
 
+class EngineLoad(BaseModel):
+    """One LLM server as the adaptive run concurrency (`--target-engine-batch`) last saw it."""
+
+    url: str = Field(description="the server, as GET /v1/llm-servers names it")
+    source: Literal["pending", "metrics", "fixed", "unhealthy"] = Field(
+        description="where its share comes from: its engine metrics, the fixed share (no usable /metrics), nothing "
+        "(unhealthy), or not read yet (pending)"
+    )
+    running: float | None = Field(description="requests in its engine batch (vllm:num_requests_running), last read")
+    waiting: float | None = Field(description="requests in its engine queue (vllm:num_requests_waiting), last read")
+    waiting_for_capacity: float | None = Field(
+        description="of those, the ones waiting for the engine's capacity, not deferred by it (vLLM's "
+        'num_requests_waiting_by_reason{reason="capacity"}; all of them from a vLLM that gives no reasons)'
+    )
+    share: int = Field(description="episodes of the run stage's limit this server accounts for")
+    note: str | None = Field(None, description="why it is not on its metrics: what its /metrics answered")
+
+
+class RunConcurrencyState(BaseModel):
+    """How many episodes the run stage may hold at once, and why."""
+
+    mode: Literal["fixed", "adaptive"] = Field(description="adaptive with --target-engine-batch; else fixed")
+    limit: int = Field(description="episodes the run stage may hold at once now")
+    held: int = Field(description="episodes it holds now")
+    target_engine_batch: int | None = Field(description="the engine batch aimed at per server (adaptive)")
+    min: int = Field(description="--min-run-workers (adaptive); --max-run-workers when fixed")
+    max: int = Field(description="--max-run-workers")
+    servers: list[EngineLoad] = Field(default_factory=list, description="each LLM server's load (adaptive)")
+
+
 class ServiceStatus(BaseModel):
     policy_version: int
     queues: dict[str, int] = Field(description="jobs waiting for each stage's workers: init, run, eval")
@@ -542,6 +572,9 @@ class ServiceStatus(BaseModel):
     finished: dict[str, int] = Field(description="finished jobs by final state, since the service started")
     episodes_per_s_last_60s: float
     workers: dict[str, int] = Field(description="each stage's worker count")
+    run_concurrency: RunConcurrencyState | None = Field(
+        None, description="the run stage's limit on episodes in flight (null from a service without one)"
+    )
     llm_servers: list[LLMServerInfo]
     degraded: str | None
     gateway_address: str | None = Field(

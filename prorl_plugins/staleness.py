@@ -21,15 +21,19 @@ at version c has staleness s = c - v. Configured by the `staleness` section of t
 
 Keys: `mode` (required), `max_staleness` K (int >= 0, required unless `off`), `importance_cap` (number
 >= 1, default 2.0), `batch_size` (trajectories the trainer consumes per policy version; required by `pace`),
-`pace_max_in_flight` (optional int >= 1: in `pace`, also never run more episodes at once). A bad value raises
-`PluginConfigError` naming `staleness.<key>` and what is allowed.
+`pace_max_in_flight` (optional int >= 1: in `pace`, also never run more episodes at once), `pace_rule` (one of
+`PACE_RULES`, default `any-take`: the rule pace admits by). A bad value raises `PluginConfigError` naming
+`staleness.<key>` and what is allowed.
 
-Pace admits by the `any-take` rule of `should_pace`, which holds whichever finished trajectories the trainer
-takes. The `deadline-take` rule (`deadline_demands`) admits more and is proven, but it holds only when every take
-serves deadlines (the oldest version first, waiting for episodes at their limit). The service's take
-(`Producer.take_batch`: newest version first, no waiting) does not, so that rule is not a configuration yet: a
-setting the service could not keep would break pace's bound silently. The decoupled simulation
-(bench/bench_decoupled.py) runs it with a take of its own.
+`pace_rule`:
+- `any-take` (the default; `should_pace`): holds whichever finished trajectories the trainer takes, so the
+  service's take stays as it is (the newest version first, no waiting).
+- `deadline-take` (`deadline_demands`): admits up to (K + 1) * B pending whatever their age, more than
+  `any-take` once an old episode is pending, and holds because every take serves deadlines: the plugin answers
+  `prorl_take_demands`, so the service's take (`Producer.take_batch`) serves the oldest version first and waits,
+  up to the take's timeout, until the batch holds every demand (`deadline_take_ready`); a take that times out
+  before returns nothing, or only what meets every demand. What the trainer pays: a take may wait for an
+  episode at its limit. It needs takes of at least `batch_size` (a smaller one may never meet the demands).
 
 Registration: the entry point names the class, `prorl_plugins.staleness:StalenessControl`; each plugin set
 (the service's, a trainer's) creates its own instance from its `staleness` section. Tests and embedders may
@@ -54,7 +58,7 @@ from prorl_adapter.models import AdmissionState, Trajectory, TrajectoryWeight
 MODES = ("off", "drop", "linear", "pace", "importance")
 PACE_RULES = ("any-take", "deadline-take")
 SECTION = "staleness"
-_KEYS = ("mode", "max_staleness", "importance_cap", "batch_size", "pace_max_in_flight")
+_KEYS = ("mode", "max_staleness", "importance_cap", "batch_size", "pace_max_in_flight", "pace_rule")
 _MAX_EXP = 709.0  # math.exp overflows above ~709.78
 
 
@@ -243,6 +247,7 @@ class StalenessConfig:
     importance_cap: float = 2.0
     batch_size: int | None = None
     pace_max_in_flight: int | None = None
+    pace_rule: str = "any-take"
 
     @classmethod
     def from_section(cls, section: Mapping[str, Any] | None) -> StalenessConfig:
@@ -264,6 +269,9 @@ class StalenessConfig:
         cap = section.get("importance_cap", 2.0)
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap < 1:
             raise _error("importance_cap", "a finite number >= 1", cap)
+        rule = section.get("pace_rule", "any-take")
+        if rule not in PACE_RULES:
+            raise _error("pace_rule", f"one of {', '.join(PACE_RULES)}", rule)
         return cls(
             mode=mode,
             max_staleness=_int(section, "max_staleness", 0, None if mode == "off" else f"in mode {mode!r}"),
@@ -275,6 +283,7 @@ class StalenessConfig:
                 "in mode 'pace' (trajectories the trainer consumes per policy version)" if mode == "pace" else None,
             ),
             pace_max_in_flight=_int(section, "pace_max_in_flight", 1),
+            pace_rule=rule,
         )
 
 
@@ -292,7 +301,15 @@ class StalenessControl:
         c = self.config
         if c.mode != "pace":
             return None
-        return not should_pace(state, c.max_staleness, c.batch_size, c.pace_max_in_flight)
+        return not should_pace(state, c.max_staleness, c.batch_size, c.pace_max_in_flight, c.pace_rule)
+
+    @hookimpl
+    def prorl_take_demands(self, state: AdmissionState) -> dict[int, int] | None:
+        """Pace by `deadline-take`: what the take at `state.current_version` must hold (`deadline_demands`)."""
+        c = self.config
+        if c.mode != "pace" or c.pace_rule != "deadline-take":
+            return None
+        return deadline_demands(state, c.max_staleness, c.batch_size)
 
     @hookimpl
     def prorl_expired_before(self, current_version: int) -> int | None:

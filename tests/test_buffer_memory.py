@@ -73,6 +73,51 @@ async def test_newest_version_first_fifo_within_a_version():
     assert jobs(await buf.take(2, timeout=0)) == ["h5", "g1"]
 
 
+async def test_oldest_version_first_fifo_within_a_version_and_handed_back_entries_keep_their_place():
+    clock = FakeClock()
+    buf = MemoryBuffer(clock=clock)
+    for job, version in [("a1", 1), ("b3", 3), ("c2", 2), ("d3", 3), ("e1", 1), ("f2", 2)]:
+        await buf.put(make_trajectory(job, version))
+    assert await buf.ready_counts() == {1: 2, 2: 2, 3: 2}
+    first = await buf.take(3, timeout=0, order="oldest")
+    assert jobs(first) == ["a1", "e1", "c2"]
+    assert await buf.ready_counts() == {2: 1, 3: 2}
+    newest = await buf.take(1, timeout=0)  # the default order is unchanged, and the orders share the entries
+    assert jobs(newest) == ["b3"]
+    await buf.put(make_trajectory("g0", 0))  # an older version put later still comes first
+    assert await buf.release([first[1].id, first[0].id]) == 2  # back in their place: before c2's peers
+    clock.now += 60
+    assert await buf.reclaim(30) == 2  # c2 and b3: before f2 and d3, FIFO in their versions
+    assert await buf.ready_counts() == {0: 1, 1: 2, 2: 2, 3: 2}
+    again = await buf.take(10, timeout=0, order="oldest")
+    assert jobs(again) == ["g0", "a1", "e1", "c2", "f2", "b3", "d3"]
+    assert [b.deliveries for b in again] == [1, 2, 2, 2, 1, 2, 1]
+    assert await buf.take(1, timeout=0) == [] and await buf.ready_counts() == {}
+    assert await buf.ack([b.id for b in again]) == 7
+    assert await buf.stats() == BufferStats(ready=0, pending=0, acked=7)
+
+
+async def test_an_oldest_first_take_waits_and_a_bad_order_is_refused():
+    buf = MemoryBuffer()
+    waiter = asyncio.create_task(buf.take(2, order="oldest"))
+    await assert_blocked(waiter)
+    await buf.put(make_trajectory("new", 5))
+    await assert_blocked(waiter)
+    await buf.put(make_trajectory("old", 1))
+    assert jobs(await waiter) == ["old", "new"]
+    with pytest.raises(ValueError, match="order must be one of newest, oldest"):
+        await buf.take(1, order="fifo")
+
+
+async def test_takes_in_one_order_leave_no_pile_of_stale_keys_in_the_other():
+    buf = MemoryBuffer()
+    for i in range(500):
+        await buf.put(make_trajectory(f"j{i}", i % 7))
+        [taken] = await buf.take(1, timeout=0)
+        await buf.ack([taken.id])
+    assert len(buf._ready_oldest) <= 16 and len(buf._ready) <= 16
+
+
 async def test_take_waits_until_n_are_ready():
     buf = MemoryBuffer()
     task = asyncio.create_task(buf.take(3))

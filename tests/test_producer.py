@@ -88,8 +88,8 @@ class Outage(ExperienceBuffer):
     async def put(self, trajectory: Trajectory) -> str:
         return await self._reachable().put(trajectory)
 
-    async def take(self, n: int, timeout: float | None = None) -> list:
-        return await self._reachable().take(n, timeout)
+    async def take(self, n: int, timeout: float | None = None, order: str = "newest") -> list:
+        return await self._reachable().take(n, timeout, order)
 
     async def ack(self, ids: Any) -> int:
         return await self._reachable().ack(ids)
@@ -108,6 +108,9 @@ class Outage(ExperienceBuffer):
 
     async def version_counts(self) -> dict[int, int]:
         return await self._reachable().version_counts()
+
+    async def ready_counts(self) -> dict[int, int]:
+        return await self._reachable().ready_counts()
 
     async def stats(self) -> Any:
         return await self._reachable().stats()

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prorl_adapter.hooks import PluginConfigError, PluginSet
+from prorl_adapter.hooks import PluginConfigError, PluginSet, hookimpl
 from prorl_adapter.models import AdmissionState, Trajectory, TrajectoryWeight
 from prorl_adapter.trainer.samples import trajectory_from_tensors
 from prorl_plugins.staleness import (
@@ -215,6 +215,8 @@ def test_pacing_holds_while_the_oldest_is_at_its_limit():
         ({"mode": "pace", "max_staleness": 2, "batch_size": 0}, "batch_size"),
         ({"mode": "pace", "max_staleness": 2, "batch_size": 4, "pace_max_in_flight": 0}, "pace_max_in_flight"),
         ({"mode": "pace", "max_staleness": 2, "batch_size": 4, "pace_rule": "oldest"}, "pace_rule"),
+        ({"mode": "pace", "max_staleness": 2, "batch_size": 4, "pace_rule": None}, "pace_rule"),
+        ({"mode": "pace", "max_staleness": 2, "batch_size": 4, "pace_rule": ["deadline-take"]}, "pace_rule"),
         ({"mode": "drop", "max_staleness": 2, "max_stalenes": 3}, "max_stalenes"),
     ],
 )
@@ -232,6 +234,10 @@ def test_bad_configuration_messages_say_what_is_allowed():
         plugin_set({"mode": "off", "k": 1})
     with pytest.raises(PluginConfigError, match="must be a mapping"):
         plugin_set("drop")
+    with pytest.raises(
+        PluginConfigError, match=r"staleness\.pace_rule must be one of any-take, deadline-take, got 'deadline'"
+    ):
+        plugin_set({"mode": "pace", "max_staleness": 2, "batch_size": 4, "pace_rule": "deadline"})
 
 
 def test_off_and_no_section_have_no_opinion():
@@ -297,6 +303,32 @@ def test_pace_deadline_take_admits_k_plus_one_batches_whatever_their_age():
     assert should_pace(admission(5, [3], [5] * 10), 2, 4)
     with pytest.raises(ValueError, match="pace rule"):
         should_pace(admission(5, [], []), 2, 4, rule="oldest")
+
+
+def test_pace_rule_deadline_take_through_a_plugin_set_admits_more_and_demands_deadline_takes():
+    deadline = plugin_set({"mode": "pace", "max_staleness": 2, "batch_size": 4, "pace_rule": "deadline-take"})
+    state = admission(5, [3], [5] * 10)
+    assert deadline.admits(state) and not deadline.admits(admission(5, [3], [5] * 11))
+    assert deadline.take_demands(state) == {3: 1, 5: 3}  # the one at 3 is at its limit; 11 pending at <= 5
+    assert deadline.take_demands(admission(5, [], [])) == {}  # serves deadlines, nothing demanded now
+    default = plugin_set({"mode": "pace", "max_staleness": 2, "batch_size": 4})
+    assert not default.admits(state)  # any-take, the default
+    for plugins in (default, plugin_set({"mode": "drop", "max_staleness": 2, "pace_rule": "deadline-take"})):
+        assert plugins.take_demands(state) is None  # the take stays newest first, waiting for nothing
+
+
+def test_take_demands_of_several_plugins_combine_to_the_largest_per_version():
+    class Demands:
+        def __init__(self, demands):
+            self.demands = demands
+
+        @hookimpl
+        def prorl_take_demands(self, state):
+            return self.demands
+
+    plugins = PluginSet.load(objects=[Demands({3: 1, 5: 2}), Demands(None), Demands({5: 4, 4: 1})], entry_points=False)
+    assert plugins.take_demands(admission(5, [], [])) == {3: 1, 4: 1, 5: 4}
+    assert PluginSet.load(objects=[Demands(None)], entry_points=False).take_demands(admission(5, [], [])) is None
 
 
 @pytest.mark.parametrize(

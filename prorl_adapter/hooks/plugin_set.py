@@ -82,6 +82,18 @@ class PluginSet:
         thresholds = [v for v in self.hooks.prorl_expired_before(current_version=current_version) if v is not None]
         return max(thresholds, default=None)
 
+    def take_demands(self, state: AdmissionState) -> dict[int, int] | None:
+        """Every plugin's `prorl_take_demands` combined: None when none has an opinion (the take serves the
+        newest first), else the largest d_j any plugin demands for each version j (ascending)."""
+        answers = [d for d in self.hooks.prorl_take_demands(state=state) if d is not None]
+        if not answers:
+            return None
+        combined: dict[int, int] = {}
+        for demands in answers:
+            for version, count in demands.items():
+                combined[version] = max(count, combined.get(version, 0))
+        return dict(sorted(combined.items()))
+
     def weigh(
         self, trajectory: Trajectory, current_version: int, current_logprobs: list[float] | None = None
     ) -> TrajectoryWeight:

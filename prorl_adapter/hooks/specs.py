@@ -16,7 +16,7 @@ section of the plugin configuration (`config_section = "staleness"`), its constr
     each turn    prorl_llm_request                           weighing     prorl_trajectory_weight (coupled)
     eval         prorl_reward_components, prorl_combine_reward           prorl_backend_batch
     finished     prorl_job_finished                          a version    prorl_policy_version_changed
-    a take       prorl_expired_before, prorl_trajectory_weight
+    a take       prorl_expired_before, prorl_take_demands, prorl_trajectory_weight
     a version    prorl_policy_version_changed
 
 Observers (`prorl_stage_event`, `prorl_llm_request`, `prorl_job_finished`, `prorl_policy_version_changed`) are
@@ -97,6 +97,21 @@ def prorl_expired_before(current_version: int) -> int | None:
     """Before the trainer takes a batch from the service's buffer. Return a version V such that a buffered
     trajectory whose oldest turn is older than V is worth nothing now (its weight would be 0): the buffer
     removes such trajectories at once. The largest V wins; None has no opinion."""
+
+
+@hookspec
+def prorl_take_demands(state: AdmissionState) -> dict[int, int] | None:
+    """Before the trainer takes a batch from the service's buffer (decoupled mode), and again while that take
+    waits: whenever a trajectory is buffered, a batch is acknowledged or handed back, or the version changes.
+    `state` is what admission sees, except that the entries this service has leased and not yet acknowledged
+    (the batch being taken and topped up, or one trained on and not yet acknowledged) count as consumed.
+
+    Return `{j: d_j}` to make the take serve deadlines: it takes the oldest version first, and only once those
+    trajectories hold at least d_j of versions <= j for every j; until then it waits (up to the take's
+    timeout, after which it returns nothing unless what is ready meets every demand). `{}`: the oldest first,
+    nothing to wait for now. None: no opinion (the newest version first, no waiting). **All results**
+    (`PluginSet.take_demands`): any answer other than None makes the take serve deadlines, and each d_j is the
+    largest any plugin demands. The staleness plugin's pace `deadline-take` rule is one (`deadline_demands`)."""
 
 
 @hookspec

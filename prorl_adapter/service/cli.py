@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..hooks.manager import read_plugin_config
 from ..launch.cli import add_ray_parser, run_ray
+from .adaptive_concurrency import AdaptiveConfig
 from .config import RolloutConfig
 from .decoupled import ProducerConfig
 from .pipeline import PipelineConfig
@@ -40,7 +41,34 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--sandbox-token", default=os.environ.get("PRORL_SANDBOX_TOKEN"))
     serve.add_argument("--timeout", type=float, default=1800.0, help="default time budget of a job, in seconds")
     serve.add_argument("--max-init-workers", type=int, default=32)
-    serve.add_argument("--max-run-workers", type=int, default=256)
+    serve.add_argument(
+        "--max-run-workers",
+        type=int,
+        default=256,
+        help="episodes in the run stage at once; with --target-engine-batch, the most (default %(default)s)",
+    )
+    adaptive = AdaptiveConfig()
+    serve.add_argument(
+        "--target-engine-batch",
+        type=int,
+        default=adaptive.target_engine_batch,
+        metavar="N",
+        help="size the run stage's episodes in flight to keep each LLM server's engine batch (vLLM's /metrics: "
+        "running + waiting requests) near N, between --min-run-workers and --max-run-workers; servers without "
+        "vLLM metrics get a fixed share (default %(default)s: off, a fixed --max-run-workers)",
+    )
+    serve.add_argument(
+        "--min-run-workers",
+        type=int,
+        default=adaptive.min_run_workers,
+        help="with --target-engine-batch: the fewest episodes the run stage may be limited to (default %(default)s)",
+    )
+    serve.add_argument(
+        "--engine-poll-s",
+        type=float,
+        default=adaptive.poll_s,
+        help="with --target-engine-batch: seconds between reads of the LLM servers' /metrics (default %(default)s)",
+    )
     serve.add_argument("--max-eval-workers", type=int, default=32)
     serve.add_argument("--plugin", action="append", default=[], help="import path of a plugin (repeatable)")
     serve.add_argument("--block-plugin", action="append", default=[], help="name of a plugin not to load")
@@ -177,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
             max_eval_workers=args.max_eval_workers,
             default_timeout_s=args.timeout,
             gateway_address=args.gateway_address,
+            adaptive=AdaptiveConfig(
+                target_engine_batch=args.target_engine_batch,
+                min_run_workers=args.min_run_workers,
+                poll_s=args.engine_poll_s,
+            ),
         ),
         plugins=args.plugin,
         blocked_plugins=args.block_plugin,

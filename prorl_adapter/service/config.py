@@ -68,6 +68,9 @@ class RolloutConfig:
         if not 0 < self.heartbeat_s <= 3600:
             raise ValueError(f"the replica heartbeat {self.heartbeat_s:g} s must be in (0, 3600]")
         self.warm.check()
+        if not isinstance(self.pipeline.max_run_workers, int) or self.pipeline.max_run_workers < 1:
+            raise ValueError(f"--max-run-workers {self.pipeline.max_run_workers!r} must be an integer >= 1")
+        self.pipeline.adaptive.check(self.pipeline.max_run_workers)
         if not isinstance(self.max_concurrent_creates, int) or self.max_concurrent_creates < 0:
             raise ValueError(
                 f"--max-concurrent-creates {self.max_concurrent_creates!r} must be an integer >= 0 (0: no limit)"

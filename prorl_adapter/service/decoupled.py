@@ -10,6 +10,9 @@ the buffer holds `max_buffered` entries. A held episode is asked again when an e
 taken or acknowledged, or the policy version changes. When the trainer takes a batch, entries that no plugin
 would weigh above 0 any more are removed first (`prorl_expired_before`), then `prorl_trajectory_weight` weighs
 each taken trajectory; a weight of 0 drops it (acknowledged as consumed) and the rest go out with their weights.
+The take serves the newest version first, unless a plugin answers `prorl_take_demands` (pace's `deadline-take`
+rule): then it serves deadlines, the oldest version first, once the batch holds what the plugin demands
+(`take_batch`).
 
 Nothing waits forever and nothing is lost:
 - A taken batch is leased (`lease_s`). Entries not acknowledged in time go back to the buffer and are
@@ -77,6 +80,7 @@ class BadTake(ValueError):
 class Lease:
     deadline: float
     deliveries: int
+    version: int  # the entry's policy_version_min
 
 
 class Producer:
@@ -105,6 +109,8 @@ class Producer:
         self._wakeup = asyncio.Event()
         self._delivery = asyncio.Event()
         self._lease_change = asyncio.Event()
+        self._changed = asyncio.Event()  # set by `wake` and replaced: every deadline take waiting on it wakes
+        self._deadline_take = asyncio.Lock()  # a deadline take's check and its take are one step
         self._tasks: list[asyncio.Task[None]] = []
         self._retries: set[asyncio.Task[None]] = set()
         self.stats = ProducerStats()
@@ -133,6 +139,8 @@ class Producer:
 
     def wake(self) -> None:
         self._wakeup.set()
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     async def _retrying(self, what: str, attempt: Callable[[], Awaitable[None]]) -> bool:
         """Run `attempt()` until it gets through: an unreachable buffer or queue is waited out, with backoff.
@@ -345,12 +353,18 @@ class Producer:
         lease_s: float | None = None,
     ) -> list[BatchItem]:
         """Up to `size` trajectories with their weights, leased for `lease_s`; the ones weighed 0 are dropped
-        (and acknowledged), and the ones no plugin would weigh above 0 are removed before the take."""
+        (and acknowledged), and the ones no plugin would weigh above 0 are removed before the take.
+
+        The newest version first, waiting up to `timeout` for `size` (then what there is), unless a plugin
+        demands a deadline take (`prorl_take_demands`, e.g. pace's `deadline-take` rule): see
+        `_take_serving_deadlines`."""
         plugins = self.pipeline.plugins
         expired_before = plugins.expired_before(self.pipeline.policy_version)
         if expired_before is not None:
             self.stats.expired += await self.buffer.expire(expired_before)
-        entries = await self.buffer.take(size, timeout)
+        entries = await self._take_serving_deadlines(size, timeout)
+        if entries is None:
+            entries = await self.buffer.take(size, timeout)
         version = self.pipeline.policy_version
         try:
             for entry in entries:
@@ -368,13 +382,64 @@ class Producer:
         dropped = [entry.id for entry in entries if entry.weight.sample == 0.0]
         deadline = time.monotonic() + (self.config.lease_s if lease_s is None else lease_s)
         for item in kept:
-            self._leases[item.id] = Lease(deadline, item.deliveries)
+            self._leases[item.id] = Lease(deadline, item.deliveries, item.trajectory.policy_version_min)
         self._lease_change.set()
         if dropped:
             await self.buffer.ack(dropped)
             self.stats.dropped += len(dropped)
         self.wake()
         return kept
+
+    async def _take_serving_deadlines(self, size: int, timeout: float | None) -> list[BatchItem] | None:
+        """A take that serves deadlines, or None when no plugin demands one (`prorl_take_demands`).
+
+        The oldest version first, once the `size` oldest ready trajectories hold every demand d_j (at least d_j
+        of versions <= j) and `size` are ready: with `size` = the rule's batch size, pace's
+        `deadline_take_ready`. Until then it waits, woken by `wake` (a trajectory buffered and settled, an ack,
+        a lease run out, a new version), with replicas also every SHARED_WAKE_S (what another one buffers wakes
+        only that one). When `timeout` passes first it returns what is ready if that meets every demand, else
+        nothing: a batch that left a demand unmet would let a trajectory be consumed with staleness > K once
+        the version moves on, whereas an empty one changes nothing (ask again). The demands are asked afresh
+        each time, with the entries leased here counting as consumed, so a take topped up at one version
+        counts what it took before. What the bound cannot cover: a batch whose lease runs out unacknowledged (the
+        trainer never consumed it) comes back, and may then be taken later than K.
+
+        Concurrent takes: each check and the take it allows are one step (a lock, not held while waiting)."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + max(0.0, timeout)
+        while True:
+            changed = self._changed  # before looking: a change while we look wakes the wait below
+            remaining = None if deadline is None else deadline - loop.time()
+            timed_out = remaining is not None and remaining <= 0
+            async with self._deadline_take:
+                demands = self.pipeline.plugins.take_demands(await self._take_state())
+                if demands is None:
+                    return None
+                ready = await self.buffer.ready_counts()
+                if _holds(_oldest(ready, size), demands) and (sum(ready.values()) >= size or timed_out):
+                    entries = await self.buffer.take(size, timeout=0, order="oldest")
+                    if _holds(_counts(entries), demands):
+                        return entries
+                    # Overtaken between the count and the take (another consumer of a shared buffer): hand
+                    # them back (their next delivery counts one more) and look again after the next change.
+                    await self.buffer.release([entry.id for entry in entries])
+            if timed_out:
+                return []
+            wait = SHARED_WAKE_S if self.coordination.shared else None
+            if remaining is not None:
+                wait = remaining if wait is None else min(wait, remaining)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await changed.wait()
+
+    async def _take_state(self) -> AdmissionState:
+        """What admission sees, with the entries leased here counting as consumed (`prorl_take_demands`)."""
+        buffered = dict(await self.buffer.version_counts())
+        for lease in self._leases.values():
+            if buffered.get(lease.version, 0) > 0:
+                buffered[lease.version] -= 1
+        buffered = {version: n for version, n in buffered.items() if n > 0}
+        return AdmissionState(self.pipeline.policy_version, await self.prompts.running_versions(), buffered)
 
     async def ack(self, ids: list[str]) -> int:
         acknowledged = await self.buffer.ack(ids)
@@ -426,3 +491,27 @@ class Producer:
         self.stats.undelivered = len(self._finished)
         self.stats.recent_dead_letters = list(self._dead)
         return self.stats
+
+
+def _oldest(ready: dict[int, int], size: int) -> dict[int, int]:
+    """The version counts of the `size` oldest of `ready` (version -> count)."""
+    chosen: dict[int, int] = {}
+    for version in sorted(ready):
+        if size <= 0:
+            break
+        chosen[version] = min(ready[version], size)
+        size -= chosen[version]
+    return chosen
+
+
+def _counts(entries: list[BatchItem]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for entry in entries:
+        version = entry.trajectory.policy_version_min
+        counts[version] = counts.get(version, 0) + 1
+    return counts
+
+
+def _holds(batch: dict[int, int], demands: dict[int, int]) -> bool:
+    """Whether a batch (version -> count) holds at least d_j of versions <= j for every demand {j: d_j}."""
+    return all(sum(n for version, n in batch.items() if version <= j) >= d for j, d in demands.items())

@@ -236,6 +236,14 @@ class LLMPool:
                     tried.append(f"{request[0]} {request[1]}: {exc}")
         raise MalformedAnswer(f"speaks none of {', '.join(PROTOCOLS)} ({'; '.join(tried)})")
 
+    async def read(self, url: str, path: str, timeout: float) -> bytes:
+        """GET `path` of the server at `url` over the pool's session (its /metrics, say): the body of a 2xx answer;
+        aiohttp.ClientResponseError for another status, TimeoutError past `timeout` seconds."""
+        wait = aiohttp.ClientTimeout(total=timeout)
+        async with self._http.get(split_url(url)[1] + path, timeout=wait) as response:
+            response.raise_for_status()
+            return await response.read()
+
     # -- generation -------------------------------------------------------------------------------------
     async def _choose(self, pin: Pin) -> LLMServer:
         current = pin.server

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..hooks.specs import hookimpl
-from ..models import JobState, Trajectory
+from ..models import JobState, RunConcurrencyState, Trajectory
 
 _SECONDS = (0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900, 1800)
 
@@ -45,12 +45,35 @@ class RolloutMetrics:
             registry=r,
         )
         self._warm_counted = {"hit": 0, "miss": 0}
+        # The run stage's limit (adaptive_concurrency.py), set at each scrape.
+        self.run_limit = Gauge(
+            "prorl_rollout_run_limit", "Episodes the run stage may hold at once (fixed, or adaptive)", registry=r
+        )
+        self.run_target = Gauge(
+            "prorl_rollout_run_target_engine_batch", "--target-engine-batch (0: a fixed limit)", registry=r
+        )
+        self.engine_requests = Gauge(
+            "prorl_rollout_llm_engine_requests",
+            "Requests an LLM server's engine reported, as last read from its /metrics: running, waiting, and of those "
+            "waiting_for_capacity",
+            ["server", "state"],
+            registry=r,
+        )
 
     def count_warm(self, hits: int, misses: int) -> None:
         """Bring the hit and miss counters up to the warm pool's totals (at each scrape)."""
         for outcome, total in (("hit", hits), ("miss", misses)):
             self.warm.labels(outcome).inc(total - self._warm_counted[outcome])
             self._warm_counted[outcome] = total
+
+    def set_run_concurrency(self, state: RunConcurrencyState) -> None:
+        self.run_limit.set(state.limit)
+        self.run_target.set(state.target_engine_batch or 0)
+        self.engine_requests.clear()  # servers gone, or without metrics now, are not reported
+        for server in state.servers:
+            for figure in ("running", "waiting", "waiting_for_capacity"):
+                if (value := getattr(server, figure)) is not None:
+                    self.engine_requests.labels(server.url, figure).set(value)
 
     @hookimpl
     def prorl_job_finished(self, trajectory: Trajectory, state: JobState) -> None:

@@ -28,6 +28,7 @@ from sandbox_runtime.client import SandboxAPIError, SandboxUnreachable
 from ..hooks.plugin_set import PluginSet, RewardComponentConflict
 from ..models import ErrorClass, JobError, JobRequest, JobState, JobStatus, StageTimings, Trajectory
 from ..tasks import Environment, TaskConfigError, TaskHandler
+from .adaptive_concurrency import AdaptiveConfig, RunConcurrency
 from .agent import Episode, PromptTooLong, run_episode
 from .agent_program import ProgramFailed, run_program
 from .chat import ChatTokenizer
@@ -48,6 +49,9 @@ class PipelineConfig:
     keep_finished: int = 100_000  # finished jobs kept for their results; the oldest are forgotten first
     # HOST:PORT at which the sandbox runtimes reach this service's LLM gateway (agent programs); None: none can.
     gateway_address: str | None = None
+    # With a target engine batch, the run stage's limit follows the LLM servers' load (adaptive_concurrency.py);
+    # max_run_workers is its ceiling.
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
 
 
 SANDBOX_TTL_MARGIN_S = 600.0
@@ -139,6 +143,10 @@ class RolloutPipeline:
         self._finish_times: deque[float] = deque(maxlen=10_000)
         self._queues = {name: asyncio.Queue() for name in ("init", "run", "eval")}
         self._workers: list[asyncio.Task] = []
+        # How many episodes the run workers hold at once: max_run_workers, or what the engines' load says.
+        self.run_concurrency = RunConcurrency(
+            self.config.adaptive, self.config.max_run_workers, llm, queued=lambda: self._queued()["run"]
+        )
         self.gateway = Gateway(llm, chat, lambda: self.policy_version)
 
     @property
@@ -163,6 +171,8 @@ class RolloutPipeline:
         for name, state, work, following, count in stages:
             for _ in range(count):
                 self._workers.append(asyncio.create_task(self._worker(name, state, work, following)))
+        if self.run_concurrency.adaptive:
+            self._workers.append(asyncio.create_task(self.run_concurrency.poll_forever()))
 
     async def stop(self) -> None:
         """Cancel every unfinished job, all at once: a graceful stop with thousands queued and hundreds holding
@@ -252,7 +262,7 @@ class RolloutPipeline:
                 active[job.state.value] += 1
         return {
             "policy_version": self.policy_version,
-            "queues": {name: queue.qsize() for name, queue in self._queues.items()},
+            "queues": self._queued(),
             "active": active,
             "finished": {state.value: count for state, count in self.counts.items()},
             "episodes_per_s_last_60s": round(len(recent) / 60.0, 3),
@@ -261,7 +271,14 @@ class RolloutPipeline:
                 "run": self.config.max_run_workers,
                 "eval": self.config.max_eval_workers,
             },
+            "run_concurrency": self.run_concurrency.describe(),
         }
+
+    def _queued(self) -> dict[str, int]:
+        """Jobs waiting for each stage: in its queue, and (run) taken by a worker that waits for a slot."""
+        queued = {name: queue.qsize() for name, queue in self._queues.items()}
+        queued["run"] += self.run_concurrency.limiter.waiting
+        return queued
 
     # -- the stages -------------------------------------------------------------------------------------
     async def _init(self, job: Job) -> None:
@@ -351,22 +368,31 @@ class RolloutPipeline:
         self, name: str, state: JobState, work: Callable[[Job], Awaitable[None]], following: str | None
     ) -> None:
         queue = self._queues[name]
+        # A run job also waits for a slot of the limit on episodes in the run stage, in the order the jobs came
+        # (a lowered limit stops new episodes from starting; it never interrupts one).
+        limiter = self.run_concurrency.limiter if state is JobState.running else None
         while True:
             job = await queue.get()
-            if job.state.finished:  # cancelled while it waited in the queue
-                continue
-            if state is JobState.init:
-                job.timings.queued_s = time.monotonic() - job.submitted_mono
+            if limiter is not None:
+                await limiter.acquire()
             try:
-                await self._run_stage(job, state, work)
-            except Exception as exc:  # a bug of ours or a plugin's: it fails this job, never the worker
-                log.exception("job %s: %s stage failed unexpectedly", job.id, name)
-                error = JobError(error_class=_STAGE_NAMES[state], message=f"{type(exc).__name__}: {exc}")
-                await self._finish(job, JobState.failed, error)
-            if job.state is JobState.queued:  # its runtime was lost: from the start, elsewhere
-                self._queues["init"].put_nowait(job)
-            elif not job.state.finished and following:
-                self._queues[following].put_nowait(job)
+                if job.state.finished:  # cancelled while it waited in the queue (or for a slot)
+                    continue
+                if state is JobState.init:
+                    job.timings.queued_s = time.monotonic() - job.submitted_mono
+                try:
+                    await self._run_stage(job, state, work)
+                except Exception as exc:  # a bug of ours or a plugin's: it fails this job, never the worker
+                    log.exception("job %s: %s stage failed unexpectedly", job.id, name)
+                    error = JobError(error_class=_STAGE_NAMES[state], message=f"{type(exc).__name__}: {exc}")
+                    await self._finish(job, JobState.failed, error)
+                if job.state is JobState.queued:  # its runtime was lost: from the start, elsewhere
+                    self._queues["init"].put_nowait(job)
+                elif not job.state.finished and following:
+                    self._queues[following].put_nowait(job)
+            finally:
+                if limiter is not None:
+                    limiter.release()
 
     async def _run_stage(self, job: Job, state: JobState, work: Callable[[Job], Awaitable[None]]) -> None:
         job.state = state

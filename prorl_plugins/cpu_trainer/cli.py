@@ -40,6 +40,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--staleness-mode", default=defaults.staleness["mode"], help="pace, drop, linear, ...")
     parser.add_argument("--max-staleness", type=int, default=defaults.staleness["max_staleness"])
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--tool-latency-median-s",
+        type=float,
+        default=defaults.tool_latency_median_s,
+        help="> 0: each tool call first sleeps about this long (lognormal per call), as slow real tools do",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/cpu-grpo"), help="where the log and plot go")
     return parser.parse_args(argv)
 
@@ -53,6 +59,7 @@ def settings_from(args: argparse.Namespace) -> TrainSettings:
         ppo_epochs=args.ppo_epochs,
         staleness={"mode": args.staleness_mode, "max_staleness": args.max_staleness},
         seed=args.seed,
+        tool_latency_median_s=args.tool_latency_median_s,
     )
 
 

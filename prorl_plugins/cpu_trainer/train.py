@@ -31,7 +31,7 @@ from prorl_adapter.hooks import PluginSet, hookimpl
 from prorl_adapter.models import BatchItem, JobRequest
 from prorl_adapter.trainer import RolloutClient, RolloutDriver
 from prorl_adapter.trainer.samples import job_request
-from prorl_plugins.tasks.relay import RelayTask, relay_instances, relay_regex, relay_turn_texts
+from prorl_plugins.tasks.relay import TURNS, RelayTask, relay_instances, relay_regex, relay_turn_texts
 
 from .actor import TorchActor
 from .batch import PaddedBatch, pad_items
@@ -55,6 +55,7 @@ class TrainSettings:
     reward: dict[str, Any] = field(default_factory=lambda: {"weights": {"outcome": 1.0, "step_cost": 0.01}})
     max_tokens_per_turn: int = 64
     seed: int = 0
+    tool_latency_median_s: float = 0.0  # > 0: relay's tools take time (relay_instances), the slow-tool workload
     take_timeout_s: float = 300.0
 
     @property
@@ -99,7 +100,7 @@ class CpuTrainerBackend:
     def prorl_backend_requests(self, batch: list[dict[str, Any]], config: dict[str, Any]) -> list[JobRequest]:
         sampling = {"max_tokens": self.settings.max_tokens_per_turn, "temperature": 1.0, "regex": relay_regex()}
         return [
-            job_request("relay", row, group=row["id"], sampling=sampling, max_turns=2, labels={"run": "cpu-grpo"})
+            job_request("relay", row, group=row["id"], sampling=sampling, max_turns=TURNS, labels={"run": "cpu-grpo"})
             for row in batch
             for _ in range(self.settings.group_size)
         ]
@@ -127,7 +128,8 @@ class CpuTrainer:
 
     def rows(self) -> list[dict[str, Any]]:
         """Every prompt of the run: `groups_per_step` relay instances per step."""
-        return relay_instances(self.settings.steps * self.settings.groups_per_step, self.settings.seed)
+        s = self.settings
+        return relay_instances(s.steps * s.groups_per_step, s.seed, s.tool_latency_median_s)
 
     async def run(self, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
         records: list[StepRecord] = []

@@ -3,7 +3,8 @@
 with texts chosen in advance, tokenised by the `CharChat` stand-in. With `protocol="sglang"` it speaks SGLang's
 native API instead (GET /get_model_info and /health, POST /generate with `input_ids`, as SGLang documents them),
 and with `protocol="prorl"` ProRL Agent's token-level POST /generate (`prompt_ids` in, `response_ids` and
-`logprobs` out; no health route).
+`logprobs` out; no health route). `engine_metrics`, when set, is the Prometheus text its GET /metrics answers
+(as vLLM's would; unset: 404; `HANG`: held until released).
 
 Which text: answers cued with `cue(...)` go first, one per request, whatever the prompt. Otherwise the prompt
 picks a script: `[script:NAME]` anywhere in it names one of `scripts` (else `script` is used), and the number
@@ -84,6 +85,8 @@ class ScriptedLLM(StandIn):
         self.requests: list[dict[str, Any]] = []  # every /v1/completions body received
         self.sampled: list[Sampled] = []
         self.model_probes = 0
+        self.engine_metrics: str | Hang | None = None  # what GET /metrics answers; None: 404
+        self.metrics_reads = 0
         self._cued: list[Answer] = []
         self._tokens = 0
         routes = {
@@ -95,7 +98,7 @@ class ScriptedLLM(StandIn):
             ],
             "prorl": [web.post("/generate", self._prorl_generate)],
         }
-        self.app.router.add_routes(routes[protocol])
+        self.app.router.add_routes([*routes[protocol], web.get("/metrics", self._metrics)])
 
     def cue(self, *answers: Answer) -> None:
         """Answer the next requests with these, in order, before any script."""
@@ -109,6 +112,15 @@ class ScriptedLLM(StandIn):
         script = self.scripts.get(found.group(1), self.script) if found else self.script
         turn = max(prompt.count(f"{START}assistant") - 1, 0)
         return script[turn] if turn < len(script) else finish_call()
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self.metrics_reads += 1
+        self.changed()
+        if isinstance(self.engine_metrics, Hang):
+            await self.hold()
+        if not isinstance(self.engine_metrics, str):
+            raise web.HTTPNotFound()
+        return web.Response(text=self.engine_metrics, content_type="text/plain")
 
     async def _models(self, request: web.Request) -> web.Response:
         self.model_probes += 1

@@ -7,21 +7,25 @@ loses nothing, because `reclaim(idle_s)` hands entries pending for at least `idl
 exactly the entries given (the caller knows their lease expired). Delivery is therefore at least once: a
 trainer slower than `idle_s` may see an entry twice, and `BatchItem.deliveries > 1` says so.
 
-Order ("prioritised by recency and policy version"): entries of the newest policy version first, where an
-entry's version is `trajectory.policy_version_min` (the version of its oldest turn, the one staleness is
-measured from). Within one version the oldest entry comes first (FIFO). All entries of one version have the
+Order ("prioritised by recency and policy version"), chosen per take (`order`), where an entry's version is
+`trajectory.policy_version_min` (the version of its oldest turn, the one staleness is measured from):
+- `"newest"` (the default): entries of the newest policy version first. Entries of older versions wait while
+  newer ones keep coming: that is the point (fresher data first), and two things keep it bounded. Pacing:
+  `version_counts()` (the entries per version, in O(versions); or `buffered_versions()`, the same as one
+  version per entry) feeds `AdmissionState.buffered`, so admission control stops new episodes before the buffer
+  holds data staler than the trainer accepts. And `expire(before_version)` removes the ready entries of older
+  versions for good (counted in `stats().expired`): too stale to train on, newest-first takes would never reach
+  them, and they would pile up without bound.
+- `"oldest"`: entries of the oldest policy version first, the order a take that serves deadlines needs (pace's
+  `deadline-take` rule: the producer takes this way when a plugin answers `prorl_take_demands`).
+Within one version the oldest entry comes first (FIFO), in both orders. All entries of one version have the
 same staleness, so serving the newest of them first would buy no freshness, while FIFO bounds how long an
 entry waits among its peers (newest-first would starve the early ones of a version for as long as the
 producer keeps adding to it). Entries handed back by `reclaim` or `release` keep their original place.
-Entries of older versions wait while newer ones keep coming: that is the point (fresher data first), and two
-things keep it bounded. Pacing: `version_counts()` (the entries per version, in O(versions); or
-`buffered_versions()`, the same as one version per entry) feeds `AdmissionState.buffered`, so
-admission control stops new episodes before the buffer holds data staler than the trainer accepts. And
-`expire(before_version)` removes the ready entries of older versions for good (counted in `stats().expired`):
-too stale to train on, newest-first takes would never reach them, and they would pile up without bound.
+`ready_counts()` says what a take could have now, per version.
 
-`take(n, timeout)` waits until n entries are ready or the timeout passes, then returns what there is (up to
-n, possibly fewer, possibly none). `timeout=None` waits for all n; `timeout=0` never waits.
+`take(n, timeout, order)` waits until n entries are ready or the timeout passes, then returns what there is (up
+to n, possibly fewer, possibly none). `timeout=None` waits for all n; `timeout=0` never waits.
 
 Backends: `MemoryBuffer` (here; the default, one process, asyncio) and `RedisBuffer`
 (`prorl_adapter.buffer_redis`: Redis Streams with a consumer group, shared by processes and machines,
@@ -84,10 +88,11 @@ class ExperienceBuffer(abc.ABC):
         """Add one trajectory; returns its entry id."""
 
     @abc.abstractmethod
-    async def take(self, n: int, timeout: float | None = None) -> list[BatchItem]:
+    async def take(self, n: int, timeout: float | None = None, order: str = "newest") -> list[BatchItem]:
         """Wait until `n` entries are ready or `timeout` seconds pass, then return up to `n` of them, in
-        priority order (newest version first, FIFO within a version). They stay pending until `ack`ed.
-        `timeout=None` waits for all `n`; `timeout=0` returns at once with what is ready."""
+        `order` (`"newest"`: newest version first; `"oldest"`: oldest version first; FIFO within a version
+        either way). They stay pending until `ack`ed. `timeout=None` waits for all `n`; `timeout=0` returns at
+        once with what is ready."""
 
     @abc.abstractmethod
     async def ack(self, ids: Iterable[str]) -> int:
@@ -124,6 +129,11 @@ class ExperienceBuffer(abc.ABC):
         """The number of unconsumed entries (ready and pending) per `policy_version_min`, by ascending
         version, versions without any left out: for pacing, without a list item per entry."""
 
+    @abc.abstractmethod
+    async def ready_counts(self) -> dict[int, int]:
+        """The number of ready entries (not pending: what a `take` could have now) per `policy_version_min`,
+        by ascending version, versions without any left out."""
+
     async def buffered_versions(self) -> list[int]:
         """`policy_version_min` of every unconsumed entry (ready and pending), ascending: `version_counts()`
         as one item per entry."""
@@ -148,6 +158,14 @@ class ExperienceBuffer(abc.ABC):
 def check_n(n: int) -> None:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"take(n): n must be a positive integer, got {n!r}")
+
+
+ORDERS = ("newest", "oldest")
+
+
+def check_order(order: str) -> None:
+    if order not in ORDERS:
+        raise ValueError(f"take(order): order must be one of {', '.join(ORDERS)}, got {order!r}")
 
 
 def check_trajectory(trajectory: Any) -> None:

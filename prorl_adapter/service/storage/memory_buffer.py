@@ -17,6 +17,7 @@ from .buffer import (
     BufferStats,
     ExperienceBuffer,
     check_n,
+    check_order,
     check_trajectory,
     id_list,
 )
@@ -38,6 +39,10 @@ class _Entry:
     def key(self) -> tuple[int, int, str]:  # heap order: newest version first, then FIFO
         return (-self.version, self.seq, self.id)
 
+    @property
+    def oldest_key(self) -> tuple[int, int, str]:  # heap order: oldest version first, then FIFO
+        return (self.version, self.seq, self.id)
+
 
 class MemoryBuffer(ExperienceBuffer):
     """The in-process buffer (the default): asyncio, no busy waiting, no threads; not shared by processes.
@@ -58,7 +63,10 @@ class MemoryBuffer(ExperienceBuffer):
         self._clock = clock
         self._entries: dict[str, _Entry] = {}  # every unconsumed entry: ready or pending
         self._pending: dict[str, _Entry] = {}
-        self._ready: list[tuple[int, int, str]] = []  # heap of _Entry.key; stale keys (acked, expired) are skipped
+        # The ready entries once per take order: heaps of _Entry.key (newest first) and _Entry.oldest_key. Stale
+        # keys (of entries acknowledged, expired, or taken through the other heap) are skipped when popped.
+        self._ready: list[tuple[int, int, str]] = []
+        self._ready_oldest: list[tuple[int, int, str]] = []
         # The ready ids again, by version, so that `expire` finds the old ones without looking at the others;
         # `_ready_versions` holds its keys, ascending.
         self._ready_by_version: dict[int, set[str]] = {}
@@ -84,6 +92,7 @@ class MemoryBuffer(ExperienceBuffer):
             bisect.insort(self._ready_versions, entry.version)
         ids.add(entry.id)
         heapq.heappush(self._ready, entry.key)
+        heapq.heappush(self._ready_oldest, entry.oldest_key)
 
     def _unmark_ready(self, entry: _Entry) -> None:  # its heap key stays, skipped when popped
         ids = self._ready_by_version[entry.version]
@@ -114,8 +123,9 @@ class MemoryBuffer(ExperienceBuffer):
             self._cond.notify_all()
             return entry.id
 
-    async def take(self, n: int, timeout: float | None = None) -> list[BatchItem]:
+    async def take(self, n: int, timeout: float | None = None, order: str = "newest") -> list[BatchItem]:
         check_n(n)
+        check_order(order)
         async with self._cond:
             self._check_open()
 
@@ -128,13 +138,13 @@ class MemoryBuffer(ExperienceBuffer):
                 with contextlib.suppress(asyncio.TimeoutError):  # then return what there is
                     await asyncio.wait_for(self._cond.wait_for(enough), timeout)
             self._check_open()
-            return self._pop(n)
+            return self._pop(n, self._ready if order == "newest" else self._ready_oldest)
 
-    def _pop(self, n: int) -> list[BatchItem]:
+    def _pop(self, n: int, heap: list[tuple[int, int, str]]) -> list[BatchItem]:
         out: list[BatchItem] = []
         now = self._clock()
-        while self._ready and len(out) < n:
-            _, _, entry_id = heapq.heappop(self._ready)
+        while heap and len(out) < n:
+            _, _, entry_id = heapq.heappop(heap)
             entry = self._entries.get(entry_id)
             if entry is None or entry_id in self._pending:
                 continue  # acknowledged while it waited (after a reclaim) or expired
@@ -143,6 +153,7 @@ class MemoryBuffer(ExperienceBuffer):
             entry.taken_at = now
             self._pending[entry_id] = entry
             out.append(BatchItem(id=entry.id, trajectory=entry.trajectory, deliveries=entry.deliveries))
+        self._compact_ready()  # what was taken left its keys in the other heap
         return out
 
     async def ack(self, ids: Iterable[str]) -> int:
@@ -208,16 +219,28 @@ class MemoryBuffer(ExperienceBuffer):
             return removed
 
     def _compact_ready(self) -> None:
-        # Keys of removed entries are skipped when popped, but expired ones are the oldest, at the bottom of a
-        # newest-first heap, and might never be popped. Rebuilding once they are the majority costs O(1)
-        # amortised per removed entry.
-        if len(self._ready) > 2 * self._ready_count():
-            self._ready = [k for k in self._ready if k[2] in self._entries and k[2] not in self._pending]
-            heapq.heapify(self._ready)
+        # Keys of removed entries are skipped when popped, but some might never be popped: expired ones are the
+        # oldest, at the bottom of the newest-first heap, and the keys of entries taken in one order stay in the
+        # other order's heap. Rebuilding a heap once they are the majority (a set: an entry handed back has its
+        # key twice) costs O(1) amortised per stale key.
+        limit = 2 * self._ready_count() + 16
+        if len(self._ready) > limit:
+            self._ready = self._fresh(self._ready)
+        if len(self._ready_oldest) > limit:
+            self._ready_oldest = self._fresh(self._ready_oldest)
+
+    def _fresh(self, heap: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
+        fresh = list({k for k in heap if k[2] in self._entries and k[2] not in self._pending})
+        heapq.heapify(fresh)
+        return fresh
 
     async def version_counts(self) -> dict[int, int]:
         self._check_open()
         return dict(sorted(self._counts.items()))
+
+    async def ready_counts(self) -> dict[int, int]:
+        self._check_open()
+        return {version: len(self._ready_by_version[version]) for version in self._ready_versions}
 
     async def stats(self) -> BufferStats:
         self._check_open()

@@ -15,11 +15,14 @@ Operations (each multi-key step is one Lua script, so it is atomic):
 
 - `put`: `XADD` to the version's stream, create the group on it (id 0: it sees every entry), register the
   version, append a wake-up event.
-- `take(n, timeout)`: for each version, newest first: this consumer's reclaimed entries of that version
-  (see `reclaim`), then `XREADGROUP ... >` (new entries, oldest first); until n are found. If fewer, block
+- `take(n, timeout, order)`: for each version, newest first (`order="oldest"`: oldest first): this consumer's
+  reclaimed entries of that version (see `reclaim`), then `XREADGROUP ... >` (new entries, oldest first);
+  until n are found. If fewer, block
   on the events stream (from the last event id read *before* looking, so no wake-up is missed) until a
-  `put` or the timeout, and look again. Entries read are already pending for this consumer, so if the
-  caller is cancelled or Redis fails mid-take, they are not lost: `reclaim` recovers them.
+  `put` or the timeout, and look again (what it read stays taken: entries found later come after it in the
+  batch, whatever their version; `timeout=0` has one look, in order). Entries read are already pending for
+  this consumer, so if the caller is cancelled or Redis fails mid-take, they are not lost: `reclaim` recovers
+  them.
 - `ack(ids)`: `XACK` and then `XDEL` in one script; the entry leaves Redis for good. When a version's
   stream is empty it is deleted and the version unregistered, in the same script (a concurrent `put` is
   either before, and the stream is not empty, or after, and recreates both).
@@ -41,7 +44,8 @@ Operations (each multi-key step is one Lua script, so it is atomic):
 - `version_counts()`: each registered version with its stream's length (`XLEN`, one pipeline);
   `buffered_versions()` expands it.
 - `stats()`: ready = `XLEN` - pending; pending from `XPENDING`; this object's reclaimed-but-not-served
-  entries count as ready (as with `MemoryBuffer`), although Redis holds them as pending.
+  entries count as ready (as with `MemoryBuffer`), although Redis holds them as pending. `ready_counts()`: the
+  same, per version (one pipeline).
 
 Delivery is at least once (as with every buffer here): besides a slow consumer overtaken by `reclaim`, a
 command retried after a connection error may have run twice (a `put` stored twice, an entry read but its
@@ -74,6 +78,7 @@ from .buffer import (
     ExperienceBufferError,
     MalformedEntryId,
     check_n,
+    check_order,
     check_trajectory,
     id_list,
 )
@@ -327,8 +332,9 @@ class RedisBuffer(ExperienceBuffer):
             )
         return self._entry_id(version, sid)
 
-    async def take(self, n: int, timeout: float | None = None) -> list[BatchItem]:
+    async def take(self, n: int, timeout: float | None = None, order: str = "newest") -> list[BatchItem]:
         check_n(n)
+        check_order(order)
         self._check_open()
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + max(0.0, timeout)
@@ -337,7 +343,7 @@ class RedisBuffer(ExperienceBuffer):
             with self._errors(f"reading {self._events_key}"):
                 last = await self._redis.xrevrange(self._events_key, count=1)
             mark = last[0][0] if last else "0-0"
-            got += await self._read(n - len(got))
+            got += await self._read(n - len(got), order)
             if len(got) >= n:
                 return got
             remaining = None if deadline is None else deadline - loop.time()
@@ -347,13 +353,13 @@ class RedisBuffer(ExperienceBuffer):
             with self._errors(f"waiting for new entries on {self._events_key}"):
                 await self._redis.xread({self._events_key: mark}, count=1, block=max(1, int(block_s * 1000)))
 
-    async def _read(self, k: int) -> list[BatchItem]:
-        """Up to k entries, newest version first, without waiting."""
+    async def _read(self, k: int, order: str) -> list[BatchItem]:
+        """Up to k entries, in `order` by version, without waiting."""
         with self._errors(f"reading {self._versions_key}"):
-            registered = await self._redis.zrevrange(self._versions_key, 0, -1)
+            registered = await self._redis.zrange(self._versions_key, 0, -1)
         versions = {int(v) for v in registered} | {v for v, ids in self._reclaimed.items() if ids}
         out: list[BatchItem] = []
-        for version in sorted(versions, reverse=True):
+        for version in sorted(versions, reverse=order == "newest"):
             if len(out) >= k:
                 break
             if self._reclaimed.get(version):
@@ -526,7 +532,9 @@ class RedisBuffer(ExperienceBuffer):
                 lengths = await pipe.execute()
         return {v: int(length) for v, length in zip(versions, lengths) if int(length)}
 
-    async def stats(self) -> BufferStats:
+    async def _counts(self) -> tuple[int, int, dict[int, tuple[int, int]]]:
+        """The acked and expired counters, and each registered version's (length, pending), where this object's
+        reclaimed-but-not-served entries count as ready, not pending (one pipeline)."""
         versions = await self._registered()
         with self._errors("reading the buffer's counts"):
             async with self._redis.pipeline(transaction=True) as pipe:
@@ -540,15 +548,24 @@ class RedisBuffer(ExperienceBuffer):
             if isinstance(reply, (redis_errors.ConnectionError, redis_errors.TimeoutError)):
                 raise BufferUnavailable(f"Redis at {self._where} is unavailable: reading the buffer's counts failed")
         acked, expired = (int(reply or 0) for reply in replies[:2])
-        total = pending = 0
-        for length, summary in zip(replies[2::2], replies[3::2]):
+        by_version = {}
+        for version, length, summary in zip(versions, replies[2::2], replies[3::2]):
             if isinstance(length, Exception):
                 continue
-            total += int(length)
-            if isinstance(summary, dict):
-                pending += int(summary.get("pending") or 0)
-        held = min(pending, sum(len(ids) for ids in self._reclaimed.values()))
-        pending -= held
+            pending = int(summary.get("pending") or 0) if isinstance(summary, dict) else 0
+            held = min(pending, len(self._reclaimed.get(version, ())))
+            by_version[version] = (int(length), pending - held)
+        return acked, expired, by_version
+
+    async def ready_counts(self) -> dict[int, int]:
+        _, _, by_version = await self._counts()
+        counts = {version: length - pending for version, (length, pending) in by_version.items()}
+        return {version: n for version, n in sorted(counts.items()) if n > 0}
+
+    async def stats(self) -> BufferStats:
+        acked, expired, by_version = await self._counts()
+        total = sum(length for length, _ in by_version.values())
+        pending = sum(p for _, p in by_version.values())
         return BufferStats(ready=total - pending, pending=pending, acked=acked, expired=expired)
 
     async def close(self) -> None:
