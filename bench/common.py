@@ -11,6 +11,7 @@ import platform
 import shlex
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -78,6 +79,55 @@ def replace_section(path: Path, start: str, end: str, block: str) -> None:
     path.write_text(text)
 
 
+# -- the targets ----------------------------------------------------------------------------------------------
+TARGETS_START, TARGETS_END = "<!-- targets:start -->", "<!-- targets:end -->"
+# The project's performance targets (issue 16), in the table's order: what each one asks for. Each benchmark
+# fills in the rows it measures, keeping the others as the last run of their benchmark left them.
+TARGETS = {
+    "pipeline, heterogeneous": "pipeline ≥ 1.5x lock-step episodes/s, heterogeneous workload, separate cores",
+    "pipeline, fixed": "pipeline ≥ 1.0x lock-step episodes/s, fixed workload (3 turns), separate cores",
+    "orchestration": "rollout service ≤ 1 ms of CPU per turn",
+    "sandbox creation": "sandbox creation p50 ≤ 1.2x bare bwrap+bash",
+    "pace K=2": "pace K=2 ≥ 60% trainer busy in the balanced simulation, nothing trained staler than K",
+    "time to reward, slow tools": "decoupled wall time to reward 0.8 ≤ 0.7x coupled, slow-tool workload",
+    "time to reward, relay": "decoupled within 10% of the overlap bound on relay as it is",
+}
+_NOT_YET = "not measured yet"
+
+
+@dataclass(frozen=True)
+class TargetResult:
+    measured: str  # the ratio or figure, as measured side by side in one run
+    met: bool
+    note: str  # by how much and why, where missed; which run
+
+
+def update_targets(path: Path, results: dict[str, TargetResult]) -> None:
+    """Fill in these targets' rows of the targets table in `path`, keeping the other rows as they were."""
+    unknown = set(results) - set(TARGETS)
+    if unknown:
+        raise KeyError(f"not a target: {', '.join(sorted(unknown))}")
+    text = path.read_text() if path.exists() else ""
+    rows: dict[str, str] = {}
+    if TARGETS_START in text:
+        for line in text.split(TARGETS_START, 1)[1].split(TARGETS_END, 1)[0].splitlines():
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            if cells and cells[0] in TARGETS:
+                rows[cells[0]] = line
+    for name, result in results.items():
+        met = "**yes**" if result.met else "**no**"
+        rows[name] = f"| {name} | {TARGETS[name]} | {result.measured} | {met} | {result.note} ({utc_now()}) |"
+    lines = [rows.get(name, f"| {name} | {goal} | — | {_NOT_YET} | — |") for name, goal in TARGETS.items()]
+    block = (
+        f"{TARGETS_START}\n## Targets\n\nEach figure is a ratio of two things measured side by side in one run of its "
+        "benchmark (below), not a test assertion; `make bench` reruns them all, and each benchmark updates its own "
+        "rows.\n\n| Target | Asks for | Measured | Met | By how much, why, and when |\n|---|---|---|---|---|\n"
+        + "\n".join(lines)
+        + f"\n{TARGETS_END}\n"
+    )
+    replace_section(path, TARGETS_START, TARGETS_END, block)
+
+
 # -- servers ------------------------------------------------------------------------------------------------
 def importable_in_children() -> None:
     """Let processes started from here import the benchmark's modules (a `--plugin` path of the rollout
@@ -138,6 +188,39 @@ def cpu_seconds(pids: list[int]) -> float:
 def tree_cpu_seconds(root: int) -> float:
     """CPU of a process and all its descendants, reaped children included (through cutime/cstime)."""
     return sum(stat_cpu_seconds(pid, reaped_children=True) for pid in [root, *descendants(root)])
+
+
+def voluntary_switches(pid: int) -> int:
+    """How often the threads of a process have given up the CPU to wait (voluntary context switches, summed
+    over /proc/PID/task/*/status): one per wake-up from a wait, the count that waking costs scale with."""
+    total = 0
+    with contextlib.suppress(FileNotFoundError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError):
+                for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+    return total
+
+
+def pin_tree(root: int, cpus: frozenset[int]) -> None:
+    """Every thread of `root` and its descendants on `cpus` (`sched_setaffinity` sets one thread's mask, so
+    each one in /proc/PID/task); threads and processes started later inherit their parent thread's mask."""
+    for pid in [root, *descendants(root)]:
+        with contextlib.suppress(FileNotFoundError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.sched_setaffinity(int(tid), cpus)
+
+
+def split_cpus() -> tuple[frozenset[int], frozenset[int]] | None:
+    """This process's CPUs in two halves, for the LLM server and for everything else (a small model of separate
+    machines); None on a single CPU."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    half = len(cpus) // 2
+    return frozenset(cpus[:half]), frozenset(cpus[half:])
 
 
 def busy_cpu_seconds() -> float:
