@@ -55,7 +55,10 @@ async def test_a_decoupled_batch_survives_a_dead_node_and_a_dead_replica(vllm, t
                 wait_for(lambda url=url: registered(url, token) == set(stack.runtime_urls), 60, "runtimes register")
             first, second = (RolloutClient(url, token=token, timeout=30) for url in stack.service_urls)
             prompts = [shell_job("pwd", "ls", max_turns=2, labels={"prompt": str(i)}) for i in range(CHAOS_PROMPTS)]
-            await first.enqueue_prompts(prompts)
+            # Half through each replica: each is woken by its own enqueue, so both start episodes (the one not
+            # enqueued to would otherwise find the queue only at its next poll, often after the other took all).
+            await first.enqueue_prompts(prompts[: CHAOS_PROMPTS // 2])
+            await second.enqueue_prompts(prompts[CHAOS_PROMPTS // 2 :])
 
             async def consume(until: int, takers: list[RolloutClient], also=None) -> None:
                 """Take and acknowledge until `until` prompts were seen (and `also()` holds, if given)."""
