@@ -196,6 +196,32 @@ async def test_take_waits_for_a_put_from_another_client_and_times_out_with_what_
         assert 0.25 <= time.monotonic() - started < 5
 
 
+@pytest.mark.parametrize("operation", ["put", "stats", "waiting take"])
+async def test_a_task_cancelled_at_any_point_of_a_buffer_call_ends(redis_server, prefix, operation):
+    """redis-py sends under `asyncio.wait_for`, which on Python 3.11 swallows a cancellation that arrives as the
+    send completes: a task looping over buffer calls then never ended (a stopping service waited for it forever).
+    Every point of the call is tried: the cancellation comes after 0, 1, 2, ... steps of the event loop."""
+    async with RedisBuffer(redis_server.url, prefix=prefix) as buf:
+        calls = {
+            "put": lambda: buf.put(make_trajectory("x")),
+            "stats": buf.stats,
+            "waiting take": lambda: buf.take(1, timeout=0.05, order="oldest"),
+        }
+
+        async def forever() -> None:
+            while True:
+                await calls[operation]()
+
+        for steps in range(60):
+            task = asyncio.create_task(forever())
+            for _ in range(steps):
+                await asyncio.sleep(0)  # one step of the event loop: where in the call the cancellation lands
+            task.cancel()
+            done, _ = await asyncio.wait([task], timeout=10)
+            assert done, f"the task cancelled after {steps} loop steps is still running"
+            assert task.cancelled()
+
+
 async def test_crashed_consumer_entries_are_reclaimed_and_consumed_exactly_once(redis_server, prefix):
     n = 20
     async with RedisBuffer(redis_server.url, prefix=prefix, consumer="producer") as producer:

@@ -102,6 +102,41 @@ async def test_admission_is_one_replica_at_a_time(redis):
         await b.close()
 
 
+async def test_a_replica_cancelled_at_any_point_leaves_the_admission_lock_free_and_closes(redis):
+    """A cancellation that lands anywhere in taking the lock (redis-py can swallow it on Python 3.11, see
+    `keeping_cancellation`) ends the task and leaves the lock free for the other replica, and closing a
+    replica right after it started (its listener subscribing) ends too."""
+    a, b = await replicas(redis.url, "a", "b")
+    try:
+
+        async def admit_forever() -> None:
+            while True:
+                async with a.admission_lock():
+                    await asyncio.sleep(0)
+
+        for steps in range(40):
+            task = asyncio.create_task(admit_forever())
+            for _ in range(steps):
+                await asyncio.sleep(0)  # one step of the event loop: where the cancellation lands
+            task.cancel()
+            done, _ = await asyncio.wait([task], timeout=10)
+            assert done and task.cancelled(), f"cancelled after {steps} loop steps, the task still runs"
+            async with asyncio.timeout(1):  # far below the lock's own expiry (ADMISSION_LOCK_S)
+                async with b.admission_lock():
+                    pass
+        for steps in range(0, 40, 4):
+            replica = RedisCoordination(redis.url, f"short-{steps}", prefix="t")
+            starting = asyncio.create_task(replica.start())
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            async with asyncio.timeout(10):
+                await replica.close()
+                await asyncio.gather(starting, return_exceptions=True)
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_runtimes_heard_by_one_replica_are_seen_by_all(redis):
     a, b = await replicas(redis.url, "a", "b")
     beat = RuntimeHeartbeat(url="http://n1:8765", capacity=8, sandboxes=2, backend="bwrap", version="v", interval_s=2)

@@ -3,6 +3,7 @@ redis-py's errors turned into the buffer's, with the URL (password hidden) in th
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -38,6 +39,27 @@ def default_consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+@contextlib.contextmanager
+def keeping_cancellation() -> Iterator[None]:
+    """Raise CancelledError at the end of the block if the task was cancelled during it and the block ended
+    otherwise: the cancellation was swallowed.
+
+    redis-py sends each command under `asyncio.wait_for` when a socket timeout is set, and on Python 3.11
+    `wait_for` returns the result instead of raising when the cancellation arrives just as the send completes
+    (CPython gh-86296, fixed in 3.12). With a 5 s socket timeout that happens to most cancellations of a task
+    that talks to Redis in a loop, and such a task never ends: `Producer.stop()` waited for it forever. The
+    task's pending cancel requests (`Task.cancelling()`) still count the swallowed one, so comparing them before
+    and after tells a swallowed cancellation apart from one delivered before the block (a clean-up running in
+    an `except CancelledError:` is left to finish)."""
+    task = asyncio.current_task()
+    pending = task.cancelling() if task is not None else 0
+    try:
+        yield
+    finally:  # also when the block raised something else after the swallowed cancellation: the task is ending
+        if task is not None and task.cancelling() > pending:
+            raise asyncio.CancelledError("cancelled during a Redis call (redis-py swallowed the cancellation)")
+
+
 class RedisConnection:
     """One Redis client as this project's Redis-backed parts use it (the buffer, the prompt queue): a command is
     retried after a connection error with a short backoff, a silent Redis counts as unavailable after
@@ -62,17 +84,19 @@ class RedisConnection:
 
     @contextlib.contextmanager
     def errors(self, what: str) -> Iterator[None]:
-        """Turn redis-py's errors into the buffer's: a clear message, no traceback from inside redis-py."""
+        """Turn redis-py's errors into the buffer's: a clear message, no traceback from inside redis-py. A
+        cancellation that redis-py swallowed during the block is raised at its end (`keeping_cancellation`)."""
         self.check_open()
-        try:
-            yield
-        except (TimeoutError, redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
-            self.check_open()  # closed while waiting: that, not the broken connection, is the news
-            raise BufferUnavailable(
-                f"Redis at {self.where} is unavailable: {what} failed ({type(exc).__name__}: {exc})"
-            ) from None
-        except redis_errors.ResponseError as exc:
-            raise ExperienceBufferError(f"Redis at {self.where} refused {what}: {exc}") from None
+        with keeping_cancellation():
+            try:
+                yield
+            except (TimeoutError, redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+                self.check_open()  # closed while waiting: that, not the broken connection, is the news
+                raise BufferUnavailable(
+                    f"Redis at {self.where} is unavailable: {what} failed ({type(exc).__name__}: {exc})"
+                ) from None
+            except redis_errors.ResponseError as exc:
+                raise ExperienceBufferError(f"Redis at {self.where} refused {what}: {exc}") from None
 
     async def close(self) -> None:
         if self.closed:

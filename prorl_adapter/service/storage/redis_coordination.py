@@ -19,12 +19,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable
 
 from sandbox_runtime.models import RuntimeHeartbeat
 
 from .coordination import MISSED_BEATS, Coordination, ReplicaRecord, RuntimeRecord
-from .redis_connection import RedisConnection, redis_errors
+from .redis_connection import RedisConnection, keeping_cancellation, redis_errors
 
 log = logging.getLogger(__name__)
 
@@ -230,13 +231,25 @@ class RedisCoordination(Coordination):
     # -- admission ---------------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def admission_lock(self) -> AsyncIterator[None]:
-        with self.errors(f"taking the admission lock {self.prefix}:admission"):
-            await self._lock.acquire(token=None)
+        token = uuid.uuid4().hex
+        try:
+            with self.errors(f"taking the admission lock {self.prefix}:admission"):
+                await self._lock.acquire(token=token)
+        except asyncio.CancelledError:
+            # Perhaps after Redis granted it: the reply unread, or a cancellation redis-py swallowed raised once
+            # the lock was ours (`keeping_cancellation`). Let go of it by its token, or it stays held until it
+            # expires (ADMISSION_LOCK_S) and every replica's admission waits.
+            await self._release_admission_lock(token)
+            raise
         try:
             yield
         finally:
-            with contextlib.suppress(redis_errors.LockError), self.errors("releasing the admission lock"):
-                await self._lock.release()
+            await self._release_admission_lock(token)
+
+    async def _release_admission_lock(self, token: str) -> None:
+        self._lock.local.token = token.encode()  # as acquire records it, which a cancelled acquire may not have
+        with contextlib.suppress(redis_errors.LockError), self.errors("releasing the admission lock"):
+            await self._lock.release()  # only if the lock holds this token (LockNotOwnedError otherwise)
 
     # -- events -------------------------------------------------------------------------------------------
     def on_event(self, kind: str, listener: Callable[[str], None]) -> None:
@@ -259,14 +272,16 @@ class RedisCoordination(Coordination):
         while True:
             try:
                 async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
-                    await pubsub.subscribe(self.channel)
+                    with keeping_cancellation():  # this loop ends only by cancellation: it must not be lost
+                        await pubsub.subscribe(self.channel)
                     self._subscribed.set()
                     self._version_changed(await self.policy_version())  # what was missed while away
                     delay = 0.2
                     while True:
                         # Polled with a timeout below the socket's: `listen()` on an idle channel would hit the
                         # client's socket timeout on redis-py < 8.1 and resubscribe, losing what came meanwhile.
-                        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                        with keeping_cancellation():
+                            message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                         if message is None:
                             continue
                         kind, _, payload = str(message.get("data", "")).partition(":")
