@@ -23,6 +23,8 @@ from sandbox_runtime import procs  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 HAVE_SCHEDSTAT = Path("/proc/self/schedstat").exists()
+# The CPUs this benchmark was given, read before it pins itself to some of them (`pin_tree`).
+CPUS_GIVEN = len(os.sched_getaffinity(0))
 
 
 class BenchError(Exception):
@@ -38,7 +40,7 @@ def machine(*parts: str, bubblewrap: bool = False) -> str:
     meminfo = Path("/proc/meminfo").read_text().splitlines()
     mem_kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemTotal:"))
     words = [
-        f"{len(os.sched_getaffinity(0))} CPUs (nproc)",
+        f"{CPUS_GIVEN} CPUs (nproc)",
         model,
         f"{mem_kib / 1024**2:.1f} GiB RAM",
         f"Linux {platform.release()}",

@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 
+from prorl_adapter.hooks.plugin_set import PluginSet
 from prorl_adapter.models import JobRequest
+from prorl_adapter.service import decoupled
+from prorl_adapter.service.decoupled import Producer
+from prorl_adapter.service.storage.redis_buffer import RedisBuffer
 from prorl_adapter.service.storage.redis_coordination import RedisCoordination
 from prorl_adapter.service.storage.redis_prompts import RedisPromptQueue
 from sandbox_runtime.models import RuntimeHeartbeat
+from tests.test_producer import Episodes
 
 from .redis_server import REDIS_SKIP, RedisServer
 
@@ -209,3 +215,45 @@ async def test_a_prompt_pushed_twice_counts_once_and_only_its_owner_ends_its_run
     finally:
         await first.close()
         await other.close()
+
+
+class ReplicaEpisodes(Episodes):
+    """The stand-in pipeline of tests/test_producer.py as a replica's Producer sees it: 4 workers, an LLM server."""
+
+    config = SimpleNamespace(max_init_workers=2, max_run_workers=2)
+    llm = SimpleNamespace(any_healthy=lambda: True)
+
+
+async def test_prompts_added_through_one_replica_are_admitted_by_the_others_at_once(redis, monkeypatch):
+    """Replicas share the upcoming prompts. One that is not told finds what another added only at its next look
+    (SHARED_WAKE_S, an hour here), by when the other may have taken all it can run; told through the channel, it
+    admits alongside it."""
+    monkeypatch.setattr(decoupled, "SHARED_WAKE_S", 3600.0)
+    replicas, episodes = [], []
+
+    async def replica(name: str) -> Producer:
+        coordination = RedisCoordination(redis.url, name, prefix="tw")
+        await coordination.start()
+        plugins = PluginSet.load(entry_points=False)
+        episodes.append(ReplicaEpisodes(plugins))
+        buffer, prompts = RedisBuffer(redis.url, prefix="tw:buffer"), RedisPromptQueue(redis.url, name, prefix="tw")
+        producer = Producer(episodes[-1], buffer, prompts, coordination=coordination)  # type: ignore[arg-type]
+        plugins.register(producer, name="decoupled-producer")
+        producer.start()
+        replicas.append(producer)
+        return producer
+
+    try:
+        b = await replica("b")
+        await b.enqueue([JobRequest(task="t", job_id="b0")])  # b, alone, has looked, admitted it, and waits
+        await until(lambda: len(episodes[0].running()) == 1)
+        a = await replica("a")
+        await a.enqueue([JobRequest(task="t", job_id=f"a{i}") for i in range(8)])
+        await until(lambda: [len(e.running()) for e in episodes] == [4, 4])  # each what its 4 workers run
+        assert await a.prompts.size() == 1
+    finally:
+        for producer in replicas:
+            await producer.stop()
+            await producer.buffer.close()
+            await producer.prompts.close()
+            await producer.coordination.close()

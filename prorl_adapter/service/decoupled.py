@@ -115,6 +115,7 @@ class Producer:
         self._retries: set[asyncio.Task[None]] = set()
         self.stats = ProducerStats()
         self._dead: deque[str] = deque(maxlen=100)
+        self.coordination.on_prompts_added(self.wake)
 
     # -- life cycle -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -167,6 +168,10 @@ class Producer:
     async def enqueue(self, requests: list[JobRequest]) -> int:
         upcoming = await self.prompts.push(requests)
         self.wake()
+        # The other replicas share the queue: told now, they admit alongside this one instead of at their next
+        # look (SHARED_WAKE_S), by when this one may have taken every prompt its workers can run.
+        with contextlib.suppress(ExperienceBufferError):  # pushed all the same; they look again anyway
+            await self.coordination.prompts_added()
         return upcoming
 
     async def _produce_forever(self) -> None:
@@ -221,7 +226,7 @@ class Producer:
                 if self.coordination.shared:  # read under the lock: what another replica set a moment ago counts
                     self.pipeline.policy_version = await self.coordination.policy_version()
                 # Several per hold (the counts change with each pop): the lock is shared by every replica.
-                while len(admitted) < ADMIT_PER_LOCK and await self._admitted():
+                while len(admitted) < ADMIT_PER_LOCK and await self._admitted(len(admitted)):
                     request = await self.prompts.pop(self.pipeline.policy_version)
                     if request is None:
                         break
@@ -245,7 +250,8 @@ class Producer:
         if job.state.finished:  # a prompt enqueued again under the id of a job that has finished: deliver it
             self._on_finished(job)
 
-    async def _admitted(self) -> bool:
+    async def _admitted(self, popped: int = 0) -> bool:
+        """Whether one more prompt may start now; `popped`: those popped in this hold, not yet submitted."""
         buffered = await self.buffer.version_counts()
         running = await self.prompts.running_versions()  # every replica's
         held = None
@@ -254,9 +260,9 @@ class Producer:
             held = f"the buffer holds or is about to hold max_buffered={self.config.max_buffered} entries"
         elif len(self._finished) >= self.config.max_undelivered:
             held = f"{len(self._finished)} finished trajectories wait for the buffer"
-        elif self.coordination.shared and len(self._in_flight) >= self._capacity():
+        elif self.coordination.shared and (running_here := len(self._in_flight) + popped) >= self._capacity():
             # Replicas share the upcoming prompts: each admits what its own workers can run, and the others the rest.
-            held = f"this replica runs {len(self._in_flight)} episodes, what its workers take; the others admit"
+            held = f"this replica runs {running_here} episodes, what its workers take; the others admit"
         elif self.coordination.shared and not self.pipeline.llm.any_healthy():
             # Replicas share the prompts, not the LLM servers: one without any leaves them to the others.
             held = "this replica has no healthy LLM server (PUT /v1/llm-servers); the other replicas admit"

@@ -64,6 +64,7 @@ class Coordination(abc.ABC):
     def __init__(self, replica_id: str) -> None:
         self.replica_id = replica_id
         self._version_listeners: list[Callable[[int], None]] = []
+        self._prompt_listeners: list[Callable[[], None]] = []
 
     # -- replicas ---------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -112,6 +113,20 @@ class Coordination(abc.ABC):
     def _version_changed(self, version: int) -> None:
         for listener in self._version_listeners:
             listener(version)
+
+    # -- upcoming prompts --------------------------------------------------------------------------------
+    async def prompts_added(self) -> None:
+        """Prompts were added to the shared queue: every replica's listeners hear of it, so that each admits
+        what its workers can run now rather than at its next look (here, alone, nobody else is told)."""
+        return None
+
+    def on_prompts_added(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` in this process when any replica adds prompts to the shared queue."""
+        self._prompt_listeners.append(listener)
+
+    def _prompts_were_added(self) -> None:
+        for listener in self._prompt_listeners:
+            listener()
 
     # -- admission ---------------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -5,8 +5,8 @@ Keys (prefix default `prorl`):
 - `{prefix}:runtimes`: a hash, runtime name -> JSON {heartbeat, seen_at};
 - `{prefix}:policy_version`: the version, as a string;
 - `{prefix}:admission`: the admission lock (redis-py's `Lock`: it expires if its holder dies);
-- channel `{prefix}:events`: `KIND:PAYLOAD` messages (`version:7`, `finished:<job id>`, `cancel:<job id>`), each
-  replica subscribed once.
+- channel `{prefix}:events`: `KIND:PAYLOAD` messages (`version:7`, `finished:<job id>`, `cancel:<job id>`,
+  `prompts:` when prompts were added to the shared queue), each replica subscribed once.
 
 Every time is Redis's own (`TIME`, read inside the scripts), so nodes whose clocks disagree still agree on who
 is alive. Messages on the channel can be missed (a replica reconnecting); every listener here re-reads what it
@@ -256,12 +256,16 @@ class RedisCoordination(Coordination):
         """Call `listener(payload)` for every `kind:payload` message on the channel, from any replica."""
         self._listeners.setdefault(kind, []).append(listener)
 
+    async def prompts_added(self) -> None:
+        await self.publish("prompts", "")
+
     async def publish(self, kind: str, payload: str) -> None:
         with self.errors(f"PUBLISH to {self.channel}"):
             await self.redis.publish(self.channel, f"{kind}:{payload}")
 
     async def start(self) -> None:
         self.on_event("version", lambda payload: self._version_changed(int(payload)))
+        self.on_event("prompts", lambda _: self._prompts_were_added())
         self._listening = asyncio.create_task(self._listen_forever())
         with contextlib.suppress(TimeoutError):  # Redis away: the listener keeps trying; start anyway
             async with asyncio.timeout(5.0):
