@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 UID_LOCK_DIR = Path("/run/prorl-sandbox/uids")
 
 
+CLEAN_UIDS_KEPT = 256  # released uids kept locked for reuse without a scan (an open file each)
+
+
 def hold_uid(uid: int) -> TextIO | None:
     """An flock held on `uid` (for as long as the file stays open), or None when another server holds it."""
     lock = open(UID_LOCK_DIR / f"{uid}.lock", "w")  # noqa: SIM115 - the caller keeps it open
@@ -129,7 +132,11 @@ class SandboxManager:
         # Under root, each sandbox runs as a uid of its own; unprivileged, as the server's own uid.
         self.sandbox_uids = config.sandbox_uids if os.geteuid() == 0 else None
         self._free_uids: deque[int] = deque(self.sandbox_uids or ())
-        self._uid_locks: dict[int, TextIO] = {}
+        # Uids this server released and still holds the lock of: nothing runs as them (the release killed every
+        # process and waited), and no other server can have used them since, so they are handed out again
+        # without another scan of every process on the host.
+        self._clean_uids: deque[int] = deque()
+        self._uid_locks: dict[int, TextIO] = {}  # uids in use and clean ones
         self.images = ImageStore(
             config.image_dirs, self.state_dir / "images", int(config.image_cache_gb * 2**30), self._images_in_use
         )
@@ -157,6 +164,8 @@ class SandboxManager:
                 await self._reaper
         await asyncio.gather(*(self.delete(i) for i in list(self._sandboxes)), return_exceptions=True)
         await self.images.stop()
+        while self._clean_uids:  # closing releases the lock: other servers may use them
+            self._uid_locks.pop(self._clean_uids.pop()).close()
         if self._lock_file is not None:
             self._lock_file.close()  # closing releases the lock
 
@@ -231,6 +240,8 @@ class SandboxManager:
         if spec.forwards and not backend.forwards:
             raise PolicyError(f"the {backend.name} backend cannot forward ports; the bwrap backend can")
         spec = spec.model_copy(update={"backend": backend.name, "limits": self._limits(spec.limits)})
+        if self.sandbox_uids is not None:
+            await self._keep_a_clean_uid()
         self._preparing += 1
         try:
             image = await self.prepare_image(spec.image, backend, seeded=spec.seed_workdir)
@@ -256,7 +267,7 @@ class SandboxManager:
             box = Sandbox(dirs, spec, backend, self.config.default_output_bytes)
         except BaseException:  # nothing of it may stay behind: neither its folder nor its uid
             await asyncio.to_thread(remove_tree, dirs.root)
-            self._release_uid(uid)
+            await self._release_uid(uid)
             raise
         self._sandboxes[sandbox_id] = box
         try:
@@ -324,17 +335,40 @@ class SandboxManager:
             del self._sandboxes[sandbox_id]
             self._remember_deleted(sandbox_id)
             await asyncio.to_thread(remove_tree, box.dirs.root)
-            self._release_uid(box.dirs.uid)
+            await self._release_uid(box.dirs.uid)
             self.metrics.sandboxes_deleted.labels(box.backend.name).inc()
             box.deleted.set()
         return True
 
     def _allocate_uid(self) -> int:
-        """A free uid of the range that no other server on this host holds either.
+        """A uid of the range that no other process on this host runs as, nor any other server holds: a clean
+        one (see `_keep_a_clean_uid`), else a fresh one, scanned here."""
+        if self._clean_uids:
+            return self._clean_uids.pop()
+        uid = self._lock_free_uid()
+        procs.kill_user(uid)
+        return uid
+
+    async def _keep_a_clean_uid(self) -> None:
+        """Have a clean uid at hand for the next allocation, scanning a fresh one off the event loop: the scan
+        reads the status of every process on the host (milliseconds, more with thousands of processes)."""
+        if self._clean_uids:
+            return
+        uid = self._lock_free_uid()
+        try:
+            await asyncio.to_thread(procs.kill_user, uid)
+        except BaseException:
+            self._uid_locks.pop(uid).close()
+            self._free_uids.append(uid)
+            raise
+        self._clean_uids.append(uid)
+
+    def _lock_free_uid(self) -> int:
+        """A uid of the free ones whose lock this server now holds.
 
         Each uid in use is held by an flock on a file in UID_LOCK_DIR, so servers with overlapping ranges never
         share one (sharing would let one server's delete kill the other's sandboxes). A lock that is free
-        means no live server owns the uid: whatever still runs as it was left by a crash and is killed first.
+        means no live server owns the uid: whatever still runs as it was left by a crash, and the caller kills it.
         """
         for _ in range(len(self._free_uids)):
             uid = self._free_uids.popleft()
@@ -342,19 +376,24 @@ class SandboxManager:
             if lock is None:  # another server's sandbox runs as it
                 self._free_uids.append(uid)
                 continue
-            procs.kill_user(uid)
             self._uid_locks[uid] = lock
             return uid
         raise CapacityError("every sandbox uid is in use on this host; delete some sandboxes first")
 
-    def _release_uid(self, uid: int | None) -> None:
-        """Hand a uid back only once no process runs as it (a straggler would join the next sandbox)."""
+    async def _release_uid(self, uid: int | None) -> None:
+        """Hand a uid back only once no process runs as it (a straggler would join the next sandbox): clean,
+        with its lock kept, up to CLEAN_UIDS_KEPT of them; the rest go back to the free ones. Shielded: a
+        release cancelled half-way would lose the uid (its lock held, in no list)."""
         if uid is not None:
-            procs.kill_user(uid)
-            lock = self._uid_locks.pop(uid, None)
-            if lock is not None:
-                lock.close()
-            self._free_uids.append(uid)
+            await asyncio.shield(self._hand_back_uid(uid))
+
+    async def _hand_back_uid(self, uid: int) -> None:
+        await asyncio.to_thread(procs.kill_user, uid)
+        self._clean_uids.append(uid)
+        while len(self._clean_uids) > CLEAN_UIDS_KEPT:
+            oldest = self._clean_uids.popleft()
+            self._uid_locks.pop(oldest).close()
+            self._free_uids.append(oldest)
 
     def _remember_deleted(self, sandbox_id: str) -> None:
         self._deleted[sandbox_id] = None

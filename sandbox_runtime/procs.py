@@ -49,13 +49,19 @@ def session_members(sid: int) -> list[int]:
 
 
 def _real_uid(pid: int) -> int | None:
+    # os.open and bytes, not pathlib and text: a scan reads this for every process on the host, and this way
+    # it costs a third as much. The real uid from the status, not an owner under /proc/PID: that is the
+    # effective uid, and the files of a process that makes itself non-dumpable are root's.
     try:
-        for line in (_PROC / str(pid) / "status").read_text().splitlines():
-            if line.startswith("Uid:"):
-                return int(line.split()[1])
-    except (FileNotFoundError, ProcessLookupError, PermissionError, ValueError):
-        pass
-    return None
+        fd = os.open(f"{_PROC}/{pid}/status", os.O_RDONLY)
+        try:
+            status = os.read(fd, 8192)
+        finally:
+            os.close(fd)
+        start = status.index(b"\nUid:") + 5
+        return int(status[start : status.index(b"\n", start)].split()[0])
+    except (FileNotFoundError, ProcessLookupError, PermissionError, ValueError, IndexError):
+        return None
 
 
 def _environ_has(pid: int, entry: bytes) -> bool:

@@ -96,7 +96,7 @@ class FakeChat:
 
     eos_id = 8
 
-    async def off_loop(self, work: Any, *args: Any) -> Any:
+    async def off_loop(self, work: Any, *args: Any, size: int | None = None) -> Any:
         return work(*args)
 
     def prompt_ids(self, messages: list[dict[str, Any]], tools: Any) -> list[int]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ..models import FinishReason, JobRequest, SamplingParams, Segment, ToolCall, Turn
 from ..tasks import Environment, EpisodeState, TaskHandler, Tool
-from .chat import ChatTokenizer, parse_tool_calls
+from .chat import ChatTokenizer, parse_tool_calls, text_size
 from .llm import Generation, LLMPool, Pin
 
 MAX_OBSERVATION_CHARS = 8000
@@ -73,7 +73,7 @@ async def sample(
     ids = generation.token_ids
     closed = bool(ids) and ids[-1] == chat.eos_id
     if generation.text is None:  # the server's protocol returns ids only; the text of a turn ends before its eos
-        generation.text = await chat.off_loop(chat.decode, ids[:-1] if closed else ids)
+        generation.text = await chat.off_loop(chat.decode, ids[:-1] if closed else ids, size=len(ids))
     if generation.finish_reason is None and not closed and len(ids) >= sampling.max_tokens:
         generation.finish_reason = "length"  # a protocol that says no reason (ProRL's): cut at its token limit
     return generation
@@ -89,7 +89,8 @@ async def start_episode(
         {"role": "system", "content": handler.system_prompt(instance)},
         {"role": "user", "content": handler.user_prompt(instance)},
     ]
-    prompt_ids = await chat.off_loop(chat.prompt_ids, messages, [t.schema() for t in tools.values()])
+    schemas = [t.schema() for t in tools.values()]
+    prompt_ids = await chat.off_loop(chat.prompt_ids, messages, schemas, size=text_size(messages, schemas))
     if len(prompt_ids) >= request.max_context_tokens:
         raise PromptTooLong(
             f"the prompt is {len(prompt_ids)} tokens, max_context_tokens is {request.max_context_tokens}"
@@ -159,7 +160,8 @@ async def tool_turn(
     if last:
         return False
     closed = pending.last_token == chat.eos_id  # else the template's eos is added, as a token nobody sampled
-    observation_ids = await chat.off_loop(chat.tool_turn_ids, [{"role": "tool", "content": r} for r in results], closed)
+    messages = [{"role": "tool", "content": r} for r in results]
+    observation_ids = await chat.off_loop(chat.tool_turn_ids, messages, closed, size=text_size(messages))
     if episode.context_length + len(observation_ids) >= limit:
         episode.finish_reason = "max_context"
         return False

@@ -36,7 +36,7 @@ from sandbox_runtime.webapp import json_api, json_response
 from .. import __version__
 from ..models import JobRequest, ToolCall
 from .agent import sample
-from .chat import ChatTokenizer, parse_tool_calls, strip_tool_calls
+from .chat import ChatTokenizer, parse_tool_calls, strip_tool_calls, text_size
 from .llm import LLMPool, LLMRequestError, LLMUnavailable, Pin
 from .openai_wire import (
     AssistantMessage,
@@ -121,7 +121,10 @@ class Gateway:
             messages = [m.model_dump(exclude_none=True) for m in body.messages]
             tools = body.tools or None
             try:
-                prompt_ids, digest = await self.chat.off_loop(episode.log.chat_prompt, self.chat, messages, tools)
+                size = text_size(messages, tools)
+                prompt_ids, digest = await self.chat.off_loop(
+                    episode.log.chat_prompt, self.chat, messages, tools, size=size
+                )
             except (TemplateError, TypeError, ValueError, KeyError) as exc:  # what the template could not render
                 raise GatewayError(400, f"the chat template cannot render these messages: {exc}") from exc
             sampled = await self._sample(episode, prompt_ids, body.max_completion_tokens or body.max_tokens, body)
@@ -140,7 +143,9 @@ class Gateway:
             self._record(episode, sampled, key, calls, parsed.errors if parsed else [])
         logprobs = None
         if body.logprobs:
-            pieces = await self.chat.off_loop(self.chat.token_texts, sampled.response_ids)
+            pieces = await self.chat.off_loop(
+                self.chat.token_texts, sampled.response_ids, size=len(sampled.response_ids)
+            )
             logprobs = ChoiceLogprobs(
                 content=[TokenLogprob(token=t, logprob=p) for t, p in zip(pieces, sampled.response_logprobs)]
             )
@@ -158,14 +163,16 @@ class Gateway:
     async def completion(self, episode: GatewayEpisode, body: CompletionRequest) -> Completion:
         async with self._call_slot(episode):
             if isinstance(body.prompt, str):
-                prompt_ids = await self.chat.off_loop(self.chat.encode, body.prompt)
+                prompt_ids = await self.chat.off_loop(self.chat.encode, body.prompt, size=len(body.prompt))
             else:
                 prompt_ids = list(body.prompt)
             sampled = await self._sample(episode, prompt_ids, body.max_tokens, body)
             self._record(episode, sampled)
         logprobs = None
         if body.logprobs:
-            pieces = await self.chat.off_loop(self.chat.token_texts, sampled.response_ids)
+            pieces = await self.chat.off_loop(
+                self.chat.token_texts, sampled.response_ids, size=len(sampled.response_ids)
+            )
             logprobs = CompletionLogprobs(tokens=pieces, token_logprobs=sampled.response_logprobs)
         choice = CompletionChoice(
             text=sampled.text,

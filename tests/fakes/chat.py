@@ -24,7 +24,7 @@ class CharChat:
     eos_text = END
     after_eos = "\n"  # what the template writes after the eos that closes an assistant turn
 
-    async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
+    async def off_loop(self, work: Callable[..., T], *args: Any, size: int | None = None) -> T:
         return work(*args)
 
     def encode(self, text: str) -> list[int]:
