@@ -216,6 +216,25 @@ def wake_cost_ms(cycles: int = 200) -> float:
     return 1000 * asyncio.run(sleep_and_wake()) / cycles
 
 
+def request_cost_ms(url: str, requests: int = 500) -> float:
+    """Client CPU time of one HTTP request with aiohttp (the service's client), one in flight at a time, to the
+    sandbox runtime's GET /healthz: the least each of the service's HTTP calls costs it on these cores."""
+    import aiohttp
+
+    async def requests_in_turn() -> float:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(50):  # the connection made, the code paths warm
+                async with session.get(url + "/healthz") as response:
+                    await response.read()
+            started = time.process_time()
+            for _ in range(requests):
+                async with session.get(url + "/healthz") as response:
+                    await response.read()
+            return time.process_time() - started
+
+    return 1000 * asyncio.run(requests_in_turn()) / requests
+
+
 def cpu_list(cpus: frozenset[int]) -> str:
     return ",".join(str(c) for c in sorted(cpus))
 
@@ -766,6 +785,7 @@ class Setting:
     workload: Workload
     results: Results = field(default_factory=dict)
     wake_cost_ms: float = float("nan")  # wake_cost_ms() on the cores of the orchestrating processes
+    request_cost_ms: float = float("nan")  # request_cost_ms() there
 
     @property
     def name(self) -> str:
@@ -860,7 +880,9 @@ def details(setting: Setting, args: argparse.Namespace) -> list[str]:
         setting.workload.summary(args.seed) + "; the same instances in every mode and round.",
         f"A wake-up from an idle wait costs {setting.wake_cost_ms:.3f} ms of CPU on these cores (`wake_cost_ms`: "
         "an event loop's timer, 20 ms apart); orchestration wake-ups per turn times that is the part of the "
-        "orchestration CPU that is waking up rather than work.",
+        "orchestration CPU that is waking up rather than work. One HTTP request costs the client "
+        f"{setting.request_cost_ms:.3f} ms of CPU here (`request_cost_ms`: aiohttp, one in flight, GET /healthz on "
+        "the sandbox runtime).",
     ]
     for r in runs:
         out.append(
@@ -925,12 +947,19 @@ def targets(settings: list[Setting]) -> dict[str, TargetResult]:
             w: agg(s.results["pipeline"], lambda m: m.wakeups_per_turn) * s.wake_cost_ms for w, s in separate.items()
         }
         worst = max(per_turn.values())
+        cost = min(s.request_cost_ms for s in separate.values())
+        # The service's HTTP requests: an LLM request and an exec per turn; per episode the create, set-up, end,
+        # check and delete, and the client's submit and result.
+        requests = {w: 2 + 7 / agg(s.results["pipeline"], lambda m: m.mean_turns) for w, s in separate.items()}
         measured = ", ".join(f"{per_turn[w]:.2f} ms ({w})" for w in per_turn)
         why = (
             (f"{worst:.1f}x the target; " if worst > 1.0 else "")
             + "; ".join(f"{w}: {wakes[w]:.2f} ms of it waking up" for w in per_turn)
-            + "; the rest is mostly aiohttp's client, ~3 HTTP requests per turn (LLM, exec, and the episode's create, "
-            "set-up, end, check and delete spread over its turns); bench_rollout"
+            + "; the rest is user time, about 40% of it in aiohttp's client (yappi, CPU clock): "
+            + ", ".join(f"{requests[w]:.1f} HTTP requests per turn ({w})" for w in per_turn)
+            + f" (an LLM request and an exec per turn; per episode the create, set-up, end, check and delete and the "
+            f"client's submit and result), at {cost:.2f} ms of client CPU each at the least (`request_cost_ms`); "
+            "bench_rollout"
         )
         found["orchestration"] = TargetResult(measured, worst <= 1.0, why)
     return found
@@ -1154,6 +1183,7 @@ def main(argv: list[str] | None = None) -> int:
                 for setting in settings:
                     place(setting.topology, env)
                     setting.wake_cost_ms = wake_cost_ms()
+                    setting.request_cost_ms = request_cost_ms(env.sandbox_url)
                     run_setting(setting, env, args, discarded)
             finally:
                 sampler.send_signal(signal.SIGTERM)

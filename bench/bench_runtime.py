@@ -1121,7 +1121,13 @@ def mode(settings: Settings) -> str:
         f"({s.swerex_rounds} for swe-rex), closed loops of {s.duration_s:g} s ("
         + (f"median of {s.repeats} interleaved runs" if s.repeats > 1 else "one run")
         + f"; swe-rex one run), {s.create_samples} sequential creations, "
-        f"{s.idle_sandboxes:,} idle sandboxes"
+        f"{s.idle_sandboxes:,} idle sandboxes; the server "
+        + (
+            "as root, so each sandbox runs as a uid of its own (setpriv before bwrap, a scan of every process for "
+            "that uid before it is used, when it is fresh, and after)"
+            if os.geteuid() == 0
+            else "unprivileged, so every sandbox runs as its uid"
+        )
     )
 
 

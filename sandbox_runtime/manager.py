@@ -45,6 +45,7 @@ UID_LOCK_DIR = Path("/run/prorl-sandbox/uids")
 
 
 CLEAN_UIDS_KEPT = 256  # released uids kept locked for reuse without a scan (an open file each)
+FRESH_UIDS_PER_SCAN = 16  # fresh uids one scan of the host's processes clears for use
 
 
 def hold_uid(uid: int) -> TextIO | None:
@@ -137,6 +138,7 @@ class SandboxManager:
         # without another scan of every process on the host.
         self._clean_uids: deque[int] = deque()
         self._uid_locks: dict[int, TextIO] = {}  # uids in use and clean ones
+        self._scanning = asyncio.Lock()
         self.images = ImageStore(
             config.image_dirs, self.state_dir / "images", int(config.image_cache_gb * 2**30), self._images_in_use
         )
@@ -350,18 +352,29 @@ class SandboxManager:
         return uid
 
     async def _keep_a_clean_uid(self) -> None:
-        """Have a clean uid at hand for the next allocation, scanning a fresh one off the event loop: the scan
-        reads the status of every process on the host (milliseconds, more with thousands of processes)."""
-        if self._clean_uids:
-            return
-        uid = self._lock_free_uid()
+        """Have a clean uid at hand for the next allocation, scanning fresh ones off the event loop, up to
+        FRESH_UIDS_PER_SCAN at a time: a scan reads the status of every process on the host (milliseconds,
+        tens of them with thousands of processes), and one scan clears a batch as cheaply as one uid."""
+        async with self._scanning:  # concurrent creations share one scan's uids
+            if self._clean_uids:
+                return
+            fresh = [self._lock_free_uid()]  # CapacityError when there is none
+            with contextlib.suppress(CapacityError):
+                while len(fresh) < FRESH_UIDS_PER_SCAN:
+                    fresh.append(self._lock_free_uid())
+            # Shielded: a cancelled creation leaves the scan running in its thread, and the uids are clean once it
+            # ends; were their locks let go of before, another server's sandbox could start as one under the kill.
+            await asyncio.shield(self._clear_fresh_uids(fresh))
+
+    async def _clear_fresh_uids(self, fresh: list[int]) -> None:
         try:
-            await asyncio.to_thread(procs.kill_user, uid)
+            await asyncio.to_thread(procs.kill_users, set(fresh))
         except BaseException:
-            self._uid_locks.pop(uid).close()
-            self._free_uids.append(uid)
+            for uid in fresh:
+                self._uid_locks.pop(uid).close()
+                self._free_uids.append(uid)
             raise
-        self._clean_uids.append(uid)
+        self._clean_uids.extend(fresh)
 
     def _lock_free_uid(self) -> int:
         """A uid of the free ones whose lock this server now holds.

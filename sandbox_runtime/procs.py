@@ -87,9 +87,14 @@ def _kill_until_gone(select: Callable[[int], bool]) -> int:
 
 def kill_user(uid: int) -> int:
     """SIGKILL every process whose real uid is `uid`: a sandbox's own uid, which no other process uses."""
-    if uid == 0:
+    return kill_users({uid})
+
+
+def kill_users(uids: set[int]) -> int:
+    """SIGKILL every process whose real uid is one of `uids` (sandbox uids), in one scan of the processes."""
+    if 0 in uids:
         raise ValueError("refusing to kill every process of uid 0")
-    return _kill_until_gone(lambda pid: _real_uid(pid) == uid)
+    return _kill_until_gone(lambda pid: _real_uid(pid) in uids)
 
 
 def kill_marked(name: str, value: str) -> int:

@@ -8,7 +8,6 @@ that stand for a crashed server's leftovers.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import subprocess
@@ -65,7 +64,12 @@ def running_as(uid: int) -> list[int]:
 
 
 def start_as(uid: int, *argv: str) -> subprocess.Popen:
-    return subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv])
+    """`argv` running as `uid` (it has said so on its stdout before it became `argv`)."""
+    announce = ["sh", "-c", 'echo running; exec "$@"', "sh", *argv]
+    command = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *announce]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "running"
+    return process
 
 
 async def sh(box, command: str) -> str:
@@ -77,21 +81,21 @@ async def sh(box, command: str) -> str:
 UIDS_SEEN = "for f in /proc/[0-9]*/status; do awk '/^Uid:/ {print $2}' $f; done | sort -u"
 
 
-async def test_a_process_left_running_as_a_fresh_uid_is_killed_before_a_sandbox_gets_it(manager):
-    leftover = start_as(FIRST_UID, "sleep", "300")  # what a crashed server's sandbox left behind
+async def test_processes_left_running_as_fresh_uids_are_killed_before_a_sandbox_gets_one(manager):
+    uids = range(FIRST_UID, FIRST_UID + 4)  # the manager's whole range: one scan clears them together
+    leftovers = [start_as(uid, "sleep", "300") for uid in uids]  # what a crashed server's sandboxes left
     try:
-        for _ in range(200):  # setpriv has become sleep, running as the uid
-            if running_as(FIRST_UID):
-                break
-            await asyncio.sleep(0.01)
-        assert running_as(FIRST_UID) == [leftover.pid]
+        assert [running_as(uid) for uid in uids] == [[p.pid] for p in leftovers]
         box = await manager.create(SandboxSpec())
-        assert box.dirs.uid == FIRST_UID
-        assert leftover.wait(timeout=10) == -9  # killed before the sandbox started
-        assert (await sh(box, UIDS_SEEN)).split() == [str(FIRST_UID)]  # nothing but the sandbox's own
+        assert box.dirs.uid in uids
+        assert [p.wait(timeout=10) for p in leftovers] == [-9] * 4  # killed before the sandbox started
+        assert (await sh(box, UIDS_SEEN)).split() == [str(box.dirs.uid)]  # nothing but the sandbox's own
+        second = await manager.create(SandboxSpec())  # from the same scan's uids
+        assert second.dirs.uid in uids and second.dirs.uid != box.dirs.uid
     finally:
-        leftover.kill()
-        leftover.wait()
+        for leftover in leftovers:
+            leftover.kill()
+            leftover.wait()
 
 
 async def test_a_released_uid_is_given_again_with_nothing_left_running_as_it(manager):
@@ -114,10 +118,11 @@ async def test_a_kept_uid_is_not_another_servers_until_this_one_stops(base, mana
     await manager.delete(box.id)  # released, its lock kept
     other_base = base / "other"
     other_base.mkdir(mode=0o711)
-    other = await new_manager(other_base, range(kept, kept + 2))  # a server whose range overlaps
+    beyond = FIRST_UID + 4  # past this server's range, whose every uid it holds (in use, kept or scanned)
+    other = await new_manager(other_base, range(kept, beyond + 1))  # a server whose range overlaps
     try:
         theirs = await other.create(SandboxSpec())
-        assert theirs.dirs.uid == kept + 1
+        assert theirs.dirs.uid == beyond
         await other.delete(theirs.id)
     finally:
         await other.stop()
