@@ -244,8 +244,12 @@ async def test_sigpipe_ends_a_writer(box):
 
 async def test_kill_ends_every_process_the_sessions_started(box):
     client, sandbox = box
-    await client.exec(sandbox, "setsid sleep 1001 & nohup sleep 1002 >/dev/null 2>&1 & (sleep 1003 &)")
-    await client.exec(sandbox, "sleep 1004 &", session="other")
+    await client.exec(
+        sandbox,
+        "setsid sleep 1001 & nohup sleep 1002 >/dev/null 2>&1 & (sleep 1003 &); "
+        + RUNS_AS_SLEEP.format("1001 1002 1003"),
+    )
+    await client.exec(sandbox, "sleep 1004 & " + RUNS_AS_SLEEP.format("1004"), session="other")
     assert all(sleeping(seconds) for seconds in ("1001", "1002", "1003", "1004"))
     assert sorted(await client.end_processes(sandbox)) == ["default", "other"]
     assert not any(sleeping(seconds) for seconds in ("1001", "1002", "1003", "1004"))
@@ -274,9 +278,13 @@ async def test_the_local_backend_ends_setsid_processes_on_delete_and_after_a_cra
     try:
         async with first.client() as client:
             deleted = await client.create_sandbox()
-            await client.exec(deleted.id, "setsid sleep 991 >/dev/null 2>&1 < /dev/null &")
+            await client.exec(
+                deleted.id, "setsid sleep 991 >/dev/null 2>&1 < /dev/null & " + RUNS_AS_SLEEP.format("991")
+            )
             crashed = await client.create_sandbox()
-            await client.exec(crashed.id, "setsid sleep 992 >/dev/null 2>&1 < /dev/null &")
+            await client.exec(
+                crashed.id, "setsid sleep 992 >/dev/null 2>&1 < /dev/null & " + RUNS_AS_SLEEP.format("992")
+            )
             await client.delete_sandbox(deleted.id)
         assert not sleeping("991")
         first.process.kill()  # SIGKILL: no clean-up ran
@@ -287,6 +295,11 @@ async def test_the_local_backend_ends_setsid_processes_on_delete_and_after_a_cra
     second = start_deployment(deployment, state, "local")
     stop_server(second)
     assert not sleeping("992")
+
+
+# Appended to a command that starts background sleeps: its exec returns once they run as sleep (a job just
+# forked is bash for a moment, and `sleeping` would not find it yet).
+RUNS_AS_SLEEP = 'for n in {}; do until pgrep -fx "sleep $n" > /dev/null; do :; done; done'
 
 
 def sleeping(seconds: str) -> list[int]:
