@@ -6,13 +6,14 @@
 What it measures, and why:
 - Echo latency: one client sends `echo hi` to one session, sequentially, over a keep-alive HTTP
   connection: the per-turn cost an agent pays. Baselines: the same marker round trip on a bash driven
-  directly through ptyprocess (the floor: bash plus the terminal), and GET /healthz on the same server
+  directly through a terminal of its own (the floor: bash plus the terminal), and GET /healthz on the same server
   (the floor of the HTTP stack alone).
 - Throughput at 64 and 256 concurrent sessions: a closed loop of `echo hi` per session for a fixed wall
   time, from client processes separate from the server. Baseline: one Python process driving as many raw
-  ptyprocess bash sessions with a selector loop, i.e. the same work without HTTP.
+  bash sessions with a selector loop, i.e. the same work without HTTP.
 - Session creation: POST /v1/sandboxes (bwrap + bash up to its first marker) and a new named session in an
-  existing sandbox. Baseline: the same bwrap + bash command line spawned directly under a pty.
+  existing sandbox. Baseline: the same bwrap + bash command line spawned directly under a pty, the way the
+  server spawns it (`sandbox_runtime.spawn.on_terminal`), so that both pay the same for the spawn itself.
 - Idle memory: PSS summed over the server and all its descendants while many sandboxes sit idle, with the
   drop of MemAvailable as a second view (it also sees kernel memory: page tables, namespaces, mounts,
   terminals). Baseline: PSS of bwrap + bash sessions spawned directly. Memory must return after deletion.
@@ -58,9 +59,9 @@ from common import (
     update_targets,
     utc_now,
 )
-from ptyprocess import PtyProcess
 
 from prorl_adapter.dev import localstack
+from sandbox_runtime.spawn import on_terminal
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -80,6 +81,7 @@ MARK = b"\x1e"
 RAW_SETUP = rb"""PROMPT_COMMAND='printf "\036%s\036\n" $?'""" + b"\n"
 ECHO_LINE = b"echo hi\n"
 
+BASELINE_UID = 2_130_000_000  # as root, the setpriv baseline runs as this uid (below 2**31: bwrap reads an int)
 LATENCY_BLOCKS = 10  # sequential rounds are taken in this many interleaved blocks per kind
 
 BLOCK_START = "<!-- bench_runtime:start -->"
@@ -186,7 +188,7 @@ def smaps_field(pid: int, name: str) -> int:
     return 0
 
 
-# -- baseline: raw ptyprocess bash --------------------------------------------------------------------------
+# -- baseline: raw bash on a terminal -----------------------------------------------------------------------
 def read_marker(fd: int, timeout: float = 20.0) -> bytes:
     """Read until a whole RS...RS marker arrived."""
     buf = b""
@@ -198,25 +200,30 @@ def read_marker(fd: int, timeout: float = 20.0) -> bytes:
     return buf
 
 
-def spawn_shell(argv: list[str]) -> PtyProcess:
-    """A bash under a pty with echo off and the marker PROMPT_COMMAND, returned once its first marker came."""
-    proc = PtyProcess.spawn(argv, env=SHELL_ENV, echo=False)
-    proc.delayafterclose = proc.delayafterterminate = 0
-    os.write(proc.fd, RAW_SETUP)
-    read_marker(proc.fd)
-    return proc
+@dataclass(frozen=True)
+class RawShell:
+    pid: int
+    fd: int  # its terminal's master side, non-blocking
 
 
-def kill_shell(proc: PtyProcess) -> None:
+def spawn_shell(argv: list[str]) -> RawShell:
+    """A bash under a pty with echo off and the marker PROMPT_COMMAND, returned once its first marker came;
+    spawned as the server spawns its sessions."""
+    shell = RawShell(*on_terminal(argv, SHELL_ENV))
+    os.write(shell.fd, RAW_SETUP)
+    read_marker(shell.fd)
+    return shell
+
+
+def kill_shell(shell: RawShell) -> None:
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(Exception):
-        proc.wait()
-    with contextlib.suppress(Exception):
-        proc.close(force=True)
+        os.killpg(shell.pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(shell.pid, 0)
+    os.close(shell.fd)
 
 
-def raw_round(proc: PtyProcess) -> float:
+def raw_round(proc: RawShell) -> float:
     """One `echo hi` round trip on a raw shell: write the line, read until the marker."""
     t0 = time.perf_counter()
     os.write(proc.fd, ECHO_LINE)
@@ -287,7 +294,7 @@ def bash_spawn_latency(samples: int) -> Latency:
 
 def bwrap_pss_per_session(argv: list[str], samples: int) -> float:
     """PSS (bytes) of one directly spawned bwrap + bash session (bwrap, bwrap, bash) while `samples` idle."""
-    live: list[PtyProcess] = []
+    live: list[RawShell] = []
     try:
         live += [spawn_shell(argv) for _ in range(samples)]
         time.sleep(0.5)
@@ -542,6 +549,8 @@ class Creation:
     sandbox: Latency  # POST /v1/sandboxes
     session: Latency  # the first exec in a fresh named session
     direct: Latency  # baseline: bwrap + bash spawned directly
+    # As root: the same behind setpriv to a uid of its own, as a root server starts every sandbox (None otherwise)
+    direct_as_uid: Latency | None = None
 
 
 async def measure_latency(settings: Settings, rt: Runtime, sandbox_id: str) -> tuple[Latency, Latency, Latency]:
@@ -564,17 +573,36 @@ async def measure_latency(settings: Settings, rt: Runtime, sandbox_id: str) -> t
     return Latency.of(raw), healthz.latency(), echo.latency()
 
 
-async def measure_creation(rt: Runtime, samples: int, bwrap: list[str]) -> Creation:
-    """POST /v1/sandboxes, the first exec of a fresh named session in it, and bwrap + bash spawned directly,
-    one after the other in each round, so that noise hits the three alike."""
-    direct, boxes, sessions = [], [], []
+async def measure_creation(rt: Runtime, samples: int, bwrap: list[str], as_uid: list[str] | None) -> Creation:
+    """POST /v1/sandboxes, the first exec of a fresh named session in it, and bwrap + bash spawned directly
+    (as root also behind setpriv, as the server starts it), one after the other in each round, so that noise
+    hits them alike."""
+    direct, behind_setpriv, boxes, sessions = [], [], [], []
     for i in range(samples):
         direct.append(timed_spawn(bwrap))
+        if as_uid:
+            behind_setpriv.append(timed_spawn(as_uid))
         sandbox_id, took = await rt.create()
         boxes.append(took)
         sessions.append(await timed_call(rt.http, rt.echo(sandbox_id, f"fresh{i}")))
         await rt.delete_session(sandbox_id, f"fresh{i}")
-    return Creation(Latency.of(boxes), Latency.of(sessions), Latency.of(direct))
+    return Creation(
+        Latency.of(boxes), Latency.of(sessions), Latency.of(direct), Latency.of(behind_setpriv) if as_uid else None
+    )
+
+
+def behind_setpriv(bwrap: list[str], work: Path) -> list[str] | None:
+    """As root, `bwrap` (the baseline's, whose folders are under `work`) behind the server's setpriv prefix to a
+    uid apart from the server's range, which is given those folders; None when not root (an unprivileged server
+    runs no setpriv either)."""
+    if os.geteuid() != 0:
+        return None
+    from sandbox_runtime.backends.base import drop_privileges
+
+    work.chmod(0o711)
+    for path in [work / "baseline", *(work / "baseline").rglob("*")]:
+        os.chown(path, BASELINE_UID, BASELINE_UID)
+    return drop_privileges(BASELINE_UID) + bwrap
 
 
 async def measure_loads(settings: Settings, rt: Runtime, server_pid: int, level: int) -> tuple[Load, Load, Load]:
@@ -702,6 +730,7 @@ async def bench_runtime(settings: Settings, work: Path, base: Baselines, results
     """Start the server and run every phase; sandboxes and server are removed however the phases end."""
     bwrap = bwrap_argv(work)
     measure_idle_baselines(settings, base, bwrap)
+    as_uid = behind_setpriv(bwrap, work)
     server = localstack.start_sandbox_runtime(
         work / "state", "bwrap", "--max-sandboxes", "1200", log=work / "runtime.log"
     )
@@ -709,7 +738,7 @@ async def bench_runtime(settings: Settings, work: Path, base: Baselines, results
         async with http_session() as http:
             rt = Runtime(http, server.url)
             try:
-                await _runtime_phases(settings, rt, server.process.pid, base, results, bwrap)
+                await _runtime_phases(settings, rt, server.process.pid, base, results, bwrap, as_uid)
             finally:
                 if rt.ids:
                     print(f"cleaning up {len(rt.ids)} sandboxes")
@@ -720,14 +749,20 @@ async def bench_runtime(settings: Settings, work: Path, base: Baselines, results
 
 
 async def _runtime_phases(
-    settings: Settings, rt: Runtime, server_pid: int, base: Baselines, results: RuntimeResults, bwrap: list[str]
+    settings: Settings,
+    rt: Runtime,
+    server_pid: int,
+    base: Baselines,
+    results: RuntimeResults,
+    bwrap: list[str],
+    as_uid: list[str] | None,
 ) -> None:
     step("runtime: sequential echo latency, interleaved with raw pty and GET /healthz round trips")
     first, _ = await rt.create()
     base.echo, results.healthz, results.echo = await measure_latency(settings, rt, first)
 
     step(f"runtime: session creation ({settings.create_samples} rounds, interleaved with bwrap + bash direct)")
-    results.creation = await measure_creation(rt, settings.create_samples, bwrap)
+    results.creation = await measure_creation(rt, settings.create_samples, bwrap, as_uid)
 
     step(f"runtime: creating sandboxes up to {max(settings.levels)} for the throughput runs")
     await rt.create_many(max(settings.levels) - len(rt.ids), settings.create_concurrency)
@@ -1020,7 +1055,9 @@ class Report:
         rt, base, sx, mem = self.rt, self.base, self.sx, self.rt.memory
         lines = [
             f"Spawn to first marker, directly under a pty: bash {pair(base.bash_spawn)}, "
-            f"bwrap + bash {pair(rt.creation.direct)} (p50 / p99).",
+            f"bwrap + bash {pair(rt.creation.direct)}"
+            + (f", the same behind setpriv {pair(rt.creation.direct_as_uid)}" if rt.creation.direct_as_uid else "")
+            + " (p50 / p99).",
             f"Echo over HTTP minus the HTTP floor: {ms(rt.echo.p50 - rt.healthz.p50)} at p50 "
             f"(raw pty round trip: {ms(base.echo.p50)}).",
             "Sequential calls that failed or answered wrongly, left out of the percentiles: "
@@ -1144,9 +1181,10 @@ from the first start to the last completion; the client runs in processes separa
 
 BASELINES = """\
 **What each baseline is.**
-- *raw pty*: `bash --norc --noediting -i` spawned by ptyprocess (echo off) with a PROMPT_COMMAND that prints
-  an RS exit-code RS marker, the runtime's own completion idea; one round trip writes `echo hi` and reads
-  until the marker. No HTTP, no server, no sandbox: the floor of a command round trip on this machine.
+- *raw pty*: `bash --norc --noediting -i` spawned on a terminal of its own as the server spawns its
+  sessions (echo off), with a PROMPT_COMMAND that prints an RS exit-code RS marker, the runtime's own
+  completion idea; one round trip writes `echo hi` and reads until the marker. No HTTP, no server, no
+  sandbox: the floor of a command round trip on this machine.
 - *raw pty loop*: one Python process driving 64 or 256 such bash sessions with a selector loop, one command
   in flight per session: the same closed loop as the throughput runs without HTTP, JSON and a sandbox.
 - *HTTP floor*: GET /healthz on the same server with the same client: what the HTTP stack costs alone.
@@ -1223,6 +1261,12 @@ def main(argv: list[str] | None = None) -> int:
             times = made.sandbox.p50 / made.direct.p50
             note = f"{ms(made.sandbox.p50)} vs {ms(made.direct.p50)} bwrap+bash direct, interleaved"
             note += f"; {times / 1.2 - 1:.0%} over the target" if times > 1.2 else ""
+            if times > 1.2 and made.direct_as_uid is not None:  # a root server: setpriv starts every sandbox
+                note += (
+                    f"; bwrap+bash behind setpriv, as a root server starts it: {ms(made.direct_as_uid.p50)} "
+                    f"({made.direct_as_uid.p50 / made.direct.p50:.2f}x), the rest the server's own work (the "
+                    "sandbox's folders, its crash record, HTTP)"
+                )
             note += "; bench_runtime"
             update_targets(args.out, {"sandbox creation": TargetResult(f"{times:.2f}x", times <= 1.2, note)})
         print(f"wrote {args.out}")

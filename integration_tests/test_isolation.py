@@ -147,3 +147,21 @@ async def test_two_hundred_sandboxes_run_commands_at_once(bwrap_runtime):
         finally:
             await asyncio.gather(*(client.delete_sandbox(b.id) for b in boxes))
         assert await client.list_sandboxes() == []
+
+
+async def test_nothing_the_server_holds_open_reaches_a_sandbox(client, runtime):
+    """A session's shell has its terminal and nothing else: not the server's sockets, another sandbox's
+    terminal, or a uid's lock file. The server closes nothing for its children: every descriptor it opens is
+    close-on-exec (sandbox_runtime/spawn.py), and this shows that none slipped through."""
+    other = await make_box(client, runtime)  # its terminal is open in the server meanwhile
+    box = await make_box(client, runtime)
+    try:
+        shell = await client.exec(box.id, "ls /proc/$$/fd")  # an interactive bash keeps its terminal as 255 too
+        assert sorted(shell.output.split(), key=int) == ["0", "1", "2", "255"]
+        child = await client.exec(box.id, "ls /proc/self/fd")  # 3: the directory ls reads
+        assert sorted(child.output.split(), key=int) == ["0", "1", "2", "3"]
+        run = await client.run(box.id, argv=["ls", "/proc/self/fd"])
+        assert sorted(run.output.split(), key=int) == ["0", "1", "2", "3"]
+    finally:
+        await client.delete_sandbox(box.id)
+        await client.delete_sandbox(other.id)

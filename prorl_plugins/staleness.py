@@ -189,9 +189,22 @@ def deadline_demands(state: AdmissionState, k: int, batch_size: int) -> dict[int
     Versus `any-take`: its invariant P <= (v_min + k - c + 1) * B implies this one, so `deadline-take`
     admits whenever `any-take` would, and more once an old episode is pending. `any-take` cannot admit more
     without a take like this one: it must hold whichever finished trajectories the trainer takes, and when the
-    oldest one finishes last the others fill every batch up to its limit. `deadline-take` is the loosest rule
-    for a deadline take too: (k + 1) * B + 1 episodes admitted at c, all slow, cannot fit the k + 1 batches
-    c..c + k.
+    oldest one finishes last the others fill every batch up to its limit.
+
+    Why no rule that never drops does better, whatever it knows of the durations:
+    - Admission. Nothing pending is older than c - k (else it is already too stale) or newer than c, so each
+      pending episode, and the new one, must be in one of the takes c, ..., c + k: (k + 1) * B places in all.
+      P + 1 <= (k + 1) * B is therefore necessary for every rule, in every state, not only in a worst case;
+      this rule admits whenever it holds.
+    - The take. The takes after this one, c + 1, ..., j + k, hold (j + k - c) * B, so at least d_j of the
+      pending episodes at levels <= j must be in this one, in any schedule: a take that waits only until it
+      can meet the demands waits for nothing that another correct take could do without. Serving the oldest
+      first leaves the later takes the most room (swapping a younger trajectory of the batch for an older
+      ready one never lowers what a later take can meet), so it meets the later demands whenever any choice
+      of this batch would.
+    What remains is how long the episodes run: the take at c waits for the slowest episode admitted at c - k,
+    which no admission rule that starts episodes without knowing their length can shorten. Beyond this, only
+    a larger k, dropping (`drop`, `linear`), or restarting episodes buys trainer time.
 
     What it costs the trainer: a take waits for a running episode only while what is ready cannot meet a
     demand: every episode at its limit (j = c - k), and, for a later j, only as many as the levels up to j hold

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
+from collections.abc import Callable
 
-from . import procs
+from . import procs, spawn
 from .models import RunResult
 from .output import OutputBuffer
-from .session import Launch, default_signals, preamble, shell_word
+from .session import Launch, preamble, shell_word
 
 # After a local run's process exits, how long its output may keep arriving from processes it left behind.
 _DRAIN_AFTER_EXIT_S = 1.0
@@ -33,41 +35,36 @@ def run_script(launch: Launch, cwd: str, env: dict[str, str], argv: list[str]) -
 
 async def run_once(launch: Launch, script: str, timeout: float, max_output: int) -> RunResult:
     started = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(
-        *launch.argv,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env=launch.env,
-        cwd=launch.cwd,
-        start_new_session=True,
-        preexec_fn=default_signals,
-    )
+    pid, stdin_fd, output_fd = spawn.with_pipes(launch.argv, launch.env)
+    exited = asyncio.ensure_future(procs.wait_exit(pid))
     output = OutputBuffer(max_output)
-    reader = asyncio.ensure_future(_read_all(proc.stdout, output))
+    reader = asyncio.ensure_future(_read_all(output_fd, output))
+    # A script larger than the pipe's buffer is written as bash reads it. bash needs no end of input: the
+    # script is one group that ends in an `exec` (or an exit), with its stdin on /dev/null.
+    writer = asyncio.ensure_future(_write_all(stdin_fd, script.encode("utf-8", errors="surrogateescape")))
     try:
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            proc.stdin.write(script.encode("utf-8", errors="surrogateescape"))
-            await proc.stdin.drain()
-            proc.stdin.close()
-        try:
-            exit_code: int | None = await asyncio.wait_for(proc.wait(), timeout)
-        except TimeoutError:
-            exit_code = None
-            _kill(proc.pid, launch.pid_namespace)
-            await proc.wait()
+        exit_code: int | None = None
+        done, _ = await asyncio.wait({exited}, timeout=timeout)
+        if done:
+            exit_code = exited.result()
+        else:
+            _kill(pid, launch.pid_namespace)
+            await asyncio.shield(exited)
         # Under a pid namespace everything it started is gone now and the pipe closes at once; a local run's
         # leftovers may hold it open, so its output is waited for only briefly.
         drain = None if launch.pid_namespace else _DRAIN_AFTER_EXIT_S
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(reader), drain)
     finally:
-        if proc.returncode is None:
-            _kill(proc.pid, launch.pid_namespace)
-            await proc.wait()
-        reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reader
+        if not exited.done():
+            _kill(pid, launch.pid_namespace)
+            await asyncio.shield(exited)
+        for task in (writer, reader):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await task
+        os.close(stdin_fd)  # here, not in the tasks: a task cancelled before it started runs nothing
+        os.close(output_fd)
     text, truncated = output.take()
     return RunResult(
         output=text,
@@ -78,9 +75,39 @@ async def run_once(launch: Launch, script: str, timeout: float, max_output: int)
     )
 
 
-async def _read_all(stream: asyncio.StreamReader, output: OutputBuffer) -> None:
-    while chunk := await stream.read(65536):
+async def _readiness(fd: int, add: Callable, remove: Callable) -> None:
+    """Return once `fd` is ready (`add`/`remove`: the loop's reader or writer registration)."""
+    ready = asyncio.get_running_loop().create_future()
+    add(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        remove(fd)
+
+
+async def _read_all(fd: int, output: OutputBuffer) -> None:
+    """Feed `output` from `fd` (non-blocking) until its end."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            await _readiness(fd, loop.add_reader, loop.remove_reader)
+            continue
+        if not chunk:
+            return
         output.feed(chunk)
+
+
+async def _write_all(fd: int, data: bytes) -> None:
+    """Write `data` to `fd` (non-blocking) as the reader takes it (a reader that is gone: BrokenPipeError)."""
+    loop = asyncio.get_running_loop()
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:
+            await _readiness(fd, loop.add_writer, loop.remove_writer)
 
 
 def _kill(pid: int, pid_namespace: bool) -> None:

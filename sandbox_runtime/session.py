@@ -16,17 +16,13 @@ How a command runs, and why:
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import os
 import secrets
 import signal
-import termios
 import time
 from dataclasses import dataclass, field
 
-from ptyprocess import PtyProcess
-
-from . import procs
+from . import procs, spawn
 from .forwards import ForwardError, Forwards
 from .models import ExecResult, ExecStatus, PortForward
 from .output import OutputBuffer
@@ -89,7 +85,6 @@ class Launch:
     # /.singularity.d/env, which Apptainer's own action scripts source, so that an image means the same here.
     env_scripts: str | None = None
     ulimits: list[str] = field(default_factory=list)  # `ulimit -HS` arguments the shell applies first
-    cwd: str | None = None
     # True when the launched process is a pid-namespace holder (bwrap): killing its child, the namespace's
     # init, makes the kernel kill everything inside, and the holder exits only once all of it is gone.
     pid_namespace: bool = False
@@ -119,28 +114,6 @@ def preamble(launch: Launch) -> str:
     return limits + exports
 
 
-def default_signals() -> None:
-    """In a child before exec: every signal at its default disposition and unblocked.
-
-    Python ignores SIGPIPE and SIGXFSZ, and ignored dispositions survive exec: without this, `yes | head -n1`
-    would run forever in a sandbox and a file-size limit would give EFBIG instead of killing the writer.
-    """
-    for signum in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(signum, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_SETMASK, [])
-
-
-def _raw_terminal() -> None:
-    """In the child: raw bytes out (no \\n -> \\r\\n), no line editing in (no 4 KB line cap), signal keys on,
-    and default signal dispositions."""
-    default_signals()
-    attrs = termios.tcgetattr(0)
-    attrs[1] &= ~termios.ONLCR
-    attrs[3] &= ~termios.ICANON
-    attrs[6][termios.VMIN], attrs[6][termios.VTIME] = 1, 0
-    termios.tcsetattr(0, termios.TCSANOW, attrs)
-
-
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
@@ -156,7 +129,7 @@ class ShellSession:
         self._launch = launch
         self._forwards = Forwards(forwards or [])
         self._default_limit = default_output_limit
-        self._proc: PtyProcess | None = None
+        self._fd: int | None = None  # the terminal's master side; None before start and after close
         self.pid = 0
         self.started_at = 0  # kernel start time of `pid`, for crash recovery
         self._loop = asyncio.get_event_loop()
@@ -177,14 +150,10 @@ class ShellSession:
         # No prompt before the set-up line has run (it would lead the first command's output).
         env = {**launch.env, "TERM": "dumb", "PS1": "", "PS2": ""}
         try:
-            self._proc = PtyProcess.spawn(launch.argv, env=env, cwd=launch.cwd, echo=False, preexec_fn=_raw_terminal)
-        except (OSError, FileNotFoundError) as exc:
+            self.pid, self._fd = spawn.on_terminal(launch.argv, env)
+        except OSError as exc:
             raise SessionError(f"cannot start shell: {exc}", status=500) from exc
-        self._proc.delayafterclose = self._proc.delayafterterminate = 0
-        self.pid = self._proc.pid
         self.started_at = procs.start_time(self.pid) or 0
-        fd = self._proc.fd
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
         self._exited = self._loop.create_task(procs.wait_exit(self.pid))
         nonce = self._arm(self._default_limit)
         setup = _SETUP_LINE.replace("{nonce}", nonce)
@@ -223,7 +192,7 @@ class ShellSession:
     async def close(self) -> None:
         """Kill every process of the session (its whole Unix session) and wait until the shell is reaped."""
         await self._forwards.close()
-        if self._proc is None:
+        if self._fd is None:
             return
         self._stop_reading()
         if not self.dead:
@@ -233,9 +202,8 @@ class ShellSession:
             if not inits:
                 procs.kill_session(self.pid)
             await asyncio.shield(self._exited)
-        self._proc.terminated = True  # reaped by procs.wait_exit; stop ptyprocess from waiting again
-        self._proc.close()
-        self._proc = None
+        os.close(self._fd)
+        self._fd = None
         if self._done is not None and not self._done.done():
             self._done.set_result(None)
 
@@ -300,7 +268,7 @@ class ShellSession:
             return done
         for _ in range(3):  # a command list runs on after one of its commands is killed: kill each in turn
             try:
-                foreground = os.tcgetpgrp(self._proc.fd)
+                foreground = os.tcgetpgrp(self._fd)
                 if foreground <= 0 or foreground == self.pid:
                     break
                 os.killpg(foreground, signal.SIGKILL)
@@ -350,7 +318,7 @@ class ShellSession:
             self._out.feed(pending.encode())
         self._carry = b""
         if not self._reading:
-            self._loop.add_reader(self._proc.fd, self._on_readable)
+            self._loop.add_reader(self._fd, self._on_readable)
             self._reading = True
         return nonce
 
@@ -360,8 +328,8 @@ class ShellSession:
         self._prefix = b""
 
     def _stop_reading(self) -> None:
-        if self._proc is not None and self._reading:
-            self._loop.remove_reader(self._proc.fd)
+        if self._fd is not None and self._reading:
+            self._loop.remove_reader(self._fd)
         self._reading = False
 
     async def _wait(self, timeout: float) -> tuple[int, str] | None:
@@ -378,7 +346,7 @@ class ShellSession:
         return None
 
     def _drain(self) -> None:
-        if self._proc is None:
+        if self._fd is None:
             return
         while self._read_once():
             pass
@@ -391,7 +359,7 @@ class ShellSession:
 
     def _read_once(self) -> bool:
         try:
-            data = os.read(self._proc.fd, 65536)
+            data = os.read(self._fd, 65536)
         except BlockingIOError:
             return False
         except OSError:  # EIO: every process holding the terminal has exited
@@ -439,7 +407,7 @@ class ShellSession:
 
     async def _write(self, data: bytes) -> None:
         """Write everything, waiting (not spinning) whenever the terminal's input queue is full."""
-        fd = self._proc.fd
+        fd = self._fd
         view = memoryview(data)
         while view:
             try:

@@ -280,7 +280,6 @@ def test_launch_carries_the_environment_in_argv(dirs: SandboxDirs, monkeypatch: 
     }
     assert launch.ulimits == ["-v", str(512 * 1024)]
     assert launch.pid_namespace is False
-    assert launch.cwd is None
 
 
 def test_launch_env_falls_back_to_the_default_path(dirs: SandboxDirs, monkeypatch: pytest.MonkeyPatch) -> None:

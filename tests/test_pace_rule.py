@@ -1,4 +1,5 @@
-"""Pace's `deadline-take` rule (`prorl_plugins.staleness.deadline_demands`): property tests of its guarantee.
+"""Pace's `deadline-take` rule (`prorl_plugins.staleness.deadline_demands`): property tests of its guarantee,
+and that its admission is the loosest any rule that never drops can have.
 
 An adversarial discrete-time model: episodes of arbitrary durations and start delays (an episode's trajectory
 takes the version at which it starts, at or after the one it was admitted at), admitted whenever `should_pace`
@@ -148,3 +149,32 @@ def test_demands_are_the_at_limit_episodes_and_the_overfull_levels():
     assert not deadline_take_ready(state, {3: 2, 5: 1}, 2, 4)  # fewer than B ready
     assert not deadline_take_ready(AdmissionState(5, {3: 1, 4: 1}, {3: 2, 4: 3, 5: 1}), {3: 2, 4: 3, 5: 1}, 2, 4)
     assert deadline_take_ready(AdmissionState(5, {4: 1}, {3: 3, 4: 3, 5: 1}), {3: 3, 4: 3, 5: 1}, 2, 4)
+
+
+def schedulable(state: AdmissionState, k: int, batch_size: int) -> bool:
+    """Whether every pending episode could still be consumed within k, in the kindest case: all of them finished
+    now, the takes c, c + 1, ... of `batch_size` each filled earliest deadline first."""
+    deadlines = sorted(v + k for v, n in (state.in_flight + state.buffered).items() for _ in range(n))
+    return all(deadline >= state.current_version + i // batch_size for i, deadline in enumerate(deadlines))
+
+
+@given(
+    st.integers(min_value=0, max_value=20),
+    st.lists(st.integers(min_value=0, max_value=4), max_size=40),
+    st.lists(st.integers(min_value=0, max_value=4), max_size=40),
+    st.integers(min_value=0, max_value=4),
+    st.integers(min_value=1, max_value=6),
+)
+def test_deadline_take_admits_exactly_when_any_rule_could(current, in_flight_ages, buffered_ages, k, b):
+    # Reachable states only: nothing pending older than c - k, and the levels within what the rule keeps.
+    state = AdmissionState(
+        current,
+        Counter(current - min(age, k) for age in in_flight_ages),
+        Counter(current - min(age, k) for age in buffered_ages),
+    )
+    if not schedulable(state, k, b):
+        return
+    with_one_more = AdmissionState(current, state.in_flight + Counter({current: 1}), state.buffered)
+    # No rule, whatever it knew of the durations, could admit where even the kindest case fails; this one
+    # admits wherever it does not.
+    assert should_pace(state, k, b, rule="deadline-take") == (not schedulable(with_one_more, k, b))

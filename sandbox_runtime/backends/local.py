@@ -35,12 +35,13 @@ class LocalBackend(Backend):
     def launch(self, dirs: SandboxDirs, spec: SandboxSpec, command: list[str] = SHELL_ARGV) -> Launch:
         if spec.image:
             raise BackendError("the local backend runs on the host and takes no image", 400)
+        # `env -C`: the shell starts in its workspace, not in the server's directory (which the sandbox's uid may
+        # not be allowed to enter); launchers are spawned without a working directory of their own (spawn.py).
         return Launch(
-            argv=[*drop_privileges(dirs.uid), *command],
+            argv=[*drop_privileges(dirs.uid), "env", "-C", str(dirs.workspace), *command],
             env={**LAUNCHER_ENV, MARKER: str(dirs.root)},
             sandbox_env={**self.sandbox_env(dirs, spec), "TMPDIR": str(dirs.tmp)},
             ulimits=ulimit_args(spec.limits),
-            cwd=str(dirs.workspace),
         )
 
     async def end_processes(self, dirs: SandboxDirs, spec: SandboxSpec) -> int:
