@@ -270,16 +270,21 @@ def raw_throughput(sessions: int, duration_s: float) -> Load:
             kill_shell(proc)
 
 
-def bwrap_argv(work: Path) -> list[str]:
-    """The command line the server's bwrap backend runs, so the baseline pays for the same mounts."""
+def bwrap_argv(work: Path, owner: int | None) -> list[str]:
+    """The command line the server's bwrap backend runs, so the baseline pays for the same mounts; its folders
+    under `work` belong to `owner` where given (the uid behind_setpriv runs it as)."""
     try:
         from sandbox_runtime.backends.base import SandboxDirs
         from sandbox_runtime.backends.bwrap import BwrapBackend
         from sandbox_runtime.models import SandboxSpec
 
         dirs = SandboxDirs("baseline", work / "baseline")
-        dirs.workspace.mkdir(parents=True, exist_ok=True)
-        dirs.tmp.mkdir(exist_ok=True)
+        for folder in (dirs.root, dirs.workspace, dirs.tmp):
+            folder.mkdir(parents=True, exist_ok=True)
+            if owner is not None:
+                os.chown(folder, owner, owner)
+        if owner is not None:
+            work.chmod(0o711)  # the owner passes through to its folders
         return BwrapBackend(work).argv(dirs, SandboxSpec())
     except Exception as exc:  # the backend's internals changed: an equivalent command line
         print(f"note: using a generic bwrap command line for the baseline ({type(exc).__name__}: {exc})")
@@ -591,17 +596,13 @@ async def measure_creation(rt: Runtime, samples: int, bwrap: list[str], as_uid: 
     )
 
 
-def behind_setpriv(bwrap: list[str], work: Path) -> list[str] | None:
-    """As root, `bwrap` (the baseline's, whose folders are under `work`) behind the server's setpriv prefix to a
-    uid apart from the server's range, which is given those folders; None when not root (an unprivileged server
-    runs no setpriv either)."""
+def behind_setpriv(bwrap: list[str]) -> list[str] | None:
+    """As root, `bwrap` (the baseline's, its folders given to BASELINE_UID) behind the server's setpriv prefix to
+    that uid, apart from the server's range; None when not root (an unprivileged server runs no setpriv either)."""
     if os.geteuid() != 0:
         return None
     from sandbox_runtime.backends.base import drop_privileges
 
-    work.chmod(0o711)
-    for path in [work / "baseline", *(work / "baseline").rglob("*")]:
-        os.chown(path, BASELINE_UID, BASELINE_UID)
     return drop_privileges(BASELINE_UID) + bwrap
 
 
@@ -728,9 +729,9 @@ def measure_idle_baselines(settings: Settings, base: Baselines, bwrap: list[str]
 
 async def bench_runtime(settings: Settings, work: Path, base: Baselines, results: RuntimeResults) -> None:
     """Start the server and run every phase; sandboxes and server are removed however the phases end."""
-    bwrap = bwrap_argv(work)
+    bwrap = bwrap_argv(work, BASELINE_UID if os.geteuid() == 0 else None)
     measure_idle_baselines(settings, base, bwrap)
-    as_uid = behind_setpriv(bwrap, work)
+    as_uid = behind_setpriv(bwrap)
     server = localstack.start_sandbox_runtime(
         work / "state", "bwrap", "--max-sandboxes", "1200", log=work / "runtime.log"
     )

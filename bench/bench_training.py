@@ -3,6 +3,11 @@
 the wall time the same trainer needs to reach a reward.
 
     python bench/bench_training.py [--seeds 3] [--steps 30] [--workload both] [--quick] [--out docs/benchmarks.md]
+                                   [--runs-file runs.jsonl]
+
+Three seeds take about two hours here. With `--runs-file`, each finished run is kept in that file and a later
+invocation with the same settings takes it from there instead of running it again (the report says how many
+and when they were made), so that a benchmark cut short resumes where it stopped.
 
 The trainer is the CPU trainer (`prorl-train-cpu`: GRPO with verl's core_algos on the tiny model, its weights
 pushed to vLLM after every step) on the `relay` task, through a real vLLM server, sandbox runtime and rollout
@@ -10,7 +15,11 @@ service. Modes differ only in the staleness plugin's pace K:
 
 - *coupled* (pace K=0): nothing is generated ahead of the version it will be trained at, so generation waits
   for each step's weights and training for each step's batch, as in an in-trainer loop;
-- *decoupled, pace K=1* and *K=2*: episodes for the next one or two versions run while the trainer trains.
+- *decoupled, pace K=1* and *K=2*: episodes for the next one or two versions run while the trainer trains,
+  admitted by pace's `deadline-take` rule (`--pace-rule`). Its default `any-take` rule counts the batch being
+  trained on as pending at its own version, so at K=1, once the trainer trains on trajectories one version old,
+  it admits nothing until that batch is acknowledged: every other step then waits for a whole generation.
+  `deadline-take` admits up to (K+1)·B pending whatever their age, and the service's take serves deadlines.
 
 Workloads: *relay* as it is (two turns of instant shell commands: generation is a small part of a step), and
 *slow tools*: the same task with each tool call first sleeping a latency drawn per turn (lognormal about
@@ -45,7 +54,7 @@ import os
 import statistics
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from common import (
@@ -63,6 +72,7 @@ from common import (
 
 from prorl_adapter.dev import localstack
 from prorl_plugins.cpu_trainer.train import CpuTrainer, StepRecord, TrainSettings
+from prorl_plugins.staleness import PACE_RULES
 
 BLOCK_START = "<!-- bench_training:start -->"
 BLOCK_END = "<!-- bench_training:end -->"
@@ -80,6 +90,7 @@ class Run:
     mode: str
     seed: int
     records: list[StepRecord] = field(default_factory=list)
+    earlier: str | None = None  # when an earlier invocation finished it (taken from --runs-file); None: this one
 
     @property
     def elapsed(self) -> list[float]:
@@ -120,6 +131,24 @@ class Run:
 
     def wait_s(self) -> float:
         return statistics.fmean(r.seconds * (1 - r.trainer_busy) for r in self.records)
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return self.workload, self.mode, self.seed
+
+    def to_json(self, settings: dict) -> str:
+        """One line of a runs file: the run, its step records and the settings it ran with."""
+        records = [{**asdict(r), "staleness": {str(k): n for k, n in r.staleness.items()}} for r in self.records]
+        return json.dumps({"run": [*self.key], "settings": settings, "finished": utc_now(), "records": records})
+
+    @classmethod
+    def from_json(cls, document: dict) -> Run:
+        records = [
+            StepRecord(**{**r, "staleness": {int(k): n for k, n in r["staleness"].items()}})
+            for r in document["records"]
+        ]
+        workload, mode, seed = document["run"]
+        return cls(workload, mode, seed, records, earlier=document["finished"])
 
 
 # -- the runs ---------------------------------------------------------------------------------------------
@@ -166,20 +195,26 @@ def run_all(args: argparse.Namespace, work: Path) -> tuple[list[Run], str]:
     workloads = {"relay": 0.0, "slow tools": args.slow_median_s}
     chosen = [name for name in workloads if args.workload in ("both", name.split()[0])]
     runs: list[Run] = []
+    earlier = earlier_runs(args)
     try:
         for seed in range(1, args.seeds + 1):
-            modes = list(MODES) if seed % 2 else list(MODES)[::-1]
+            modes = args.modes if seed % 2 else args.modes[::-1]
             for workload in chosen:
                 for mode in modes:
                     run = Run(workload, mode, seed)
+                    staleness = {"mode": "pace", "max_staleness": MODES[mode], "pace_rule": pace_rule(mode, args)}
                     settings = TrainSettings(
-                        steps=args.steps,
-                        seed=seed,
-                        staleness={"mode": "pace", "max_staleness": MODES[mode]},
-                        tool_latency_median_s=workloads[workload],
+                        steps=args.steps, seed=seed, staleness=staleness, tool_latency_median_s=workloads[workload]
                     )
+                    if run.key in earlier:
+                        print(f"{workload}, {mode}, seed {seed}: from {args.runs_file}", flush=True)
+                        runs.append(earlier[run.key])
+                        continue
                     print(f"{workload}, {mode}, seed {seed}: {args.steps} steps ...", flush=True)
                     run_one(run, settings, runtime.url, vllm.url, work, service_cpus)
+                    if args.runs_file:
+                        with args.runs_file.open("a") as out:
+                            print(run.to_json(run_settings(args, mode)), file=out)
                     print(
                         f"  {run.wall_s:.0f} s, reward {run.final_reward():.2f} at the end, "
                         f"time to {GOAL}: {run.time_to_goal():.0f} s, trainer busy {run.busy():.0%}",
@@ -190,6 +225,34 @@ def run_all(args: argparse.Namespace, work: Path) -> tuple[list[Run], str]:
         stop(runtime)
         stop(vllm, timeout=30)
     return runs, where
+
+
+def pace_rule(mode: str, args: argparse.Namespace) -> str:
+    """Coupled runs use `any-take`: at K=0 both rules admit the same (B pending, none ahead of the version)."""
+    return args.pace_rule if MODES[mode] > 0 else "any-take"
+
+
+def run_settings(args: argparse.Namespace, mode: str) -> dict:
+    """What must match for a run in --runs-file to stand in for one of `mode` this invocation would make."""
+    return {
+        "steps": args.steps,
+        "slow_median_s": args.slow_median_s,
+        "placement": args.placement,
+        "pace_rule": pace_rule(mode, args),
+    }
+
+
+def earlier_runs(args: argparse.Namespace) -> dict[tuple[str, str, int], Run]:
+    """The runs --runs-file holds that were made with this invocation's settings (the others are ignored)."""
+    if args.runs_file is None or not args.runs_file.exists():
+        return {}
+    found: dict[tuple[str, str, int], Run] = {}
+    for line in args.runs_file.read_text().splitlines():
+        document = json.loads(line)
+        run = Run.from_json(document)
+        if run.mode in MODES and document["settings"] == run_settings(args, run.mode):
+            found[run.key] = run
+    return found
 
 
 def cpus(ids: frozenset[int]) -> str:
@@ -328,8 +391,9 @@ def render(runs: list[Run], args: argparse.Namespace, where: str) -> str:
 - **Machine:** {machine("vLLM (CPU, --enforce-eager, models/tiny-qwen2)", bubblewrap=True)}
 - **Where the processes ran:** {where}
 - **Command:** `{command_line(__file__, args.argv)}`
-- **Runs:** {args.seeds} seed(s) x {len(MODES)} modes per workload, {args.steps} steps each (the CPU trainer's
-  defaults otherwise: {TrainSettings().batch_size} episodes per step, groups of {TrainSettings().group_size})
+- **Runs:** {args.seeds} seed(s) x {len(args.modes)} modes per workload, {args.steps} steps each (the CPU trainer's
+  defaults otherwise: {TrainSettings().batch_size} episodes per step, groups of {TrainSettings().group_size});
+  the decoupled modes admit by pace's `{args.pace_rule}` rule. {resumed(runs)}
 
 {body}
 **How to read this.** Time to reward is wall time, counted in the trainer's own step times from its first
@@ -342,6 +406,16 @@ which can slow learning per step while it speeds each step: time to reward measu
 """
 
 
+def resumed(runs: list[Run]) -> str:
+    earlier = sorted(r.earlier for r in runs if r.earlier)
+    if not earlier:
+        return "All made by this invocation."
+    return (
+        f"{len(earlier)} of the {len(runs)} runs were made by an earlier invocation (`--runs-file`), finished "
+        f"{earlier[0]} to {earlier[-1]}."
+    )
+
+
 # -- main -------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -350,10 +424,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--workload", choices=("relay", "slow", "both"), default="both")
     parser.add_argument("--slow-median-s", type=float, default=2.0, help="median tool latency of the slow workload")
     parser.add_argument("--placement", choices=("trainer-alone", "llm-alone"), default="trainer-alone")
+    parser.add_argument(
+        "--pace-rule",
+        choices=PACE_RULES,
+        default="deadline-take",
+        help="the staleness plugin's pace rule in the decoupled modes (default %(default)s: see below)",
+    )
+    parser.add_argument(
+        "--modes", default="0,1,2", help="the pace K of the modes to run, of 0 (coupled), 1, 2 (default %(default)s)"
+    )
     parser.add_argument("--quick", action="store_true", help="1 seed, 6 steps: that it runs, not what it shows")
     parser.add_argument("--out", type=Path, default=None, help="write the results into this markdown file")
+    parser.add_argument(
+        "--runs-file",
+        type=Path,
+        default=None,
+        help="append each finished run to this JSON-lines file, and take the runs it already holds (same steps, "
+        "latency and placement) instead of running them again: an interrupted benchmark resumes",
+    )
     args = parser.parse_args(argv)
     args.argv = argv
+    chosen = {int(k) for k in args.modes.split(",")}
+    args.modes = [mode for mode, k in MODES.items() if k in chosen]
+    if not args.modes or chosen - set(MODES.values()):
+        parser.error(f"--modes {','.join(map(str, sorted(chosen)))}: each of 0, 1, 2, at least one")
     args.seeds = args.seeds or (1 if args.quick else 3)
     args.steps = args.steps or (6 if args.quick else 30)
     return args

@@ -22,6 +22,7 @@ pytestmark = cluster_needs  # Ray, Redis, bwrap and the tokenizer, as the cluste
 
 
 CHAOS_PROMPTS = 24
+CAPACITY = 4  # episodes each replica's workers run at once (init and run workers)
 
 
 def head_node_id() -> str:
@@ -31,8 +32,12 @@ def head_node_id() -> str:
 async def test_a_decoupled_batch_survives_a_dead_node_and_a_dead_replica(vllm, tmp_path):
     """Runtimes on two nodes, two replicas (on the head) and Redis; prompts in decoupled mode, taken and
     acknowledged through either replica; then one runtime node is removed (its raylet, actor, runtime and
-    sandboxes die) and one replica's actor is killed. Every prompt is delivered at least once, and no sandbox
-    is left on the runtime that survives."""
+    sandboxes die) and one replica's actor is killed with episodes in hand. Every prompt is delivered at least
+    once, and no sandbox is left on the runtime that survives.
+
+    Each replica's own workers (CAPACITY episodes) bind, not the shared room (max_buffered = both together):
+    under a shared bound alone, the replica that frees room (the one acknowledged through) may take all of it,
+    and which replica runs what would be chance."""
     config = tmp_path / "plugins.json"
     config.write_text(json.dumps({"staleness": {"mode": "off"}}))
     with ray_cluster() as cluster:
@@ -43,7 +48,10 @@ async def test_a_decoupled_batch_survives_a_dead_node_and_a_dead_replica(vllm, t
             runtime_resource=RUNTIME_RESOURCE,
             service_nodes=[head_node_id()],
             namespace="prorl-it-chaos",
-            service_args=["--log-level", "WARNING", "--plugin-config", str(config), "--max-buffered", "8"],
+            service_args=[
+                *("--log-level", "WARNING", "--plugin-config", str(config), "--max-buffered", str(2 * CAPACITY)),
+                *("--max-init-workers", str(CAPACITY // 2), "--max-run-workers", str(CAPACITY // 2)),
+            ],
             runtime_args=["--log-level", "WARNING", "--heartbeat-s", "0.5"],
             timeout_s=START_S,
         )
@@ -54,21 +62,20 @@ async def test_a_decoupled_batch_survives_a_dead_node_and_a_dead_replica(vllm, t
             for url in stack.service_urls:
                 wait_for(lambda url=url: registered(url, token) == set(stack.runtime_urls), 60, "runtimes register")
             first, second = (RolloutClient(url, token=token, timeout=30) for url in stack.service_urls)
-            prompts = [shell_job("pwd", "ls", max_turns=2, labels={"prompt": str(i)}) for i in range(CHAOS_PROMPTS)]
-            # Half through each replica: each is woken by its own enqueue, so both start episodes (the one not
-            # enqueued to would otherwise find the queue only at its next poll, often after the other took all).
-            await first.enqueue_prompts(prompts[: CHAOS_PROMPTS // 2])
-            await second.enqueue_prompts(prompts[CHAOS_PROMPTS // 2 :])
+            first_half = CHAOS_PROMPTS // 2
+            prompts = [shell_job("pwd", "ls", max_turns=2, labels={"prompt": str(i)}) for i in range(first_half)]
+            # Half through each replica: the room (2 * CAPACITY) is free, so each admits its CAPACITY at once.
+            await first.enqueue_prompts(prompts[: first_half // 2])
+            await second.enqueue_prompts(prompts[first_half // 2 :])
 
-            async def consume(until: int, takers: list[RolloutClient], also=None) -> None:
-                """Take and acknowledge until `until` prompts were seen (and `also()` holds, if given)."""
+            async def consume(until: int, takers: list[RolloutClient]) -> None:
+                """Take and acknowledge until `until` prompts were seen."""
                 deadline = time.monotonic() + 600
                 turn = 0
-                while len(seen) < until or (also is not None and not await also()):
+                while len(seen) < until:
                     if time.monotonic() >= deadline:  # what each replica was doing, for the failure to explain
                         states = [(await t.status()).model_dump(include={"active", "finished"}) for t in takers]
-                        waited = f"; still waiting for: {also.__doc__}" if len(seen) >= until and also else ""
-                        raise AssertionError(f"{len(seen)} of {until} prompts delivered in time{waited}; {states}")
+                        raise AssertionError(f"{len(seen)} of {until} prompts delivered in time; {states}")
                     taker, acker = takers[turn % len(takers)], takers[(turn + 1) % len(takers)]
                     turn += 1
                     try:
@@ -86,11 +93,14 @@ async def test_a_decoupled_batch_survives_a_dead_node_and_a_dead_replica(vllm, t
             node = next(n for n in cluster.worker_nodes if n.node_id == victim_runtime["node_id"])
             cluster.remove_node(node)  # the machine goes: raylet, actor, runtime and its sandboxes
 
-            async def second_runs_episodes() -> bool:
-                """the second replica to run episodes (to be killed with them in hand)"""
-                return sum((await second.status()).active.values()) > 0
-
-            await consume(12, [first, second], also=second_runs_episodes)  # killed with episodes in hand
+            await consume(first_half, [first, second])  # everything acknowledged: the room is free again
+            # Slow episodes through the second replica: it admits CAPACITY of them at once (the first cannot take
+            # more than its own CAPACITY), and they are still running when it is killed.
+            slow = [
+                shell_job("sleep 2", max_turns=2, labels={"prompt": str(i)}) for i in range(first_half, CHAOS_PROMPTS)
+            ]
+            await second.enqueue_prompts(slow)
+            wait_for(lambda: running_on(stack.service_urls[1], token) > 0, 60, "the second replica runs episodes")
             victim_replica = [p for p in parts if p["part"] == "service"][1]
             ray.kill(ray.get_actor(victim_replica["name"], namespace="prorl-it-chaos"))
             await consume(CHAOS_PROMPTS, [first])
@@ -115,6 +125,13 @@ def replicas(url: str, token: str) -> dict[str, int]:
     reply = httpx.get(f"{url}/v1/status", headers={"Authorization": f"Bearer {token}"}, timeout=10)
     reply.raise_for_status()
     return {r["id"]: r["figures"].get("taken_over", 0) for r in reply.json()["replicas"]}
+
+
+def running_on(url: str, token: str) -> int:
+    """The replica's unfinished jobs (its /v1/status)."""
+    reply = httpx.get(f"{url}/v1/status", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    reply.raise_for_status()
+    return sum(reply.json()["active"].values())
 
 
 def sandboxes_on(url: str, token: str) -> list:

@@ -14,9 +14,8 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable
 
-from . import procs, spawn
+from . import fdio, procs, spawn
 from .models import RunResult
 from .output import OutputBuffer
 from .session import Launch, preamble, shell_word
@@ -41,7 +40,7 @@ async def run_once(launch: Launch, script: str, timeout: float, max_output: int)
     reader = asyncio.ensure_future(_read_all(output_fd, output))
     # A script larger than the pipe's buffer is written as bash reads it. bash needs no end of input: the
     # script is one group that ends in an `exec` (or an exit), with its stdin on /dev/null.
-    writer = asyncio.ensure_future(_write_all(stdin_fd, script.encode("utf-8", errors="surrogateescape")))
+    writer = asyncio.ensure_future(fdio.write_all(stdin_fd, script.encode("utf-8", errors="surrogateescape")))
     try:
         exit_code: int | None = None
         done, _ = await asyncio.wait({exited}, timeout=timeout)
@@ -75,39 +74,17 @@ async def run_once(launch: Launch, script: str, timeout: float, max_output: int)
     )
 
 
-async def _readiness(fd: int, add: Callable, remove: Callable) -> None:
-    """Return once `fd` is ready (`add`/`remove`: the loop's reader or writer registration)."""
-    ready = asyncio.get_running_loop().create_future()
-    add(fd, lambda: ready.done() or ready.set_result(None))
-    try:
-        await ready
-    finally:
-        remove(fd)
-
-
 async def _read_all(fd: int, output: OutputBuffer) -> None:
     """Feed `output` from `fd` (non-blocking) until its end."""
-    loop = asyncio.get_running_loop()
     while True:
         try:
             chunk = os.read(fd, 65536)
         except BlockingIOError:
-            await _readiness(fd, loop.add_reader, loop.remove_reader)
+            await fdio.ready(fd)
             continue
         if not chunk:
             return
         output.feed(chunk)
-
-
-async def _write_all(fd: int, data: bytes) -> None:
-    """Write `data` to `fd` (non-blocking) as the reader takes it (a reader that is gone: BrokenPipeError)."""
-    loop = asyncio.get_running_loop()
-    view = memoryview(data)
-    while view:
-        try:
-            view = view[os.write(fd, view) :]
-        except BlockingIOError:
-            await _readiness(fd, loop.add_writer, loop.remove_writer)
 
 
 def _kill(pid: int, pid_namespace: bool) -> None:

@@ -16,13 +16,14 @@ How a command runs, and why:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import signal
 import time
 from dataclasses import dataclass, field
 
-from . import procs, spawn
+from . import fdio, procs, spawn
 from .forwards import ForwardError, Forwards
 from .models import ExecResult, ExecStatus, PortForward
 from .output import OutputBuffer
@@ -112,11 +113,6 @@ def preamble(launch: Launch) -> str:
         scripts = f'for __prorl_f in {where}/*.sh; do [ -f "$__prorl_f" ] && . "$__prorl_f"; done'
         exports = f"{scripts}; unset __prorl_f; {exports}"
     return limits + exports
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 class ShellSession:
@@ -406,20 +402,7 @@ class ShellSession:
         return True
 
     async def _write(self, data: bytes) -> None:
-        """Write everything, waiting (not spinning) whenever the terminal's input queue is full."""
-        fd = self._fd
-        view = memoryview(data)
-        while view:
-            try:
-                view = view[os.write(fd, view) :]
-            except BlockingIOError:
-                writable = self._loop.create_future()
-                self._loop.add_writer(fd, _resolve, writable)
-                try:
-                    await asyncio.wait({writable, self._exited}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    self._loop.remove_writer(fd)
-                if self.dead:
-                    return
-            except OSError:  # the shell is gone; the caller sees it through `dead`
-                return
+        """Write everything, waiting (not spinning) whenever the terminal's input queue is full; stop when the
+        shell is gone (the caller sees that through `dead`)."""
+        with contextlib.suppress(OSError):
+            await fdio.write_all(self._fd, data, unless=self._exited)
