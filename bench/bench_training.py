@@ -202,14 +202,14 @@ def run_all(args: argparse.Namespace, work: Path) -> tuple[list[Run], str]:
             for workload in chosen:
                 for mode in modes:
                     run = Run(workload, mode, seed)
-                    staleness = {"mode": "pace", "max_staleness": MODES[mode], "pace_rule": pace_rule(mode, args)}
-                    settings = TrainSettings(
-                        steps=args.steps, seed=seed, staleness=staleness, tool_latency_median_s=workloads[workload]
-                    )
                     if run.key in earlier:
                         print(f"{workload}, {mode}, seed {seed}: from {args.runs_file}", flush=True)
                         runs.append(earlier[run.key])
                         continue
+                    staleness = {"mode": "pace", "max_staleness": MODES[mode], "pace_rule": pace_rule(mode, args)}
+                    settings = TrainSettings(
+                        steps=args.steps, seed=seed, staleness=staleness, tool_latency_median_s=workloads[workload]
+                    )
                     print(f"{workload}, {mode}, seed {seed}: {args.steps} steps ...", flush=True)
                     run_one(run, settings, runtime.url, vllm.url, work, service_cpus)
                     if args.runs_file:
