@@ -20,6 +20,9 @@ service. Modes differ only in the staleness plugin's pace K:
   trained on as pending at its own version, so at K=1, once the trainer trains on trajectories one version old,
   it admits nothing until that batch is acknowledged: every other step then waits for a whole generation.
   `deadline-take` admits up to (K+1)·B pending whatever their age, and the service's take serves deadlines.
+  The trainer takes its PPO ratio against the weights each step starts from, with behaviour importance
+  weights (`--ppo-anchor proximal`, the decoupled PPO objective); `behaviour` clips around the policy that
+  sampled each token, which at K >= 1 spends the clip on how far the policy moved since (docs/cpu-trainer.md).
 
 Workloads: *relay* as it is (two turns of instant shell commands: generation is a small part of a step), and
 *slow tools*: the same task with each tool call first sleeping a latency drawn per turn (lognormal about
@@ -71,6 +74,7 @@ from common import (
 )
 
 from prorl_adapter.dev import localstack
+from prorl_plugins.cpu_trainer.actor import ANCHORS
 from prorl_plugins.cpu_trainer.train import CpuTrainer, StepRecord, TrainSettings
 from prorl_plugins.staleness import PACE_RULES
 
@@ -110,6 +114,13 @@ class Run:
         for seconds, reward in zip(self.elapsed, self.rolling(), strict=True):
             if reward >= GOAL:
                 return seconds
+        return math.inf
+
+    def steps_to_goal(self) -> float:
+        """Steps until the rolling mean reached GOAL (inf: never): learning per step, whatever the machine's speed."""
+        for step, reward in enumerate(self.rolling(), start=1):
+            if reward >= GOAL:
+                return step
         return math.inf
 
     @property
@@ -208,7 +219,11 @@ def run_all(args: argparse.Namespace, work: Path) -> tuple[list[Run], str]:
                         continue
                     staleness = {"mode": "pace", "max_staleness": MODES[mode], "pace_rule": pace_rule(mode, args)}
                     settings = TrainSettings(
-                        steps=args.steps, seed=seed, staleness=staleness, tool_latency_median_s=workloads[workload]
+                        steps=args.steps,
+                        seed=seed,
+                        staleness=staleness,
+                        tool_latency_median_s=workloads[workload],
+                        ppo_anchor=args.ppo_anchor,
                     )
                     print(f"{workload}, {mode}, seed {seed}: {args.steps} steps ...", flush=True)
                     run_one(run, settings, runtime.url, vllm.url, work, service_cpus)
@@ -233,13 +248,26 @@ def pace_rule(mode: str, args: argparse.Namespace) -> str:
 
 
 def run_settings(args: argparse.Namespace, mode: str) -> dict:
-    """What must match for a run in --runs-file to stand in for one of `mode` this invocation would make."""
-    return {
+    """What must match for a run in --runs-file to stand in for one of `mode` this invocation would make. The
+    PPO anchor does not, for coupled runs: at K=0 the anchors differ only by the trainer's and the server's
+    disagreement on a token (`logprob_gap`, at most 3e-5 in these runs)."""
+    settings = {
         "steps": args.steps,
         "slow_median_s": args.slow_median_s,
         "placement": args.placement,
         "pace_rule": pace_rule(mode, args),
     }
+    if MODES[mode] > 0:
+        settings["ppo_anchor"] = args.ppo_anchor
+    return settings
+
+
+def recorded_settings(document: dict) -> dict:
+    """A runs-file line's settings; decoupled runs recorded before --ppo-anchor existed used the behaviour one."""
+    settings = dict(document["settings"])
+    if MODES.get(document["run"][1], 0) > 0:
+        settings.setdefault("ppo_anchor", "behaviour")
+    return settings
 
 
 def earlier_runs(args: argparse.Namespace) -> dict[tuple[str, str, int], Run]:
@@ -250,7 +278,7 @@ def earlier_runs(args: argparse.Namespace) -> dict[tuple[str, str, int], Run]:
     for line in args.runs_file.read_text().splitlines():
         document = json.loads(line)
         run = Run.from_json(document)
-        if run.mode in MODES and document["settings"] == run_settings(args, run.mode):
+        if run.mode in MODES and recorded_settings(document) == run_settings(args, run.mode):
             found[run.key] = run
     return found
 
@@ -284,9 +312,9 @@ def workload_table(runs: list[Run], workload: str) -> str:
     base_goal = median([r.time_to_goal() for r in coupled])
     base_step = median([r.wall_s / len(r.records) for r in coupled])
     lines = [
-        f"| Mode | time to reward {GOAL} (median) | per seed | ÷ coupled | steps/s | s per step ÷ coupled "
-        f"| trainer busy | final reward |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| Mode | time to reward {GOAL} (median) | per seed | ÷ coupled | steps to {GOAL} per seed | steps/s "
+        f"| s per step ÷ coupled | trainer busy | final reward |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, group in modes.items():
         if not group:
@@ -296,6 +324,7 @@ def workload_table(runs: list[Run], workload: str) -> str:
         versus = "—" if math.isinf(goal) or math.isinf(base_goal) else f"{goal / base_goal:.2f}x"
         lines.append(
             f"| {mode} | **{seconds(goal)}** | {', '.join(seconds(r.time_to_goal()) for r in group)} | {versus} "
+            f"| {', '.join(count(r.steps_to_goal()) for r in group)} "
             f"| {median([r.steps_per_s() for r in group]):.3f} | {step / base_step:.2f}x "
             f"| {median([r.busy() for r in group]):.0%} | {median([r.final_reward() for r in group]):.2f} |"
         )
@@ -330,6 +359,10 @@ def targets(runs: list[Run]) -> dict[str, TargetResult]:
                 f"{best:.2f}x vs bound {bound:.2f}x", best <= 1.1 * bound, note + "; bench_training"
             )
     return found
+
+
+def count(steps: float) -> str:
+    return "not reached" if math.isinf(steps) else f"{steps:.0f}"
 
 
 def times(ratio: float) -> str:
@@ -393,7 +426,8 @@ def render(runs: list[Run], args: argparse.Namespace, where: str) -> str:
 - **Command:** `{command_line(__file__, args.argv)}`
 - **Runs:** {args.seeds} seed(s) x {len(args.modes)} modes per workload, {args.steps} steps each (the CPU trainer's
   defaults otherwise: {TrainSettings().batch_size} episodes per step, groups of {TrainSettings().group_size});
-  the decoupled modes admit by pace's `{args.pace_rule}` rule. {resumed(runs)}
+  the decoupled modes admit by pace's `{args.pace_rule}` rule and train with the `{args.ppo_anchor}` PPO anchor.
+  {resumed(runs)}
 
 {body}
 **How to read this.** Time to reward is wall time, counted in the trainer's own step times from its first
@@ -401,7 +435,10 @@ take; a run that never reaches {GOAL} shows as not reached, and a median over se
 middle run's. One run's learning curve is noise (the seeds differ by minutes): compare medians, and the plots.
 *Trainer busy* is the share of a step spent training and pushing weights rather than waiting for its batch.
 Decoupled modes train on trajectories up to K versions old (the staleness plugin's pace; nothing is dropped),
-which can slow learning per step while it speeds each step: time to reward measures both at once.
+which can slow learning per step while it speeds each step: time to reward measures both at once, and *steps to
+{GOAL}* the learning per step alone. Runs taken from `--runs-file` ran in an earlier invocation, on the machine
+as it was then: where their modes' seconds per step differ from this invocation's, the seconds mix two
+machines and the steps do not.
 {BLOCK_END}
 """
 
@@ -429,6 +466,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         choices=PACE_RULES,
         default="deadline-take",
         help="the staleness plugin's pace rule in the decoupled modes (default %(default)s: see below)",
+    )
+    parser.add_argument(
+        "--ppo-anchor",
+        choices=ANCHORS,
+        default="proximal",
+        help="the CPU trainer's PPO anchor (default %(default)s: decoupled PPO; behaviour: clip around the policy "
+        "that sampled each token)",
     )
     parser.add_argument(
         "--modes", default="0,1,2", help="the pace K of the modes to run, of 0 (coupled), 1, 2 (default %(default)s)"

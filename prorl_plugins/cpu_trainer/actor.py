@@ -22,6 +22,7 @@ class UpdateStats:
     ppo_kl: float
     grad_norm: float
     advantage_abs_mean: float
+    importance_weight_mean: float  # mean behaviour importance weight on policy tokens (1.0 under the behaviour anchor)
 
 
 def episode_advantages(batch: PaddedBatch, epsilon: float) -> torch.Tensor:
@@ -40,8 +41,40 @@ def episode_advantages(batch: PaddedBatch, epsilon: float) -> torch.Tensor:
     return per_episode[episode_of_row] * batch.response_mask
 
 
+ANCHORS = ("proximal", "behaviour")
+
+
+def behaviour_importance(batch: PaddedBatch, proximal: torch.Tensor, cap: float) -> torch.Tensor:
+    """[B, R] the behaviour importance weights of the decoupled PPO objective (AReaL, Fu et al. 2025):
+    min(cap, pi_proximal / pi_behaviour) on the policy's tokens, 1.0 elsewhere. The objective clips around the
+    proximal policy (the weights this step starts from) and corrects with these weights for the policy that
+    sampled each token, as verl does with a recomputed `old_log_prob` and its `rollout_is` weights. The
+    truncation is the staleness plugin's `importance` rule, on tensors here because the trainer has its
+    logprobs only once it holds the batch.
+
+    Why not clip around the behaviour policy: a token sampled K versions ago, by a policy the trainer has since
+    moved away from, starts the step with a ratio already away from 1. The clip then spends its room on the
+    distance already travelled and zeroes the gradient of tokens that moved the advantage's way, so each step
+    learns less the staler its batch. At staleness 0 the two anchors differ only by the trainer's and the
+    server's disagreement on a token (`logprob_gap`, at most 3e-5 in bench_training's coupled runs), so a coupled
+    run trains the same under either."""
+    ratio = torch.exp(proximal - batch.behaviour_logprobs).clamp(max=cap)
+    return torch.where(batch.response_mask.bool(), ratio, torch.ones_like(ratio))
+
+
 class TorchActor:
-    def __init__(self, model_dir: Path, learning_rate: float, clip_ratio: float = 0.2, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        learning_rate: float,
+        clip_ratio: float = 0.2,
+        seed: int = 0,
+        anchor: str = "proximal",
+        importance_cap: float = 2.0,
+    ) -> None:
+        if anchor not in ANCHORS:
+            raise ValueError(f"anchor {anchor!r}: one of {', '.join(ANCHORS)}")
+        self.anchor, self.importance_cap = anchor, importance_cap
         torch.manual_seed(seed)
         transformers_logging.disable_progress_bar()  # a bar per weight save would bury the training's own
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -86,23 +119,28 @@ class TorchActor:
 
     def update(self, batch: PaddedBatch, epochs: int = 1, epsilon: float = 1e-6) -> tuple[UpdateStats, torch.Tensor]:
         """One GRPO step (`epochs` optimizer steps on the batch); also returns the logprobs before it, under the
-        weights the server has now. The behaviour logprobs are the PPO ratio's denominator (decoupled PPO: the
-        policy that sampled each token, whatever its version), and the staleness weights go in as verl's
-        per-token `rollout_is_weights`."""
+        weights the server has now. The PPO ratio's denominator is the anchor's: the proximal policy (these
+        weights, with behaviour importance weights: `proximal_objective`) or the behaviour logprobs the server
+        reported. The staleness weights go in as verl's per-token `rollout_is_weights`."""
         advantages = episode_advantages(batch, epsilon)
-        before = None
+        before = anchor = importance = None
         for _ in range(epochs):  # PPO epochs: the clipped ratio keeps repeated steps on one batch safe
             self.optimizer.zero_grad()
             logprobs = self.logprobs(batch)
-            before = logprobs.detach() if before is None else before
+            if before is None:  # the first epoch's forward pass is the proximal policy's: no extra pass
+                before = logprobs.detach()
+                if self.anchor == "proximal":
+                    anchor, importance = before, behaviour_importance(batch, before, self.importance_cap)
+                else:
+                    anchor, importance = batch.behaviour_logprobs, torch.ones_like(before)
             loss, metrics = core_algos.compute_policy_loss_vanilla(
-                old_log_prob=batch.behaviour_logprobs,
+                old_log_prob=anchor,
                 log_prob=logprobs,
                 advantages=advantages,
                 response_mask=batch.response_mask,
                 loss_agg_mode="token-mean",
                 config=self.loss_config,
-                rollout_is_weights=batch.loss_weights,
+                rollout_is_weights=batch.loss_weights * importance,
             )
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -114,6 +152,7 @@ class TorchActor:
             ppo_kl=metrics["actor/ppo_kl"],
             grad_norm=float(grad_norm),
             advantage_abs_mean=float(advantages[policy].abs().mean()) if policy.any() else 0.0,
+            importance_weight_mean=float(importance[policy].mean()) if policy.any() else 1.0,
         )
         return stats, before
 

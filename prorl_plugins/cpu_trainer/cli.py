@@ -22,6 +22,7 @@ from rich.table import Table
 
 from prorl_adapter.dev import localstack
 
+from .actor import ANCHORS
 from .plot import plot_rewards
 from .train import CpuTrainer, StepRecord, TrainSettings, record_json
 from .weight_sync import WeightSyncError
@@ -37,6 +38,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=defaults.group_size)
     parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
     parser.add_argument("--ppo-epochs", type=int, default=defaults.ppo_epochs)
+    parser.add_argument(
+        "--ppo-anchor",
+        choices=ANCHORS,
+        default=defaults.ppo_anchor,
+        help="the PPO ratio's denominator: the step's starting weights with behaviour importance weights "
+        "(decoupled PPO), or the policy that sampled each token",
+    )
     parser.add_argument("--staleness-mode", default=defaults.staleness["mode"], help="pace, drop, linear, ...")
     parser.add_argument("--max-staleness", type=int, default=defaults.staleness["max_staleness"])
     parser.add_argument("--seed", type=int, default=defaults.seed)
@@ -57,6 +65,7 @@ def settings_from(args: argparse.Namespace) -> TrainSettings:
         group_size=args.group_size,
         learning_rate=args.learning_rate,
         ppo_epochs=args.ppo_epochs,
+        ppo_anchor=args.ppo_anchor,
         staleness={"mode": args.staleness_mode, "max_staleness": args.max_staleness},
         seed=args.seed,
         tool_latency_median_s=args.tool_latency_median_s,

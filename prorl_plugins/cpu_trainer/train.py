@@ -49,6 +49,10 @@ class TrainSettings:
     learning_rate: float = 3e-3
     ppo_epochs: int = 4
     clip_ratio: float = 0.2
+    # What the PPO ratio is taken against (actor.ANCHORS): "proximal", the weights the step starts from with
+    # behaviour importance weights capped at importance_cap (decoupled PPO), or "behaviour", the sampling policy.
+    ppo_anchor: str = "proximal"
+    importance_cap: float = 2.0
     staleness: dict[str, Any] = field(default_factory=lambda: {"mode": "pace", "max_staleness": 1})
     # The shared reward plugin's section: a cost per turn, so the log shows a shaped reward beside the task's
     # outcome (every relay episode takes two turns, so it shifts each group alike and GRPO is unmoved).
@@ -86,6 +90,7 @@ class StepRecord:
     pg_loss: float
     clip_fraction: float
     grad_norm: float
+    importance_weight_mean: float | None = None  # None in records written before the proximal anchor existed
 
 
 class CpuTrainerBackend:
@@ -117,7 +122,14 @@ class CpuTrainer:
         self.run_dir = run_dir
         self.rollout_url = rollout_url
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.actor = TorchActor(model_dir, settings.learning_rate, settings.clip_ratio, settings.seed)
+        self.actor = TorchActor(
+            model_dir,
+            settings.learning_rate,
+            settings.clip_ratio,
+            settings.seed,
+            anchor=settings.ppo_anchor,
+            importance_cap=settings.importance_cap,
+        )
         actions = relay_turn_texts()
         self.action_mask = FiniteActionMask.for_tokenizer(actions, tokenizer, self.actor.vocab_size)
         backend = CpuTrainerBackend(settings, self.action_mask, tokenizer.pad_token_id or 0)
@@ -186,6 +198,7 @@ class CpuTrainer:
             pg_loss=stats.pg_loss,
             clip_fraction=stats.clip_fraction,
             grad_norm=stats.grad_norm,
+            importance_weight_mean=stats.importance_weight_mean,
         )
 
 
