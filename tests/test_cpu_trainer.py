@@ -94,31 +94,15 @@ def test_the_proximal_anchor_still_learns_from_a_token_the_behaviour_clip_has_sp
     """A stale token whose probability has already risen past the clip since it was sampled: clipping around
     the behaviour policy gives it no gradient at all; the decoupled objective clips around the step's starting
     weights, so it learns from it, weighted by the (capped) importance ratio."""
-    from verl.trainer.ppo import core_algos
-    from verl.workers.config import ActorConfig
-
-    from prorl_plugins.cpu_trainer.actor import behaviour_importance
+    from prorl_plugins.cpu_trainer.actor import loss_config, policy_loss, ratio_anchor
 
     batch = pad_items([item(two_turn_trajectory((3, 4)))], pad_token_id=0)
-    config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio=0.2)
     advantages = batch.response_mask.clone()  # a good episode: push every policy token up
 
     def gradient(anchor: str) -> torch.Tensor:
         logprobs = (batch.behaviour_logprobs + 0.5).requires_grad_()  # ratio e^0.5 = 1.65 against behaviour
-        proximal = logprobs.detach()
-        if anchor == "proximal":
-            old, weights = proximal, batch.loss_weights * behaviour_importance(batch, proximal, cap=2.0)
-        else:
-            old, weights = batch.behaviour_logprobs, batch.loss_weights
-        loss, _ = core_algos.compute_policy_loss_vanilla(
-            old_log_prob=old,
-            log_prob=logprobs,
-            advantages=advantages,
-            response_mask=batch.response_mask,
-            loss_agg_mode="token-mean",
-            config=config,
-            rollout_is_weights=weights,
-        )
+        against = ratio_anchor(batch, logprobs.detach(), anchor, cap=2.0)
+        loss, _ = policy_loss(batch, logprobs, against, advantages, loss_config(clip_ratio=0.2))
         loss.backward()
         return logprobs.grad[batch.response_mask.bool()]
 

@@ -62,6 +62,47 @@ def behaviour_importance(batch: PaddedBatch, proximal: torch.Tensor, cap: float)
     return torch.where(batch.response_mask.bool(), ratio, torch.ones_like(ratio))
 
 
+def ratio_anchor(
+    batch: PaddedBatch, proximal: torch.Tensor, anchor: str, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the PPO ratio's denominator, the per-token importance weights) under `anchor` (`ANCHORS`)."""
+    if anchor == "proximal":
+        return proximal, behaviour_importance(batch, proximal, cap)
+    return batch.behaviour_logprobs, torch.ones_like(proximal)
+
+
+def loss_config(clip_ratio: float) -> ActorConfig:
+    return ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,  # unused by the loss; verl validates it
+        clip_ratio=clip_ratio,
+        clip_ratio_low=clip_ratio,
+        clip_ratio_high=clip_ratio,
+    )
+
+
+def policy_loss(
+    batch: PaddedBatch,
+    logprobs: torch.Tensor,
+    anchor: tuple[torch.Tensor, torch.Tensor],
+    advantages: torch.Tensor,
+    config: ActorConfig,
+) -> tuple[torch.Tensor, dict]:
+    """verl's clipped policy loss against `anchor` (`ratio_anchor`), the staleness plugin's weights times the
+    importance weights as its per-token `rollout_is_weights`."""
+    old_log_prob, importance = anchor
+    return core_algos.compute_policy_loss_vanilla(
+        old_log_prob=old_log_prob,
+        log_prob=logprobs,
+        advantages=advantages,
+        response_mask=batch.response_mask,
+        loss_agg_mode="token-mean",
+        config=config,
+        rollout_is_weights=batch.loss_weights * importance,
+    )
+
+
 class TorchActor:
     def __init__(
         self,
@@ -80,14 +121,7 @@ class TorchActor:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate, weight_decay=0.0)
-        self.loss_config = ActorConfig(
-            strategy="fsdp",
-            rollout_n=1,
-            ppo_micro_batch_size_per_gpu=1,  # unused by the loss; verl validates it
-            clip_ratio=clip_ratio,
-            clip_ratio_low=clip_ratio,
-            clip_ratio_high=clip_ratio,
-        )
+        self.loss_config = loss_config(clip_ratio)
 
     @property
     def vocab_size(self) -> int:
@@ -120,28 +154,17 @@ class TorchActor:
     def update(self, batch: PaddedBatch, epochs: int = 1, epsilon: float = 1e-6) -> tuple[UpdateStats, torch.Tensor]:
         """One GRPO step (`epochs` optimizer steps on the batch); also returns the logprobs before it, under the
         weights the server has now. The PPO ratio's denominator is the anchor's: the proximal policy (these
-        weights, with behaviour importance weights: `proximal_objective`) or the behaviour logprobs the server
-        reported. The staleness weights go in as verl's per-token `rollout_is_weights`."""
+        weights, with behaviour importance weights: `behaviour_importance`) or the behaviour logprobs the server
+        reported (`ratio_anchor`, `policy_loss`)."""
         advantages = episode_advantages(batch, epsilon)
-        before = anchor = importance = None
+        before = anchor = None
         for _ in range(epochs):  # PPO epochs: the clipped ratio keeps repeated steps on one batch safe
             self.optimizer.zero_grad()
             logprobs = self.logprobs(batch)
             if before is None:  # the first epoch's forward pass is the proximal policy's: no extra pass
                 before = logprobs.detach()
-                if self.anchor == "proximal":
-                    anchor, importance = before, behaviour_importance(batch, before, self.importance_cap)
-                else:
-                    anchor, importance = batch.behaviour_logprobs, torch.ones_like(before)
-            loss, metrics = core_algos.compute_policy_loss_vanilla(
-                old_log_prob=anchor,
-                log_prob=logprobs,
-                advantages=advantages,
-                response_mask=batch.response_mask,
-                loss_agg_mode="token-mean",
-                config=self.loss_config,
-                rollout_is_weights=batch.loss_weights * importance,
-            )
+                anchor = ratio_anchor(batch, before, self.anchor, self.importance_cap)
+            loss, metrics = policy_loss(batch, logprobs, anchor, advantages, self.loss_config)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.optimizer.step()
@@ -152,7 +175,7 @@ class TorchActor:
             ppo_kl=metrics["actor/ppo_kl"],
             grad_norm=float(grad_norm),
             advantage_abs_mean=float(advantages[policy].abs().mean()) if policy.any() else 0.0,
-            importance_weight_mean=float(importance[policy].mean()) if policy.any() else 1.0,
+            importance_weight_mean=float(anchor[1][policy].mean()) if policy.any() else 1.0,
         )
         return stats, before
 
