@@ -16,9 +16,10 @@ service. Modes differ only in the staleness plugin's pace K:
 - *coupled* (pace K=0): nothing is generated ahead of the version it will be trained at, so generation waits
   for each step's weights and training for each step's batch, as in an in-trainer loop;
 - *decoupled, pace K=1* and *K=2*: episodes for the next one or two versions run while the trainer trains,
-  admitted by pace's `deadline-take` rule (`--pace-rule`). Its default `any-take` rule counts the batch being
-  trained on as pending at its own version, so at K=1, once the trainer trains on trajectories one version old,
-  it admits nothing until that batch is acknowledged: every other step then waits for a whole generation.
+  admitted by pace's default rule, `deadline-take` (`--pace-rule`). The other, `any-take`, counts the batch
+  being trained on as pending at its own version, so at K=1, once the trainer trains on trajectories one
+  version old, it admits nothing until that batch is acknowledged: every other step then waits for a whole
+  generation.
   `deadline-take` admits up to (K+1)·B pending whatever their age, and the service's take serves deadlines.
   The trainer takes its PPO ratio against the weights each step starts from, with behaviour importance
   weights (`--ppo-anchor proximal`, the decoupled PPO objective); `behaviour` clips around the policy that
@@ -355,6 +356,15 @@ def targets(runs: list[Run]) -> dict[str, TargetResult]:
             best = min(step.values())
             note = ", ".join(f"{m.split(', ')[-1]} {v:.2f}x" for m, v in step.items())
             note += f" of coupled's s/step; bound {bound:.2f}x (T_train {train:.1f} s, T_gen {wait:.1f} s)"
+            if best > 1.1 * bound:
+                fastest = min(step, key=step.get)
+                beside = median([r.train_s() for r in relay[fastest]])
+                note += (
+                    f"; {best / bound - 1:.0%} over the bound, because training beside generation is slower than "
+                    f"alone: {fastest.split(', ')[-1]} trains {beside:.1f} s per step against {train:.1f} s, and "
+                    f"with that the bound is {max(beside, wait) / (train + wait):.2f}x (the bound counts a step's "
+                    "training at what it costs alone)"
+                )
             found["time to reward, relay"] = TargetResult(
                 f"{best:.2f}x vs bound {bound:.2f}x", best <= 1.1 * bound, note + "; bench_training"
             )
