@@ -611,7 +611,7 @@ def _deadline(stream: Stream, main: list[RunResult]) -> str:
         + "); tail share started → trained "
         + ", ".join(tails(new) for *_, new in runs)
         + ". It needs a take that serves deadlines: the service's take does so when the plugin demands it "
-        "(`prorl_take_demands`); with the default `any-take` it serves the newest version first and waits for "
+        "(`prorl_take_demands`); with `any-take` it serves the newest version first and waits for "
         "nothing. " + _pace_limit(stream, by)
     )
 

@@ -22,18 +22,21 @@ at version c has staleness s = c - v. Configured by the `staleness` section of t
 Keys: `mode` (required), `max_staleness` K (int >= 0, required unless `off`), `importance_cap` (number
 >= 1, default 2.0), `batch_size` (trajectories the trainer consumes per policy version; required by `pace`),
 `pace_max_in_flight` (optional int >= 1: in `pace`, also never run more episodes at once), `pace_rule` (one of
-`PACE_RULES`, default `any-take`: the rule pace admits by). A bad value raises `PluginConfigError` naming
-`staleness.<key>` and what is allowed.
+`PACE_RULES`, default `DEFAULT_PACE_RULE`: the rule pace admits by). A bad value raises `PluginConfigError`
+naming `staleness.<key>` and what is allowed.
 
 `pace_rule`:
-- `any-take` (the default; `should_pace`): holds whichever finished trajectories the trainer takes, so the
-  service's take stays as it is (the newest version first, no waiting).
-- `deadline-take` (`deadline_demands`): admits up to (K + 1) * B pending whatever their age, more than
-  `any-take` once an old episode is pending, and holds because every take serves deadlines: the plugin answers
-  `prorl_take_demands`, so the service's take (`Producer.take_batch`) serves the oldest version first and waits,
-  up to the take's timeout, until the batch holds every demand (`deadline_take_ready`); a take that times out
-  before returns nothing, or only what meets every demand. What the trainer pays: a take may wait for an
-  episode at its limit. It needs takes of at least `batch_size` (a smaller one may never meet the demands).
+- `deadline-take` (the default; `deadline_demands`): admits up to (K + 1) * B pending whatever their age, more
+  than `any-take` once an old episode is pending, and holds because every take serves deadlines: the plugin
+  answers `prorl_take_demands`, so the service's take (`Producer.take_batch`) serves the oldest version first and
+  waits, up to the take's timeout, until the batch holds every demand (`deadline_take_ready`); a take that times
+  out before returns nothing, or only what meets every demand. What the trainer pays: a take may wait for an
+  episode at its limit. It needs takes of at least `batch_size`: the service refuses (400) a take smaller than a
+  demand, which could never be met. The default because the trainer gets more from it at the same K: `any-take`
+  counts the batch being trained on as pending, so at K=1 it admits nothing while a step trains on a batch one
+  version old, and every other step waits for a whole generation (docs/benchmarks.md, *Training*).
+- `any-take` (`should_pace`): holds whichever finished trajectories the trainer takes, so the service's take
+  stays as it is (the newest version first, no waiting), for a trainer that takes batches of any size.
 
 Registration: the entry point names the class, `prorl_plugins.staleness:StalenessControl`; each plugin set
 (the service's, a trainer's) creates its own instance from its `staleness` section. Tests and embedders may
@@ -57,6 +60,7 @@ from prorl_adapter.models import AdmissionState, Trajectory, TrajectoryWeight
 
 MODES = ("off", "drop", "linear", "pace", "importance")
 PACE_RULES = ("any-take", "deadline-take")
+DEFAULT_PACE_RULE = "deadline-take"
 SECTION = "staleness"
 _KEYS = ("mode", "max_staleness", "importance_cap", "batch_size", "pace_max_in_flight", "pace_rule")
 _MAX_EXP = 709.0  # math.exp overflows above ~709.78
@@ -113,13 +117,13 @@ def should_pace(
     k: int,
     batch_size: int,
     max_in_flight: int | None = None,
-    rule: str = "any-take",
+    rule: str = DEFAULT_PACE_RULE,
 ) -> bool:
     """True when a new episode must be held back for now, so that no trajectory is consumed with staleness > k.
 
-    `rule` is `any-take` (below: it assumes nothing about which finished trajectories the trainer takes) or
-    `deadline-take` (`deadline_demands`: it admits up to (k + 1) * B pending whatever their age, and needs the
-    take to serve deadlines).
+    `rule` is `deadline-take` (the default, `deadline_demands`: it admits up to (k + 1) * B pending whatever their
+    age, and needs the take to serve deadlines) or `any-take` (below: it assumes nothing about which finished
+    trajectories the trainer takes).
 
     The `any-take` rule. Let c be the current version, P the number of pending episodes (in flight + buffered), and
     v_min the oldest version among them and the new episode (which starts at c). Admit iff
@@ -260,7 +264,7 @@ class StalenessConfig:
     importance_cap: float = 2.0
     batch_size: int | None = None
     pace_max_in_flight: int | None = None
-    pace_rule: str = "any-take"
+    pace_rule: str = DEFAULT_PACE_RULE
 
     @classmethod
     def from_section(cls, section: Mapping[str, Any] | None) -> StalenessConfig:
@@ -282,7 +286,7 @@ class StalenessConfig:
         cap = section.get("importance_cap", 2.0)
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap < 1:
             raise _error("importance_cap", "a finite number >= 1", cap)
-        rule = section.get("pace_rule", "any-take")
+        rule = section.get("pace_rule", DEFAULT_PACE_RULE)
         if rule not in PACE_RULES:
             raise _error("pace_rule", f"one of {', '.join(PACE_RULES)}", rule)
         return cls(

@@ -75,7 +75,7 @@ async def test_deadline_take_admits_more_waits_for_the_episode_at_its_limit_and_
         # (K + 1) * B pending whatever their age: two more start at version 1, beyond any-take's bound.
         await until(lambda: len(episodes.running()) == 3)
         assert sorted(job.id for job in episodes.running()) == ["p0", "p4", "p5"]
-        assert should_pace(AdmissionState(1, {0: 1, 1: 1}, {0: 1}), K, B)  # any-take would have held p5
+        assert should_pace(AdmissionState(1, {0: 1, 1: 1}, {0: 1}), K, B, rule="any-take")  # would have held p5
         for job_id in ("p4", "p5"):
             episodes.finish(by_job(episodes, job_id))
         await until(lambda: producer.stats.produced == 5)
@@ -125,6 +125,24 @@ async def test_a_deadline_take_that_times_out_returns_only_what_meets_every_dema
         await until(lambda: producer.stats.produced == 2)
         [second] = await producer.take_batch(1, timeout=5)
         assert second.trajectory.job_id == "p0"
+    finally:
+        await producer.stop()
+
+
+async def test_takes_smaller_than_the_batch_size_meet_a_demand_together_instead_of_waiting_for_ever():
+    producer, episodes = rig("deadline-take")
+    try:
+        await producer.enqueue(prompts(4))
+        await until(lambda: len(episodes.running()) == (K + 1) * B)
+        for job_id in ("p0", "p1", "p2", "p3"):
+            episodes.finish(by_job(episodes, job_id))
+        await until(lambda: producer.stats.produced == 4)
+        # Version 0, four pending: the take at 0 must hold two (the takes after it hold two at most), more than a
+        # take of one can. Two takes of one at the same version hold them together.
+        first = await producer.take_batch(1, timeout=5)
+        second = await producer.take_batch(1, timeout=5)
+        assert len(first) == len(second) == 1
+        assert {item.trajectory.policy_version_min for item in first + second} == {0}
     finally:
         await producer.stop()
 

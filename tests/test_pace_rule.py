@@ -137,7 +137,7 @@ def test_deadline_take_admits_whenever_any_take_does(current, in_flight, buffere
     state = AdmissionState(
         current, Counter(min(v, current) for v in in_flight), Counter(min(v, current) for v in buffered)
     )
-    if not should_pace(state, k, b):
+    if not should_pace(state, k, b, rule="any-take"):
         assert not should_pace(state, k, b, rule="deadline-take")
 
 

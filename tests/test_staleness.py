@@ -155,7 +155,7 @@ def run_paced(durations: list[int], k: int, batch_size: int, order: str, seed: i
             version += 1
         while queue:
             state = admission(version, [v for _, v in running], list(buffered))
-            if should_pace(state, k, batch_size):
+            if should_pace(state, k, batch_size, rule="any-take"):
                 break
             running.append((t + queue.popleft(), version))
         if not queue and not running and 0 < len(buffered) < batch_size:
@@ -182,7 +182,7 @@ def test_pacing_never_lets_a_trajectory_exceed_k(durations, k, batch_size, order
 @given(ks, st.integers(min_value=1, max_value=8))
 def test_pacing_admits_k_plus_one_batches_when_nothing_is_old(k, b):
     def held(pending: int) -> bool:
-        return should_pace(admission(10, [10] * pending, []), k, b)
+        return should_pace(admission(10, [10] * pending, []), k, b, rule="any-take")
 
     assert not held((k + 1) * b - 1)
     assert held((k + 1) * b)
@@ -191,9 +191,9 @@ def test_pacing_admits_k_plus_one_batches_when_nothing_is_old(k, b):
 def test_pacing_holds_while_the_oldest_is_at_its_limit():
     # The oldest pending episode started at 3; at version 5 with K=2 the next batch is its last chance, so only
     # a batch's worth of episodes may be pending.
-    assert not should_pace(admission(5, [3], [5, 5]), 2, 4)
-    assert should_pace(admission(5, [3], [5, 5, 5]), 2, 4)
-    assert should_pace(admission(6, [3], []), 2, 4)
+    assert not should_pace(admission(5, [3], [5, 5]), 2, 4, rule="any-take")
+    assert should_pace(admission(5, [3], [5, 5, 5]), 2, 4, rule="any-take")
+    assert should_pace(admission(6, [3], []), 2, 4, rule="any-take")
     assert should_pace(admission(5, [5, 5], []), 2, 100, max_in_flight=2)
 
 
@@ -287,7 +287,7 @@ def test_importance_through_a_plugin_set():
 
 
 def test_pace_through_a_plugin_set_admits_and_never_drops():
-    plugins = plugin_set({"mode": "pace", "max_staleness": 2, "batch_size": 4})
+    plugins = plugin_set({"mode": "pace", "max_staleness": 2, "batch_size": 4, "pace_rule": "any-take"})
     assert plugins.admits(admission(5, [3], [5, 5]))
     assert not plugins.admits(admission(5, [3], [5, 5, 5]))
     w = plugins.weigh(make_trajectory(0), current_version=9)
@@ -300,7 +300,8 @@ def test_pace_deadline_take_admits_k_plus_one_batches_whatever_their_age():
     # holds the one at 3, `deadline_demands`).
     assert not should_pace(admission(5, [3], [5] * 10), 2, 4, rule="deadline-take")
     assert should_pace(admission(5, [3], [5] * 11), 2, 4, rule="deadline-take")
-    assert should_pace(admission(5, [3], [5] * 10), 2, 4)
+    assert should_pace(admission(5, [3], [5] * 10), 2, 4, rule="any-take")
+    assert not should_pace(admission(5, [3], [5] * 10), 2, 4)  # deadline-take, the default
     with pytest.raises(ValueError, match="pace rule"):
         should_pace(admission(5, [], []), 2, 4, rule="oldest")
 
@@ -312,8 +313,10 @@ def test_pace_rule_deadline_take_through_a_plugin_set_admits_more_and_demands_de
     assert deadline.take_demands(state) == {3: 1, 5: 3}  # the one at 3 is at its limit; 11 pending at <= 5
     assert deadline.take_demands(admission(5, [], [])) == {}  # serves deadlines, nothing demanded now
     default = plugin_set({"mode": "pace", "max_staleness": 2, "batch_size": 4})
-    assert not default.admits(state)  # any-take, the default
-    for plugins in (default, plugin_set({"mode": "drop", "max_staleness": 2, "pace_rule": "deadline-take"})):
+    assert default.admits(state) and default.take_demands(state) == {3: 1, 5: 3}  # deadline-take, the default
+    any_take = plugin_set({"mode": "pace", "max_staleness": 2, "batch_size": 4, "pace_rule": "any-take"})
+    assert not any_take.admits(state)
+    for plugins in (any_take, plugin_set({"mode": "drop", "max_staleness": 2, "pace_rule": "deadline-take"})):
         assert plugins.take_demands(state) is None  # the take stays newest first, waiting for nothing
 
 
@@ -408,7 +411,8 @@ def simulate(section: dict, workers: int = 16, batch_size: int = 4, duration: in
 def test_pacing_keeps_slow_tasks_that_dropping_loses():
     k, b = 2, 4
     dropped = simulate({"mode": "drop", "max_staleness": k, "batch_size": b}, batch_size=b)
-    paced = simulate({"mode": "pace", "max_staleness": k, "batch_size": b}, batch_size=b)
+    # The simulated trainer takes the first finished, not a take that serves deadlines: any-take is its rule.
+    paced = simulate({"mode": "pace", "max_staleness": k, "batch_size": b, "pace_rule": "any-take"}, batch_size=b)
 
     submitted = dropped.slow_fraction(dropped.submitted)
     assert submitted == pytest.approx(0.25, abs=0.01)

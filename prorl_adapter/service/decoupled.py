@@ -407,8 +407,10 @@ class Producer:
         nothing: a batch that left a demand unmet would let a trajectory be consumed with staleness > K once
         the version moves on, whereas an empty one changes nothing (ask again). The demands are asked afresh
         each time, with the entries leased here counting as consumed, so a take topped up at one version
-        counts what it took before. What the bound cannot cover: a batch whose lease runs out unacknowledged (the
-        trainer never consumed it) comes back, and may then be taken later than K.
+        counts what it took before; a demand larger than `size` asks for a take wholly of its versions, so several
+        smaller takes at one version meet it together and none waits for ever. What the bound cannot cover: a batch
+        whose lease runs out unacknowledged (the trainer never consumed it) comes back, and may then be taken later
+        than K.
 
         Concurrent takes: each check and the take it allows are one step (a lock, not held while waiting)."""
         loop = asyncio.get_running_loop()
@@ -421,6 +423,9 @@ class Producer:
                 demands = self.pipeline.plugins.take_demands(await self._take_state())
                 if demands is None:
                     return None
+                # A demand beyond the take's size (a take smaller than the rule's batch size, or a lease run out
+                # unacknowledged) could never be held: this take is then wholly of those versions, the oldest first.
+                demands = {j: min(d, size) for j, d in demands.items()}
                 ready = await self.buffer.ready_counts()
                 if _holds(_oldest(ready, size), demands) and (sum(ready.values()) >= size or timed_out):
                     entries = await self.buffer.take(size, timeout=0, order="oldest")
