@@ -31,12 +31,14 @@ naming `staleness.<key>` and what is allowed.
   answers `prorl_take_demands`, so the service's take (`Producer.take_batch`) serves the oldest version first and
   waits, up to the take's timeout, until the batch holds every demand (`deadline_take_ready`); a take that times
   out before returns nothing, or only what meets every demand. What the trainer pays: a take may wait for an
-  episode at its limit. It needs takes of at least `batch_size`: the service refuses (400) a take smaller than a
-  demand, which could never be met. The default because the trainer gets more from it at the same K: `any-take`
-  counts the batch being trained on as pending, so at K=1 it admits nothing while a step trains on a batch one
-  version old, and every other step waits for a whole generation (docs/benchmarks.md, *Training*).
+  episode at its limit. It holds when the trainer takes `batch_size` per version, in one take or several (a
+  demand larger than a take makes that take wholly of the demanded versions, the oldest first). The default
+  because the trainer gets more from it at the same K: `any-take` counts the batch being trained on as pending,
+  so at K=1 it admits nothing while a step trains on a batch one version old, and every other step waits for a
+  whole generation (docs/benchmarks.md, *Training*).
 - `any-take` (`should_pace`): holds whichever finished trajectories the trainer takes, so the service's take
-  stays as it is (the newest version first, no waiting), for a trainer that takes batches of any size.
+  stays as it is (the newest version first, no waiting), for a trainer whose takes may neither wait nor be
+  oldest first.
 
 Registration: the entry point names the class, `prorl_plugins.staleness:StalenessControl`; each plugin set
 (the service's, a trainer's) creates its own instance from its `staleness` section. Tests and embedders may
