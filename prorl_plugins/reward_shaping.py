@@ -326,6 +326,16 @@ class RewardShaping:
     def __init__(self, section: Mapping[str, Any] | None = None) -> None:
         self.config: RewardConfig | None = parse_config(section) if section is not None else None
 
+    @property
+    def quick_reward_hooks(self) -> bool:
+        """The service may call these hooks on its event loop: inert, or with the default safety patterns and no
+        user function, they are bounded work on the trajectory. A user function and patterns of the user's own
+        (a pattern can backtrack for seconds on a long command) may take their time: those run on a thread."""
+        if self.config is None:
+            return True
+        default = [p.pattern for p in self.config.safety_patterns] == list(DEFAULT_SAFETY_PATTERNS)
+        return self.config.user_function is None and (default or "safety" not in self.config.weights)
+
     @hookimpl
     def prorl_reward_components(self, trajectory: Trajectory, instance: dict[str, Any]) -> dict[str, float] | None:
         if self.config is None:

