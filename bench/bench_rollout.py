@@ -954,8 +954,13 @@ def targets(settings: list[Setting]) -> dict[str, TargetResult]:
         # check and delete, and the client's submit and result.
         requests = {w: 2 + 7 / agg(s.results["pipeline"], lambda m: m.mean_turns) for w, s in separate.items()}
         measured = ", ".join(f"{per_turn[w]:.2f} ms ({w})" for w in per_turn)
+        # The yardstick a team would hold it to: the lock-step loop, the same parts in one process, no service.
+        lockstep = {w: agg(s.results["coupled"], lambda m: m.cpu_ms_per_turn) for w, s in separate.items()}
         why = (
             (f"{worst:.1f}x the target; " if worst > 1.0 else "")
+            + "the lock-step loop, the same parts in the benchmark's own process, spends "
+            + ", ".join(f"{lockstep[w]:.2f} ms ({w})" for w in lockstep)
+            + "; "
             + "; ".join(f"{w}: {wakes[w]:.2f} ms of it waking up" for w in per_turn)
             + "; the rest is user time, about 40% of it in aiohttp's client (yappi, CPU clock): "
             + ", ".join(f"{requests[w]:.1f} HTTP requests per turn ({w})" for w in per_turn)
