@@ -95,12 +95,14 @@ IDLE_S = 5.0  # how long the idle CPU of each process is measured
 
 
 # -- the LLM stand-in ------------------------------------------------------------------------------------
-def stand_in_main(port: int, tokenizer_path: str) -> None:
-    """A separate process: the same tool call for every completion, after the delay `PUT /_delay` set."""
+def stand_in_main(listen_fd: int, tokenizer_path: str) -> None:
+    """A separate process, on the socket start_stand_in hands it: the same tool call for every completion, after
+    the delay `PUT /_delay` set."""
     from aiohttp import web
     from transformers import AutoTokenizer
 
     from prorl_adapter.service.chat import tool_call_texts
+    from sandbox_runtime.webapp import inherited_socket
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     text = tool_call_texts("bash", "command", [COMMAND])[0]
@@ -136,12 +138,12 @@ def stand_in_main(port: int, tokenizer_path: str) -> None:
     app.router.add_routes(
         [web.get("/v1/models", models), web.post("/v1/completions", completions), web.put("/_delay", set_delay)]
     )
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+    web.run_app(app, sock=inherited_socket(listen_fd), print=None, access_log=None)
 
 
 def start_stand_in(log: Path) -> localstack.Service:
     localstack.build_tiny_model()
-    argv = [sys.executable, __file__, "--_stand-in-llm", "{port}", str(localstack.TINY_MODEL)]
+    argv = [sys.executable, __file__, "--_stand-in-llm", "{listen_fd}", str(localstack.TINY_MODEL)]
     return localstack.start_service("LLM stand-in", argv, "/v1/models", 60, log)
 
 

@@ -117,7 +117,7 @@ def start_unprivileged_server(state: Path, backend: str, *extra: str) -> Runtime
     state = reachable(state)
     if os.geteuid() == 0:
         os.chown(state, NOBODY, NOBODY)
-    argv = [*prefix, sys.executable, "-m", "sandbox_runtime", "serve", "--port", "{port}", "--state-dir", str(state)]
+    argv = [*prefix, *localstack.runtime_argv(state)]
     argv += ["--backend", backend, "--log-level", "WARNING", *extra]
     service = localstack.start_service("unprivileged sandbox runtime", argv, "/healthz", 30)
     return RuntimeServer(service, state, backend, None, unprivileged=True)

@@ -6,7 +6,7 @@ turns already in the prompt) answers with the script's Nth text, tokenised with 
 tokenizer and closed by its end-of-turn token, as a real server's sampled ids would be. Past the script's end
 it answers with a call of `finish`.
 
-    python -m integration_tests.scripted_llm --port P --tokenizer DIR --scripts scripts.json
+    python -m integration_tests.scripted_llm --listen-fd FD --tokenizer DIR --scripts scripts.json
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from aiohttp import web
 from transformers import AutoTokenizer
 
 from prorl_adapter.dev import localstack
+from sandbox_runtime.webapp import inherited_socket
 
 SCRIPT = re.compile(r"\[script:([A-Za-z0-9_-]+)\]")
 FINISH = '<tool_call>{"name": "finish", "arguments": {"answer": "done"}}</tool_call>'
@@ -58,20 +59,20 @@ def start(scripts: dict[str, list[str]], workdir: Path) -> localstack.Service:
     localstack.build_tiny_model()
     path = workdir / "scripts.json"
     path.write_text(json.dumps(scripts))
-    argv = [sys.executable, "-m", "integration_tests.scripted_llm", "--port", "{port}"]
+    argv = [sys.executable, "-m", "integration_tests.scripted_llm", "--listen-fd", "{listen_fd}"]
     argv += ["--tokenizer", str(localstack.TINY_MODEL), "--scripts", str(path)]
     return localstack.start_service("scripted LLM stand-in", argv, "/v1/models", 60)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--listen-fd", type=int, required=True, help="the listening socket start() hands it")
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--scripts", required=True, help="JSON file: {name: [turn text, ...]}")
     args = parser.parse_args()
     with open(args.scripts) as f:
         scripts = json.load(f)
-    web.run_app(create_app(args.tokenizer, scripts), host="127.0.0.1", port=args.port, print=None)
+    web.run_app(create_app(args.tokenizer, scripts), sock=inherited_socket(args.listen_fd), print=None)
 
 
 if __name__ == "__main__":

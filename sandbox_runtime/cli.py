@@ -18,6 +18,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8765)
     serve.add_argument(
+        "--listen-fd",
+        type=int,
+        default=None,
+        metavar="FD",
+        help="serve on this inherited descriptor, a TCP socket its starter bound and listens on (so the port is "
+        "held before the server starts); --host and --port are then the socket's own",
+    )
+    serve.add_argument(
         "--backend",
         choices=["bwrap", "apptainer", "singularity", "local"],
         default=None,
@@ -105,9 +113,17 @@ def main(argv: list[str] | None = None) -> int:
 
         return openapi_command(RUNTIME_API, args.out)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .webapp import listen_address
+
+    try:
+        listen_socket, host, port = listen_address(args.listen_fd, args.host, args.port)
+    except ValueError as exc:
+        print(f"prorl-sandbox: {exc}")
+        return 2
     config = ServerConfig(
-        host=args.host,
-        port=args.port,
+        host=host,
+        port=port,
+        listen_socket=listen_socket,
         backend=args.backend,
         token=args.token,
         max_sandboxes=args.max_sandboxes,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,6 +83,8 @@ class ServerConfig:
     advertise_url: str | None = None  # None: http://HOST:PORT (the machine's name for a wildcard HOST)
     name: str | None = None  # None: HOSTNAME-PORT
     heartbeat_s: float = 2.0
+    # A socket listening already, given by whoever started the server (--listen-fd); host and port are its own.
+    listen_socket: socket.socket | None = None
 
     def check(self) -> None:
         """What start-up refuses, with a message naming the setting: exposure without a token, and a

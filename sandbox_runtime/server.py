@@ -432,6 +432,7 @@ def create_app(config: ServerConfig, port: int | None = None) -> web.Application
 async def serve(config: ServerConfig) -> None:
     """Run the server until SIGTERM/SIGINT; every sandbox is deleted on the way out."""
     config.check()
-    sock = bound_socket(config.host, config.port)  # bound first: the registration advertises its real port
+    # Bound first (or given bound): the registration advertises its real port.
+    sock = config.listen_socket or bound_socket(config.host, config.port)
     app = create_app(config, port=sock.getsockname()[1])
     await serve_sites([Site(app, config.host, 0, f"prorl-sandbox (state dir {config.state_dir})", sock=sock)])

@@ -197,6 +197,34 @@ def bound_socket(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
 
 
+def inherited_socket(fd: int) -> socket.socket:
+    """The listening TCP socket this process inherited as descriptor `fd` from whoever started it: a launcher
+    that bound it first, so that the port is known, and held, before the server starts (a port only found free
+    can be taken by any other process before the server binds it; every outgoing connection takes one). Made
+    close-on-exec here, so that nothing the server starts inherits it further. ValueError when `fd` is not an
+    open, listening TCP socket."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        raise ValueError(f"--listen-fd {fd}: {exc.strerror or exc}") from None
+    listening = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+    if not (listening and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+        sock.detach()  # not ours to close
+        raise ValueError(f"--listen-fd {fd} is not a listening TCP socket")
+    sock.set_inheritable(False)
+    sock.listen(LISTEN_BACKLOG)  # our backlog, whatever the starter's: listen() again only sets it
+    return sock
+
+
+def listen_address(fd: int | None, host: str, port: int) -> tuple[socket.socket | None, str, int]:
+    """(the inherited socket, its host, its port) for a server given --listen-fd, else (None, host, port).
+    ValueError as `inherited_socket`."""
+    if fd is None:
+        return None, host, port
+    sock = inherited_socket(fd)
+    return sock, *sock.getsockname()[:2]
+
+
 def run_forever(main: Coroutine[Any, Any, None]) -> None:
     """Run a server's main coroutine on uvloop where it is installed (it halves the event loop's and the HTTP
     stack's share of the CPU per request), else on asyncio's own loop."""

@@ -144,6 +144,20 @@ def parsed_with_env(build_parser, argv: list[str], env: dict[str, str]):
         return build_parser().parse_args(argv)
 
 
+def test_a_part_handed_its_socket_serves_on_it_and_advertises_its_port():
+    """The actor binds the socket and hands it over (no other process can take the port in between): the server
+    is told its descriptor, not an address to bind."""
+    service = commands.service_argv("py", "10.0.0.5", 40001, index=0, tokenizer="t", listen_fd=7)
+    runtime = commands.runtime_argv("py", "10.0.0.7", 40002, service_urls=[], state_dir="/s", listen_fd=8)
+    for argv, parser, fd, url in [
+        (service, rollout_parser(), 7, "http://10.0.0.5:40001"),
+        (runtime, runtime_parser(), 8, "http://10.0.0.7:40002"),
+    ]:
+        assert "--host" not in argv and "--port" not in argv
+        assert argv[argv.index("--advertise-url") + 1] == url
+        assert parser().parse_args(argv[3:]).listen_fd == fd
+
+
 def test_an_ipv6_node_address_is_bracketed_in_urls_only():
     argv = commands.runtime_argv("py", "fd00::7", 1, service_urls=[], state_dir="/s")
     assert argv[argv.index("--host") + 1] == "fd00::7"

@@ -10,7 +10,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,15 +20,11 @@ from pathlib import Path
 
 import httpx
 
+from ..launch.process import free_port, listening_socket
+
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "models" / "tiny-qwen2"
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -75,17 +70,29 @@ class Service:
 def start_service(
     name: str, argv: list[str], health_path: str, timeout: float, log: Path | None = None, port: int | None = None
 ) -> Service:
-    """Start `argv` (where "{port}" stands for `port`, default a free one) as its own session and process group,
-    so that stopping it reaches every process it started (vLLM's engine), and wait until `health_path` answers
-    200. Giving the port of a service that died restarts it where its clients look for it."""
-    port = port or free_port()
-    argv = [a.replace("{port}", str(port)) for a in argv]
-    out = open(log, "wb") if log else None  # noqa: SIM115 - handed to the child, closed below
+    """Start `argv` as its own session and process group, so that stopping it reaches every process it started
+    (vLLM's engine), and wait until `health_path` answers 200 on loopback at `port` (default: a free one).
+
+    "{listen_fd}" in `argv` stands for a socket bound and listening here, which the child inherits (a server of
+    this project's `--listen-fd`): the port is held from the start, so nothing else can take it first. Else
+    "{port}" stands for a port found free (`free_port`), which the server binds itself a moment later (vLLM,
+    Redis). Giving the port of a service that died restarts it where its clients look for it."""
+    listener = listening_socket("127.0.0.1", port or 0) if any("{listen_fd}" in a for a in argv) else None
     try:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
+        port = listener.getsockname()[1] if listener else port or free_port()
+        fd = str(listener.fileno()) if listener else ""
+        argv = [a.replace("{port}", str(port)).replace("{listen_fd}", fd) for a in argv]
+        with open(log, "wb") if log else contextlib.nullcontext() as out:
+            process = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                start_new_session=True,
+                pass_fds=(listener.fileno(),) if listener else (),
+            )
     finally:
-        if out:
-            out.close()
+        if listener is not None:
+            listener.close()  # the child holds its own copy
     return Service(name, f"http://127.0.0.1:{port}", process, log).wait_healthy(health_path, timeout)
 
 
@@ -108,18 +115,22 @@ def start_vllm(
     return start_service("vLLM", argv, "/health", timeout, log, port)
 
 
+def runtime_argv(state_dir: Path, python: str = sys.executable) -> list[str]:
+    """The sandbox runtime's command line for `start_service`: on the socket it is handed, with its state dir."""
+    return [python, "-m", "sandbox_runtime", "serve", "--listen-fd", "{listen_fd}", "--state-dir", str(state_dir)]
+
+
 def start_sandbox_runtime(
     state_dir: Path, backend: str | None = None, *extra: str, log: Path | None = None, port: int | None = None
 ) -> Service:
-    argv = [sys.executable, "-m", "sandbox_runtime", "serve", "--port", "{port}", "--state-dir", str(state_dir)]
-    argv += ["--backend", backend] if backend else []
+    argv = runtime_argv(state_dir) + (["--backend", backend] if backend else [])
     return start_service("sandbox runtime", [*argv, "--log-level", "WARNING", *extra], "/healthz", 30, log, port)
 
 
 def start_rollout_service(
     sandbox_urls: list[str], llm_urls: list[str], *extra: str, tokenizer: Path = TINY_MODEL, log: Path | None = None
 ) -> Service:
-    argv = [sys.executable, "-m", "prorl_adapter", "serve", "--port", "{port}", "--tokenizer", str(tokenizer)]
+    argv = [sys.executable, "-m", "prorl_adapter", "serve", "--listen-fd", "{listen_fd}", "--tokenizer", str(tokenizer)]
     argv += [arg for url in sandbox_urls for arg in ("--sandbox-url", url)]
     argv += [arg for url in llm_urls for arg in ("--llm-url", url)]
     return start_service("rollout service", [*argv, "--log-level", "WARNING", *extra], "/healthz", 60, log)

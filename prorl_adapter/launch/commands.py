@@ -75,6 +75,12 @@ def runtime_env(token: str) -> dict[str, str]:
     return {"PRORL_SANDBOX_TOKEN": token, "PRORL_ROLLOUT_TOKEN": token}
 
 
+def listen_args(ip: str, port: int, listen_fd: int | None) -> list[str]:
+    """Where a server of ours listens: on the socket it inherits as `listen_fd`, bound on ip:port by its starter
+    (nothing can take the port before the server starts), else on ip:port, which it binds itself."""
+    return ["--host", ip, "--port", str(port)] if listen_fd is None else ["--listen-fd", str(listen_fd)]
+
+
 def service_argv(
     python: str,
     ip: str,
@@ -84,8 +90,9 @@ def service_argv(
     tokenizer: str,
     llm_urls: Sequence[str] = (),
     extra: Sequence[str] = (),
+    listen_fd: int | None = None,
 ) -> list[str]:
-    argv = [python, "-m", "prorl_adapter", "serve", "--host", ip, "--port", str(port)]
+    argv = [python, "-m", "prorl_adapter", "serve", *listen_args(ip, port, listen_fd)]
     argv += ["--service-id", service_id(index), "--advertise-url", http_url(ip, port), "--gateway-host", ip]
     argv += ["--tokenizer", tokenizer]
     argv += [arg for url in llm_urls for arg in ("--llm-url", url)]
@@ -100,8 +107,9 @@ def runtime_argv(
     service_urls: Sequence[str],
     state_dir: Path | str,
     extra: Sequence[str] = (),
+    listen_fd: int | None = None,
 ) -> list[str]:
-    argv = [python, "-m", "sandbox_runtime", "serve", "--host", ip, "--port", str(port)]
+    argv = [python, "-m", "sandbox_runtime", "serve", *listen_args(ip, port, listen_fd)]
     argv += ["--advertise-url", http_url(ip, port)]
     argv += [arg for url in service_urls for arg in ("--register", url)]
     argv += ["--state-dir", str(state_dir)]

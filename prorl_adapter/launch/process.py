@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -25,6 +26,8 @@ from pathlib import Path
 import httpx
 
 PR_SET_PDEATHSIG = 1
+# free_port's picks: above the ports Ray's workers take by default (10002-19999), below the ephemeral range.
+FREE_PORTS_FROM = 20_000
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 LOG_TAIL_CHARS = 3000
 
@@ -46,12 +49,39 @@ def _die_with(parent: int) -> Callable[[], None]:
     return preexec
 
 
-def free_port(ip: str) -> int:
-    """A port free on `ip` now (the server binds it a moment later)."""
+def listening_socket(ip: str, port: int = 0) -> socket.socket:
+    """A TCP socket listening on `ip`:`port` (0: a port the kernel picks), to hand to a server of this project
+    (`--listen-fd`): its port is held from here on, so no other process can take it before the server starts.
+    SO_REUSEADDR (Python sets it): a server restarted on its old port binds it past the old one's TIME_WAITs."""
     family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-    with socket.socket(family) as s:
+    return socket.create_server((ip, port), family=family)  # the server sets its own backlog
+
+
+def free_port(ip: str = "127.0.0.1") -> int:
+    """A port free on `ip` now, for a server that cannot be handed a socket (Redis, vLLM) and binds it a moment
+    later. Picked below the kernel's ephemeral range: a port the kernel hands out (bind to port 0) is one that
+    any outgoing connection on the machine may take in that moment, and a test run makes thousands."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    low, _ = _ephemeral_range()
+    candidates = range(FREE_PORTS_FROM, low) if low - FREE_PORTS_FROM >= 1000 else range(0)
+    for port in random.sample(candidates, min(64, len(candidates))):
+        with socket.socket(family) as s:
+            try:
+                s.bind((ip, port))
+            except OSError:  # in use, or in TIME_WAIT
+                continue
+            return port
+    with socket.socket(family) as s:  # no room below the ephemeral range (or all taken): the kernel's pick
         s.bind((ip, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def fresh_dir(prefix: str, mode: int = 0o700) -> Path:
@@ -105,12 +135,14 @@ class ServerProcess:
         log: Path,
         env: Mapping[str, str] | None = None,
         stdin_text: str | None = None,
+        listener: socket.socket | None = None,
     ) -> None:
         self.name = name
         self.argv = list(argv)
         self.log = log
         self.env = dict(env or {})
         self.stdin_text = stdin_text
+        self.listener = listener  # handed to the server (its --listen-fd), and closed here once it has it
         self.process: subprocess.Popen | None = None
 
     @property
@@ -126,16 +158,21 @@ class ServerProcess:
         return self.process is not None and self.process.poll() is None
 
     def start(self) -> ServerProcess:
-        with open(self.log, "ab") as out:
-            self.process = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL if self.stdin_text is None else subprocess.PIPE,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **self.env},
-                start_new_session=True,  # its own session and process group, whose id is its pid
-                preexec_fn=_die_with(os.getpid()),
-            )
+        try:
+            with open(self.log, "ab") as out:
+                self.process = subprocess.Popen(
+                    self.argv,
+                    stdin=subprocess.DEVNULL if self.stdin_text is None else subprocess.PIPE,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, **self.env},
+                    start_new_session=True,  # its own session and process group, whose id is its pid
+                    preexec_fn=_die_with(os.getpid()),
+                    pass_fds=(self.listener.fileno(),) if self.listener else (),
+                )
+        finally:
+            if self.listener is not None:
+                self.listener.close()  # the server holds its own copy
         if self.stdin_text is not None:
             with self.process.stdin:  # closed: the server reads to its end
                 self.process.stdin.write(self.stdin_text.encode())

@@ -33,7 +33,16 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from . import commands
 from .commands import REDIS, RUNTIME, SERVICE
-from .process import PartFailed, ServerProcess, free_port, fresh_dir, http_ready, redis_ready, remove_dirs
+from .process import (
+    PartFailed,
+    ServerProcess,
+    free_port,
+    fresh_dir,
+    http_ready,
+    listening_socket,
+    redis_ready,
+    remove_dirs,
+)
 
 RECORD_NAME = "prorl-stack"
 PART_PREFIX = "prorl-"
@@ -69,17 +78,20 @@ class PartActor:
 
     def start(self, params: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         ip, node_id = ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
-        port = free_port(ip)
         self.workdir = fresh_dir(f"{self.name}-")
+        # Our servers are handed their socket bound (no other process can take the port first); Redis binds its own.
+        listener = None if self.part == REDIS else listening_socket(ip)
+        port = listener.getsockname()[1] if listener else free_port(ip)
         self.info |= {"node_id": node_id, "ip": ip, "port": port, "log": str(self.workdir / "log")}
-        argv, env, stdin, ready, url = self._command(ip, port, params)
-        self.server = ServerProcess(self.name, argv, self.workdir / "log", env=env, stdin_text=stdin).start()
+        argv, env, stdin, ready, url = self._command(ip, port, params, listener and listener.fileno())
+        log = self.workdir / "log"
+        self.server = ServerProcess(self.name, argv, log, env=env, stdin_text=stdin, listener=listener).start()
         self.info |= {"url": url, "pid": self.server.pid}
         where = f" on node {node_id} ({ip})"
         self.server.wait_ready(ready, f"{'PING' if self.part == REDIS else 'GET /healthz'} at {url}", timeout_s, where)
         return dict(self.info)
 
-    def _command(self, ip: str, port: int, params: dict[str, Any]):
+    def _command(self, ip: str, port: int, params: dict[str, Any], listen_fd: int | None):
         token = params["token"]
         if self.part == REDIS:
             binary = shutil.which("redis-server")
@@ -94,12 +106,15 @@ class PartActor:
         if self.part == SERVICE:
             service = dict(params["service"])
             env = commands.service_env(token, service.pop("buffer_url"))
-            argv = commands.service_argv(sys.executable, ip, port, **service)
+            argv = commands.service_argv(sys.executable, ip, port, listen_fd=listen_fd, **service)
         else:
             self.state_dir = fresh_dir("prorl-runtime-state-", 0o711)  # the sandboxes' uids traverse it
             self.info["state_dir"] = str(self.state_dir)
             env = commands.runtime_env(token)
-            argv = commands.runtime_argv(sys.executable, ip, port, state_dir=self.state_dir, **params["runtime"])
+            runtime = params["runtime"]
+            argv = commands.runtime_argv(
+                sys.executable, ip, port, state_dir=self.state_dir, listen_fd=listen_fd, **runtime
+            )
         return argv, env, None, http_ready(url + "/healthz"), url
 
     def describe(self) -> dict[str, Any]:

@@ -37,6 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tokenizer", required=True, help="path or name of the policy's tokenizer")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8766)
+    serve.add_argument(
+        "--listen-fd",
+        type=int,
+        default=None,
+        metavar="FD",
+        help="serve the API on this inherited descriptor, a TCP socket its starter bound and listens on (so the "
+        "port is held before the service starts); --host and --port are then the socket's own",
+    )
     serve.add_argument("--token", default=os.environ.get("PRORL_ROLLOUT_TOKEN"), help="env PRORL_ROLLOUT_TOKEN")
     serve.add_argument("--sandbox-token", default=os.environ.get("PRORL_SANDBOX_TOKEN"))
     serve.add_argument("--timeout", type=float, default=1800.0, help="default time budget of a job, in seconds")
@@ -191,12 +199,20 @@ def main(argv: list[str] | None = None) -> int:
             return openapi_command(GATEWAY_API if args.gateway else ROLLOUT_API, None)
         return openapi_command(ROLLOUT_API, args.out) or openapi_command(GATEWAY_API, args.out)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from sandbox_runtime.webapp import listen_address
+
+    try:
+        listen_socket, host, port = listen_address(args.listen_fd, args.host, args.port)
+    except ValueError as exc:
+        print(f"prorl-rollout: {exc}")
+        return 2
     config = RolloutConfig(
         sandbox_urls=args.sandbox_url,
         llm_urls=args.llm_url,
         tokenizer=args.tokenizer,
-        host=args.host,
-        port=args.port,
+        host=host,
+        port=port,
+        listen_socket=listen_socket,
         token=args.token,
         sandbox_token=args.sandbox_token,
         pipeline=PipelineConfig(
@@ -220,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         service_id=args.service_id,
         advertise_url=args.advertise_url,
         result_ttl_s=args.result_ttl_s,
-        gateway_host=args.gateway_host or args.host,
+        gateway_host=args.gateway_host or host,
         gateway_port=args.gateway_port,
         warm=WarmConfig(
             size=args.warm_sandboxes,

@@ -46,6 +46,9 @@ class RolloutConfig:
     # Sandboxes created ahead per spec (size 0: none), and the most creations in flight per runtime (0: no limit).
     warm: WarmConfig = field(default_factory=WarmConfig)
     max_concurrent_creates: int = 0
+    # The API's socket listening already, given by whoever started the service (--listen-fd); host and port are
+    # its own.
+    listen_socket: socket.socket | None = None
 
     @property
     def sandbox_owner(self) -> str:

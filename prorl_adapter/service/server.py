@@ -562,7 +562,7 @@ async def serve(config: RolloutConfig) -> None:
     app = create_app(config)
     app.on_startup.append(freeze_long_lived)  # after the cleanup contexts' start-up: the tokenizer is loaded
     sites = [
-        Site(app, config.host, config.port, "prorl-rollout"),
+        Site(app, config.host, config.port, "prorl-rollout", sock=config.listen_socket),
         Site(app[GATEWAY_APP], config.gateway_host, 0, "prorl-rollout's LLM gateway", sock=gateway_socket),
     ]
     await serve_sites(sites)

@@ -105,7 +105,7 @@ def start_standin_server(
         **(extra_env or {}),
     }
     argv = [*as_user(), "env", "-i", *(f"{k}={v}" for k, v in env.items())]
-    argv += [python, "-m", "sandbox_runtime", "serve", "--port", "{port}", "--state-dir", str(state)]
+    argv += localstack.runtime_argv(state, python)
     argv += ["--backend", backend, "--log-level", "WARNING"]
     argv += [arg for directory in image_dirs for arg in ("--image-dir", str(directory))]
     service = localstack.start_service(f"{backend} stand-in sandbox runtime", argv, "/healthz", 30)
