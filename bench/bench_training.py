@@ -361,38 +361,56 @@ def targets(runs: list[Run]) -> dict[str, TargetResult]:
             found["time to reward, slow tools"] = TargetResult(f"{best:.2f}x", best <= 0.7, note + "; bench_training")
     relay = by_mode(runs, "relay")
     if relay[coupled_mode]:
-        train, wait, bound = overlap_bound(relay[coupled_mode])
-        base_step = median([r.wall_s / len(r.records) for r in relay[coupled_mode]])
-        step = {
-            m: median([r.wall_s / len(r.records) for r in relay[m]]) / base_step for m in decoupled_modes if relay[m]
-        }
-        if step:
-            best = min(step.values())
-            note = ", ".join(f"{m.split(', ')[-1]} {v:.2f}x" for m, v in step.items())
-            note += f" of coupled's s/step; bound {bound:.2f}x (T_train {train:.1f} s, T_gen {wait:.1f} s)"
-            met = best <= 1.1 * bound
-            if not met:
-                note += f"; {best / bound - 1:.0%} over the bound"
-            mixed = mixed_invocations(relay)
-            note += mixed
-            if not mixed and not met:
-                fastest = min(step, key=step.get)
-                beside = median([r.train_s() for r in relay[fastest]])
-                waits = median([r.wait_s() for r in relay[fastest]])
-                name = fastest.split(", ")[-1]
-                if beside > train:
-                    note += (
-                        f", because training beside generation is slower than alone: {name} trains {beside:.1f} s "
-                        f"per step against {train:.1f} s, and with that the bound is "
-                        f"{max(beside, wait) / (train + wait):.2f}x (the bound counts a step's training at what it "
-                        "costs alone)"
-                    )
-                else:
-                    note += f": {name} still waits {waits:.2f} s per step for its batch"
-            found["time to reward, relay"] = TargetResult(
-                f"{best:.2f}x vs bound {bound:.2f}x", met, note + "; bench_training"
-            )
+        found["time to reward, relay"] = relay_target(relay, coupled_mode, decoupled_modes)
     return found
+
+
+def relay_target(relay: dict[str, list[Run]], coupled_mode: str, decoupled_modes: list[str]) -> TargetResult:
+    """Decoupled time to reward within 10% of the overlap bound, on relay as it is. The bound holds for seconds
+    per step; time to reward also counts the steps each mode needs, so both ratios are given, and a miss is
+    put down to the one that misses."""
+    coupled = relay[coupled_mode]
+    train, wait, bound = overlap_bound(coupled)
+    base_goal = median([r.time_to_goal() for r in coupled])
+    base_step = median([r.wall_s / len(r.records) for r in coupled])
+    modes = [m for m in decoupled_modes if relay[m]]
+    goal = {m: median([r.time_to_goal() for r in relay[m]]) / base_goal for m in modes}
+    step = {m: median([r.wall_s / len(r.records) for r in relay[m]]) / base_step for m in modes}
+    if not modes or math.isinf(base_goal):
+        return TargetResult("—", False, "coupled never reached the reward, or no decoupled mode ran; bench_training")
+    best = min(modes, key=goal.get)
+    met = goal[best] <= 1.1 * bound
+    name = best.split(", ")[-1]
+    note = "time to reward: " + ", ".join(f"{m.split(', ')[-1]} {times(goal[m])}" for m in modes)
+    note += f" of coupled's {base_goal:.0f} s; s/step: " + ", ".join(
+        f"{m.split(', ')[-1]} {step[m]:.2f}x" for m in modes
+    )
+    note += f"; bound {bound:.2f}x (T_train {train:.1f} s, T_gen {wait:.1f} s); median of {len(coupled)} seed(s)"
+    steps = {m: median([r.steps_to_goal() for r in group]) for m, group in relay.items() if group}
+    if goal[best] < bound:
+        note += (
+            f"; below the bound, which holds for seconds per step, because {name} reached {GOAL} in "
+            f"{count(steps[best])} steps (median) against coupled's {count(steps[coupled_mode])}"
+        )
+    if not met:
+        note += f"; {goal[best] / bound - 1:.0%} over the bound"
+        if step[best] <= 1.1 * bound:
+            note += (
+                f": its steps are as fast as the bound allows ({step[best]:.2f}x), but it needed "
+                f"{count(steps[best])} steps to {GOAL} (median) against coupled's {count(steps[coupled_mode])}"
+            )
+        else:
+            beside, waits = median([r.train_s() for r in relay[best]]), median([r.wait_s() for r in relay[best]])
+            if beside > train:
+                note += (
+                    f", and its steps are slower than the bound ({step[best]:.2f}x) because training beside "
+                    f"generation is slower than alone: {name} trains {beside:.1f} s per step against {train:.1f} s "
+                    f"(with that the bound is {max(beside, wait) / (train + wait):.2f}x)"
+                )
+            else:
+                note += f", and its steps are slower than the bound ({step[best]:.2f}x): it still waits {waits:.2f} s"
+    note += mixed_invocations(relay)
+    return TargetResult(f"{times(goal[best])} vs bound {bound:.2f}x", met, note + "; bench_training")
 
 
 def count(steps: float) -> str:
