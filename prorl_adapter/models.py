@@ -500,6 +500,13 @@ class RuntimeState(BaseModel):
     placed: int = Field(description="sandboxes of this replica's episodes on it now")
     failures: int = Field(description="sandboxes it failed to create for this replica")
     seen_s_ago: float | None = Field(description="seconds since its last heartbeat")
+    creating: int = Field(0, description="this replica's sandbox creations in flight on it now (warm ones too)")
+    creations_waiting: int = Field(
+        0, description="creations held back by --max-concurrent-creates, episodes' and refills' together"
+    )
+    max_concurrent_creates: int | None = Field(
+        None, description="the most creations in flight on it at once (--max-concurrent-creates; null: no limit)"
+    )
 
 
 class RuntimeStateList(BaseModel):
@@ -524,6 +531,10 @@ class WarmSandboxState(BaseModel):
 
     image: str | None = Field(description="the spec's image")
     size: int = Field(description="the most warm sandboxes kept for it, ready or being created (--warm-sandboxes)")
+    refill_per_s: float = Field(
+        description="the most creations refills start per second, this spec's and the others' together "
+        "(--warm-refill-per-s)"
+    )
     ready: int = Field(description="warm sandboxes ready to be handed out now")
     creating: int = Field(description="warm sandboxes being created (or waiting to be)")
     hits: int = Field(description="episodes that got a warm sandbox")

@@ -130,6 +130,7 @@ async def test_the_first_ask_misses_then_the_pool_fills_to_size_and_serves_hits(
         assert warm.created == 3 and len(await listed(client)) == 4
         described = pool.describe_warm()[spec_digest(warm.key)]
         assert (described.size, described.ready, described.hits, described.misses) == (2, 2, 1, 1)
+        assert described.refill_per_s == 50.0
         status = ServiceStatus(
             policy_version=0,
             queues={},
@@ -307,6 +308,28 @@ async def test_a_spec_the_runtime_refuses_pauses_its_refills_until_asked_again(r
 
 
 # -- throttled creation -------------------------------------------------------------------------------------------
+async def test_the_runtimes_state_shows_the_creations_in_flight_and_those_the_limit_holds_back(runtime):
+    url, client = runtime
+    pool = SandboxPool([url], owner="r-test", max_concurrent_creates=1, wait_for_runtime_s=0.0)
+    gate = pool.servers[url].gate
+    try:
+        (idle,) = pool.describe()
+        assert (idle.creating, idle.creations_waiting, idle.max_concurrent_creates) == (0, 0, 1)
+        await gate.enter(urgent=True)  # a creation in flight, held for as long as the test needs
+        episode = asyncio.ensure_future(pool.acquire(ask(), exclude=set()))
+        await until(lambda: gate.waiting(True) == 1, "the episode's creation waits at the limit")
+        (held,) = pool.describe()
+        assert (held.creating, held.creations_waiting) == (1, 1)
+        gate.leave()
+        env = await episode
+        (done,) = pool.describe()
+        assert (done.creating, done.creations_waiting) == (0, 0)
+        await pool.release(env)
+    finally:
+        await pool.close()
+    assert await listed(client) == set()
+
+
 async def test_the_gate_lets_an_episode_go_before_any_waiting_refill():
     gate = CreateGate(limit=1)
     order: list[str] = []

@@ -154,6 +154,9 @@ class SandboxPool:
                 placed=s.active,
                 failures=s.failures,
                 seen_s_ago=None if s.seen_at is None else round(max(self._now - s.seen_at, 0.0), 3),
+                creating=s.gate.in_flight,
+                creations_waiting=s.gate.waiting(True) + s.gate.waiting(False),
+                max_concurrent_creates=s.gate.limit,
             )
             for s in self.servers.values()
         ]

@@ -216,6 +216,7 @@ class WarmSandboxes:
             warm.digest: WarmSandboxState(
                 image=warm.spec.get("image"),
                 size=self.config.size,
+                refill_per_s=self.config.refill_per_s,
                 ready=len(warm.ready),
                 creating=warm.creating,
                 hits=warm.hits,
