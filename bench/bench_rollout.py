@@ -28,6 +28,10 @@ Modes, each run by this process against the same servers:
     serve`, as users run it), waiting for every trajectory (`RolloutClient.run_many`).
 (c) pipeline with warm sandboxes: (b) against a second rollout service started with `--warm-sandboxes N`,
     measured once its pool is full (`--warm-sandboxes 0` leaves this mode out).
+(d) pipeline with adaptive run concurrency: (b) against a third rollout service started with
+    `--target-engine-batch N` (default 32), which holds as many episodes in the run stage as keep vLLM's engine
+    batch near N, read from vLLM's /metrics, instead of (b)'s fixed --max-run-workers
+    (`--target-engine-batch 0` leaves this mode out).
 
 Topologies (`--topology`): *separate cores* models the paper's setting, where the LLM servers and the
 sandboxes are different machines: vLLM's processes are pinned to the first half of this process's CPUs and
@@ -38,11 +42,11 @@ re-pinned between them; a reused server (`--vllm-url`) is not pinned, and the re
 
 Measured per mode: episodes/s; the LLM busy fraction (share of wall time with at least one generation request
 in flight, from every request's start and end as the LLM pool reports them through the `prorl_llm_request`
-hook: a plugin (`LLMRequestLog`) in this process for (a), and in the rollout service for (b) and (c), loaded
+hook: a plugin (`LLMRequestLog`) in this process for (a), and in the rollout service for (b) to (d), loaded
 there with `--plugin`); vLLM's own view (requests running or waiting, /metrics sampled every 0.2 s by a
 separate process; its e2e latency histogram); mean turns; generation and tool time per turn; init time per
 episode (p50, p99); and CPU time per turn of the orchestrating process (the rollout service's /proc/PID/stat
-for (b) and (c), this process for (a)). Nothing is asserted: the machine is shared and noisy, so the ratios
+for (b) to (d), this process for (a)). Nothing is asserted: the machine is shared and noisy, so the ratios
 against (a) from the same run are the figures to compare across runs. `--vllm-url` reuses a running server
 (scripts/serve-vllm.sh, dev mode on) to save its start-up.
 """
@@ -102,11 +106,12 @@ LATENCY_MEDIAN_S, LATENCY_SIGMA, LATENCY_MIN_S, LATENCY_MAX_S = 0.3, 0.9, 0.1, 2
 SAMPLE_INTERVAL_S = 0.2
 REPEATS_ON_FAILURE = 2  # a run in which episodes failed is reported in the details and run again
 REGEX = r'<tool_call>\{"name": "bash", "arguments": \{"command": "(\.\/step)"\}\}</tool_call>'
-MODES = ("coupled", "pipeline", "pipeline-warm")
+MODES = ("coupled", "pipeline", "pipeline-warm", "pipeline-adaptive")
 MODE_TITLES = {
     "coupled": "(a) coupled, lock-step",
     "pipeline": "(b) pipeline, HTTP service",
     "pipeline-warm": "(c) pipeline + warm sandboxes",
+    "pipeline-adaptive": "(d) pipeline, adaptive concurrency",
 }
 # Each step runs the latency of its turn: the n-th line of `latencies`, n being one more than the runs so far.
 STEP_SCRIPT = '#!/bin/sh\nn=$(( $(cat runs 2>/dev/null | wc -l) + 1 ))\nsleep "$(sed -n "${n}p" latencies)"\n'
@@ -575,7 +580,7 @@ class Environment:
     vllm_pid: int | None  # None when reusing a server this run did not start
     sandbox_url: str
     sandbox_pid: int
-    services: dict[str, RolloutService]  # by mode: "pipeline", and "pipeline-warm" with a warm pool
+    services: dict[str, RolloutService]  # by mode: "pipeline", "pipeline-warm" (warm pool), "pipeline-adaptive"
     chat: Any
     log_dir: Path
     coupled_requests: LLMRequestLog  # LLM requests of the coupled loop (this process)
@@ -583,7 +588,7 @@ class Environment:
 
 
 class Services:
-    """vLLM, the sandbox runtime and the rollout services (one plain, one with warm sandboxes), each a process
+    """vLLM, the sandbox runtime and the rollout services (plain, warm sandboxes, adaptive), each a process
     of its own started here the way integration_tests/conftest.py starts them (serve-vllm.sh --enforce-eager,
     `python -m sandbox_runtime serve --backend bwrap`, `python -m prorl_adapter serve`)."""
 
@@ -629,6 +634,9 @@ class Services:
             if self.args.warm_sandboxes:
                 warm = ("--warm-sandboxes", str(self.args.warm_sandboxes), "--warm-refill-per-s", "50")
                 services["pipeline-warm"] = self._start_rollout("pipeline-warm", vllm_url, *warm)
+            if self.args.target_engine_batch:
+                adaptive = ("--target-engine-batch", str(self.args.target_engine_batch))
+                services["pipeline-adaptive"] = self._start_rollout("pipeline-adaptive", vllm_url, *adaptive)
             chat = ChatTokenizer(str(localstack.TINY_MODEL))
         except BaseException:
             self.__exit__()
@@ -854,8 +862,10 @@ def table(results: Results) -> str:
 def summary_table(settings: list[Setting]) -> str:
     """Every setting in a row: the throughput ratios, and what explains them."""
     warm = any(s.results.get("pipeline-warm") for s in settings)
+    adaptive = any(s.results.get("pipeline-adaptive") for s in settings)
     head = "| Topology | Workload | (a) episodes/s | (b) episodes/s | **(b) ÷ (a)** |"
     head += " (c) episodes/s | (c) ÷ (a) |" if warm else ""
+    head += " (d) episodes/s | (d) ÷ (a) | engine batch (b) / (d) |" if adaptive else ""
     head += " LLM busy (a) / (b) | orchestration CPU per turn (b) | init p50 / p99 (b) |"
     head += " init p50 / p99 (c) |" if warm else ""
     lines = [head, "|---" * head.count("|", 1) + "|"]
@@ -866,6 +876,10 @@ def summary_table(settings: list[Setting]) -> str:
         if warm:
             c = agg(r.get("pipeline-warm", []), lambda m: m.episodes_per_s)
             row += f" {c:.2f} | {ratio(c, a)} |"
+        if adaptive:
+            d = agg(r.get("pipeline-adaptive", []), lambda m: m.episodes_per_s)
+            batches = (agg(r.get(mode, []), lambda m: m.engine_batch) for mode in ("pipeline", "pipeline-adaptive"))
+            row += f" {d:.2f} | {ratio(d, a)} | {' / '.join(f'{v:.1f}' for v in batches)} |"
         busy = f"{pct(agg(r['coupled'], lambda m: m.busy_exact))} / {pct(agg(r['pipeline'], lambda m: m.busy_exact))}"
         row += f" {busy} | {agg(r['pipeline'], lambda m: m.cpu_ms_per_turn):.2f} ms |"
         for mode in ("pipeline", "pipeline-warm") if warm else ("pipeline",):
@@ -962,10 +976,14 @@ def targets(settings: list[Setting]) -> dict[str, TargetResult]:
             + ", ".join(f"{lockstep[w]:.2f} ms ({w})" for w in lockstep)
             + "; "
             + "; ".join(f"{w}: {wakes[w]:.2f} ms of it waking up" for w in per_turn)
-            + "; the rest is user time, about 40% of it in aiohttp's client (yappi, CPU clock): "
-            + ", ".join(f"{requests[w]:.1f} HTTP requests per turn ({w})" for w in per_turn)
+            + "; "
+            + ", ".join(
+                f"{requests[w]:.1f} HTTP requests per turn ({w}), {requests[w] * cost:.2f} ms of it at least"
+                for w in per_turn
+            )
             + f" (an LLM request and an exec per turn; per episode the create, set-up, end, check and delete and the "
-            f"client's submit and result), at {cost:.2f} ms of client CPU each at the least (`request_cost_ms`); "
+            f"client's submit and result, at {cost:.2f} ms of client CPU each hot: `request_cost_ms`); the rest is "
+            "the parts' own Python (tokenising, JSON, pydantic, the agent loop), which the lock-step loop pays too; "
             "bench_rollout"
         )
         found["orchestration"] = TargetResult(measured, worst <= 1.0, why)
@@ -994,17 +1012,24 @@ in-trainer pattern: every turn waits for the slowest generation and then for the
 whole batch, and the batch for its longest episode, so vLLM idles while tools run and while the tail finishes.
 *Pipeline* lets each episode move on as soon as its own generation or tool call returns. *Warm sandboxes*
 (c) is the pipeline with a pool of sandboxes made ahead (`--warm-sandboxes`): its init is the task's set-up
-alone while the pool lasts, and the pool's refills cost CPU on the cores the episodes run on.
+alone while the pool lasts, and the pool's refills cost CPU on the cores the episodes run on. Here a bwrap
+sandbox takes milliseconds to create on an idle runtime (bench_runtime), so what the pool saves is a creation
+made under the batch's load, and what it costs is its refills, made during the batch on the same core as the
+episodes' set-ups and tool calls (its init p99); it pays more where creation is slow (an Apptainer instance, an
+image's first unpack: bench_images). *Adaptive
+concurrency* (d) is the pipeline holding only as many episodes in its run stage as keep vLLM's engine batch
+near `--target-engine-batch` (read from vLLM's /metrics) rather than (b)'s fixed 256: its *engine batch while
+busy* beside (b)'s shows how closely it holds the target, and its episodes/s what holding it costs or saves.
 The **LLM busy fraction** is the share of wall time with at least one generation request in flight, from the
 start and end of every request as the LLM pool reports them (the `prorl_llm_request` hook: one plugin, in the
-benchmark process for (a) and in the rollout services for (b) and (c)); the *engine* busy fraction is the same
+benchmark process for (a) and in the rollout services for (b) to (d)); the *engine* busy fraction is the same
 from vLLM's side (`vllm:num_requests_running` + `vllm:num_requests_waiting` > 0, sampled every 0.2 s by a
 separate process). *Engine batch while busy* is the mean number of requests vLLM decodes together when it has
 any: the figure that decides how much work each engine step does.
 *Inside vLLM* is vLLM's own e2e latency (from the request's arrival in its engine client to its last token);
 the rest of the generation latency is HTTP, vLLM's API server and the client's event loop.
 *Orchestration CPU per turn* is user+sys CPU of the process that schedules the episodes, divided by the
-turns it ran: for (b) and (c) the rollout service (`/proc/PID/stat`), which covers the HTTP API (submissions,
+turns it ran: for (b) to (d) the rollout service (`/proc/PID/stat`), which covers the HTTP API (submissions,
 long-polls, trajectory serialisation), the three stage pools, the LLM client (JSON of the token-id prompt
 and of the response), tokenising tool observations, parsing tool calls, and the sandbox client (create,
 set-up, one exec per turn, end, check, delete per episode); for (a) the benchmark process running the same
@@ -1056,9 +1081,10 @@ def render_block(
 ) -> str:
     command = command_line(__file__, args.argv)
     warm = f", (c) with --warm-sandboxes {args.warm_sandboxes}" if args.warm_sandboxes else ""
+    warm += f", (d) with --target-engine-batch {args.target_engine_batch}" if args.target_engine_batch else ""
     mode = (
         f"{args.episodes} episodes per batch, max_tokens {MAX_TOKENS} per turn, {args.rounds} round(s) of each mode "
-        f"per setting (order a b c, c b a, ...; tables show the mean over rounds), pipeline with --max-run-workers "
+        f"per setting (order a b c d, d c b a, ...; tables show the mean over rounds), pipeline with --max-run-workers "
         f"{args.max_run_workers} --max-init-workers {args.max_init_workers}{warm} (eval workers 32; the coupled loop "
         "uses the same init and eval concurrency); a run in which episodes failed is listed under Details and run "
         f"again (at most {REPEATS_ON_FAILURE} times)"
@@ -1094,6 +1120,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--workload", choices=(*WORKLOADS, "both"), default="both")
     parser.add_argument(
         "--warm-sandboxes", type=int, default=64, help="mode (c)'s pool (the service's --warm-sandboxes); 0: no (c)"
+    )
+    parser.add_argument(
+        "--target-engine-batch",
+        type=int,
+        default=32,
+        help="mode (d)'s engine batch to aim at (the service's --target-engine-batch); 0: no (d)",
     )
     parser.add_argument("--max-run-workers", type=int, default=256, help="the rollout service's run workers")
     parser.add_argument(
