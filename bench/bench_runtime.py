@@ -71,6 +71,7 @@ TARGET_ECHO_P50_S = 0.001
 TARGET_ECHO_P99_S = 0.003
 TARGET_CMDS_PER_S = 3000
 TARGET_CREATE_P50_S = 0.015
+TARGET_CREATE_VS_BARE = 1.2  # creation p50 against bare bwrap+bash's, measured beside it
 TARGET_IDLE_SANDBOXES = 1000
 TARGET_IDLE_BYTES = 1.5 * GiB
 
@@ -982,13 +983,13 @@ class Report:
         return [
             Row(
                 "sandbox creation p50 (POST /v1/sandboxes)",
-                f"≤ {ms(TARGET_CREATE_P50_S)}",
+                f"≤ {ms(TARGET_CREATE_P50_S)} and ≤ {TARGET_CREATE_VS_BARE:g}x bare",
                 ms(made.sandbox.p50),
                 f"{ms(spawn.p50)} bwrap+bash direct",
                 ratio(made.sandbox.p50, spawn.p50),
                 f"{ms(sx.p50)} (create_session)" if sx else "—",
                 ratio(made.sandbox.p50, sx.p50) if sx else "—",
-                met(made.sandbox.p50 <= TARGET_CREATE_P50_S),
+                met(made.sandbox.p50 <= TARGET_CREATE_P50_S and made.sandbox.p50 <= TARGET_CREATE_VS_BARE * spawn.p50),
             ),
             Row(
                 "sandbox creation p99",
@@ -1259,10 +1260,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         replace_section(args.out, BLOCK_START, BLOCK_END, markdown(report, command))
         if (made := rt.creation) is not None:
-            times = made.sandbox.p50 / made.direct.p50
+            times, goal = made.sandbox.p50 / made.direct.p50, TARGET_CREATE_VS_BARE
             note = f"{ms(made.sandbox.p50)} vs {ms(made.direct.p50)} bwrap+bash direct, interleaved"
-            note += f"; {times / 1.2 - 1:.0%} over the target" if times > 1.2 else ""
-            if times > 1.2 and made.direct_as_uid is not None:  # a root server: setpriv starts every sandbox
+            note += f"; {times / goal - 1:.0%} over the target" if times > goal else ""
+            if times > goal and made.direct_as_uid is not None:  # a root server: setpriv starts every sandbox
                 rest = made.sandbox.p50 - made.direct_as_uid.p50
                 note += (
                     f"; bwrap+bash behind setpriv, as a root server starts it: {ms(made.direct_as_uid.p50)} "
@@ -1277,7 +1278,7 @@ def main(argv: list[str] | None = None) -> int:
                     "(a fork of the server would cost more, spawn.py)"
                 )
             note += "; bench_runtime"
-            update_targets(args.out, {"sandbox creation": TargetResult(f"{times:.2f}x", times <= 1.2, note)})
+            update_targets(args.out, {"sandbox creation": TargetResult(f"{times:.2f}x", times <= goal, note)})
         print(f"wrote {args.out}")
     return 0
 

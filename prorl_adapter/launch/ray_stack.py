@@ -83,7 +83,12 @@ class PartActor:
         listener = None if self.part == REDIS else listening_socket(ip)
         port = listener.getsockname()[1] if listener else free_port(ip)
         self.info |= {"node_id": node_id, "ip": ip, "port": port, "log": str(self.workdir / "log")}
-        argv, env, stdin, ready, url = self._command(ip, port, params, listener and listener.fileno())
+        try:
+            argv, env, stdin, ready, url = self._command(ip, port, params, listener and listener.fileno())
+        except BaseException:
+            if listener is not None:
+                listener.close()
+            raise
         log = self.workdir / "log"
         self.server = ServerProcess(self.name, argv, log, env=env, stdin_text=stdin, listener=listener).start()
         self.info |= {"url": url, "pid": self.server.pid}
