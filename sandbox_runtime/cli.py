@@ -15,15 +15,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prorl-sandbox", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the sandbox runtime server")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8765)
+    serve.add_argument("--host", default=None, help="address to bind (default: 127.0.0.1, loopback only)")
+    serve.add_argument("--port", type=int, default=None, help=f"port to bind (default: {ServerConfig.port})")
     serve.add_argument(
         "--listen-fd",
         type=int,
         default=None,
         metavar="FD",
         help="serve on this inherited descriptor, a TCP socket its starter bound and listens on (so the port is "
-        "held before the server starts); --host and --port are then the socket's own",
+        "held before the server starts); its address is the socket's own, so give no --host or --port",
     )
     serve.add_argument(
         "--backend",
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     from .webapp import listen_address
 
     try:
-        listen_socket, host, port = listen_address(args.listen_fd, args.host, args.port)
+        listen_socket, host, port = listen_address(args.listen_fd, args.host, args.port, ServerConfig.port)
     except ValueError as exc:
         print(f"prorl-sandbox: {exc}")
         return 2

@@ -177,7 +177,7 @@ async def serve_sites(sites: list[Site]) -> None:
             await runner.setup()
             runners.append(runner)
             if site.sock is not None:
-                await web.SockSite(runner, site.sock).start()
+                await web.SockSite(runner, site.sock, backlog=LISTEN_BACKLOG).start()
             else:
                 await web.TCPSite(runner, site.host, site.port, backlog=LISTEN_BACKLOG).start()
             log.info("%s listening on http://%s:%d", site.name, site.host, runner.addresses[0][1])
@@ -205,22 +205,26 @@ def inherited_socket(fd: int) -> socket.socket:
     open, listening TCP socket."""
     try:
         sock = socket.socket(fileno=fd)
-    except OSError as exc:
-        raise ValueError(f"--listen-fd {fd}: {exc.strerror or exc}") from None
+    except (OSError, ValueError) as exc:  # ValueError: a negative number
+        raise ValueError(f"--listen-fd {fd}: {getattr(exc, 'strerror', None) or exc}") from None
     listening = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
     if not (listening and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
         sock.detach()  # not ours to close
         raise ValueError(f"--listen-fd {fd} is not a listening TCP socket")
     sock.set_inheritable(False)
-    sock.listen(LISTEN_BACKLOG)  # our backlog, whatever the starter's: listen() again only sets it
     return sock
 
 
-def listen_address(fd: int | None, host: str, port: int) -> tuple[socket.socket | None, str, int]:
-    """(the inherited socket, its host, its port) for a server given --listen-fd, else (None, host, port).
-    ValueError as `inherited_socket`."""
+def listen_address(
+    fd: int | None, host: str | None, port: int | None, default_port: int
+) -> tuple[socket.socket | None, str, int]:
+    """Where a server listens: (the inherited socket, its host, its port) given --listen-fd, else (None, --host
+    or loopback, --port or `default_port`). ValueError as `inherited_socket`, or for --listen-fd with --host or
+    --port (the socket's address is the one it has)."""
     if fd is None:
-        return None, host, port
+        return None, host or "127.0.0.1", default_port if port is None else port
+    if host is not None or port is not None:
+        raise ValueError("--listen-fd serves on the socket's own address: give it without --host and --port")
     sock = inherited_socket(fd)
     return sock, *sock.getsockname()[:2]
 

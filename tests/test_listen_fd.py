@@ -19,6 +19,7 @@ import pytest
 
 from prorl_adapter.launch import process
 from prorl_adapter.launch.process import ServerProcess, free_port, listening_socket
+from sandbox_runtime.webapp import inherited_socket
 
 
 def sandbox_main(tmp_path: Path, *argv: str) -> int:
@@ -43,16 +44,18 @@ def closed_fd(tmp_path: Path) -> int:
 
 
 @pytest.mark.parametrize("cli", MAINS)
-@pytest.mark.parametrize("kind", ["closed", "file", "not listening", "unix socket"])
+@pytest.mark.parametrize("kind", ["closed", "negative", "file", "not listening", "udp", "unix socket"])
 def test_a_descriptor_that_is_not_a_listening_tcp_socket_is_refused(cli, kind, tmp_path, capsys):
     held: list = []
     if kind == "closed":
         fd = closed_fd(tmp_path)
+    elif kind == "negative":
+        fd = -1
     elif kind == "file":
         held.append(open(tmp_path / "f", "w"))  # noqa: SIM115 - closed below
         fd = held[0].fileno()
-    elif kind == "not listening":
-        held.append(socket.socket())
+    elif kind in ("not listening", "udp"):
+        held.append(socket.socket(type=socket.SOCK_DGRAM if kind == "udp" else socket.SOCK_STREAM))
         held[0].bind(("127.0.0.1", 0))
         fd = held[0].fileno()
     else:
@@ -68,6 +71,28 @@ def test_a_descriptor_that_is_not_a_listening_tcp_socket_is_refused(cli, kind, t
     finally:
         for thing in held:
             thing.close()
+
+
+@pytest.mark.parametrize("cli", MAINS)
+@pytest.mark.parametrize("address", [["--host", "127.0.0.1"], ["--port", "8000"]])
+def test_a_handed_socket_takes_no_other_address(cli, address, tmp_path, capsys):
+    with listening_socket("127.0.0.1") as sock:
+        assert MAINS[cli](tmp_path, "--listen-fd", str(sock.fileno()), *address) == 2
+        os.fstat(sock.fileno())  # refused before it was adopted: still the caller's
+    assert "give it without --host and --port" in capsys.readouterr().out
+
+
+def test_an_adopted_socket_is_kept_from_everything_the_server_starts():
+    """close-on-exec: no sandbox, launcher or other child inherits the server's listening socket."""
+    with listening_socket("127.0.0.1") as sock:
+        inherited = os.dup(sock.fileno())
+        os.set_inheritable(inherited, True)  # as a child that was handed it holds it
+        adopted = inherited_socket(inherited)
+        try:
+            assert adopted.fileno() == inherited and not os.get_inheritable(inherited)
+            assert adopted.getsockname() == sock.getsockname()
+        finally:
+            adopted.close()
 
 
 @pytest.mark.parametrize("cli", MAINS)
@@ -101,7 +126,9 @@ def test_ports_for_servers_that_bind_their_own_lie_below_the_ephemeral_range():
     low, _ = process._ephemeral_range()
     if low - process.FREE_PORTS_FROM < 1000:
         pytest.skip(f"this machine's ephemeral range starts at {low}: no room below it")
-    ports = {free_port() for _ in range(20)}
+    picks = [free_port() for _ in range(20)]
+    ports = set(picks)
+    assert len(ports) == len(picks)  # never the same port twice: two servers started together would clash
     assert all(process.FREE_PORTS_FROM <= port < low for port in ports)
     for port in ports:
         with socket.socket() as s:

@@ -25,21 +25,18 @@ import httpx
 from sandbox_runtime.client import SandboxClient
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def local_server(backend: str | None):
-    """Start the server as a separate process, as a platform team would run it, and wait for /healthz."""
-    port = free_port()
+    """Start the server as a separate process, as a platform team would run it, and wait for /healthz. Its
+    socket is bound here and handed to it (--listen-fd): the port is known before the server starts, and no
+    other process can take it meanwhile."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="prorl-demo-") as state:
-        argv = [sys.executable, "-m", "sandbox_runtime", "serve", "--port", str(port), "--state-dir", state]
-        if backend:
-            argv += ["--backend", backend]
-        server = subprocess.Popen(argv)
+        argv = [sys.executable, "-m", "sandbox_runtime", "serve", "--listen-fd", str(listener.fileno())]
+        argv += ["--state-dir", state] + (["--backend", backend] if backend else [])
+        with listener:  # the server holds its own copy once started
+            server = subprocess.Popen(argv, pass_fds=(listener.fileno(),))
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 30

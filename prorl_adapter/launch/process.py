@@ -65,15 +65,21 @@ def free_port(ip: str = "127.0.0.1") -> int:
     low, _ = _ephemeral_range()
     candidates = range(FREE_PORTS_FROM, low) if low - FREE_PORTS_FROM >= 1000 else range(0)
     for port in random.sample(candidates, min(64, len(candidates))):
+        if port in _HANDED_OUT:  # free now, but another server this process started may bind it any moment
+            continue
         with socket.socket(family) as s:
             try:
                 s.bind((ip, port))
             except OSError:  # in use, or in TIME_WAIT
                 continue
-            return port
+        _HANDED_OUT.add(port)
+        return port
     with socket.socket(family) as s:  # no room below the ephemeral range (or all taken): the kernel's pick
         s.bind((ip, 0))
         return s.getsockname()[1]
+
+
+_HANDED_OUT: set[int] = set()  # free_port's picks in this process, never given twice
 
 
 def _ephemeral_range() -> tuple[int, int]:

@@ -35,15 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
         "a plain URL is probed. None: add them through the API (PUT /v1/llm-servers, ProRL's /add_llm_server)",
     )
     serve.add_argument("--tokenizer", required=True, help="path or name of the policy's tokenizer")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8766)
+    serve.add_argument("--host", default=None, help="address to bind (default: 127.0.0.1, loopback only)")
+    serve.add_argument("--port", type=int, default=None, help=f"port to bind (default: {RolloutConfig.port})")
     serve.add_argument(
         "--listen-fd",
         type=int,
         default=None,
         metavar="FD",
         help="serve the API on this inherited descriptor, a TCP socket its starter bound and listens on (so the "
-        "port is held before the service starts); --host and --port are then the socket's own",
+        "port is held before the service starts); its address is the socket's own, so give no --host or --port",
     )
     serve.add_argument("--token", default=os.environ.get("PRORL_ROLLOUT_TOKEN"), help="env PRORL_ROLLOUT_TOKEN")
     serve.add_argument("--sandbox-token", default=os.environ.get("PRORL_SANDBOX_TOKEN"))
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     from sandbox_runtime.webapp import listen_address
 
     try:
-        listen_socket, host, port = listen_address(args.listen_fd, args.host, args.port)
+        listen_socket, host, port = listen_address(args.listen_fd, args.host, args.port, RolloutConfig.port)
     except ValueError as exc:
         print(f"prorl-rollout: {exc}")
         return 2
