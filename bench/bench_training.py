@@ -229,6 +229,7 @@ def run_all(args: argparse.Namespace, work: Path) -> tuple[list[Run], str]:
                     print(f"{workload}, {mode}, seed {seed}: {args.steps} steps ...", flush=True)
                     run_one(run, settings, runtime.url, vllm.url, work, service_cpus)
                     if args.runs_file:
+                        args.runs_file.parent.mkdir(parents=True, exist_ok=True)
                         with args.runs_file.open("a") as out:
                             print(run.to_json(run_settings(args, mode)), file=out)
                     print(
