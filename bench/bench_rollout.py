@@ -274,6 +274,7 @@ class ModeResult:
     vllm: dict[str, float] = field(default_factory=dict)  # deltas of vLLM's own counters over the run
     request_s: float = float("nan")  # mean LLM request duration, client-side
     engine_batch: float = float("nan")  # mean vllm:num_requests_running over the samples where it is > 0
+    warm_hits: tuple[int, int] | None = None  # (c): episodes that got a warm sandbox, and those that made one
     round: int = 0
     setting: str = ""  # topology and workload
 
@@ -662,6 +663,12 @@ class Services:
             stop(self.vllm, timeout=30)  # vLLM's engine processes are in its group
 
 
+def warm_counts(url: str) -> tuple[int, int]:
+    """The warm pool's hits and misses so far, every spec together (GET /v1/status)."""
+    specs = httpx.get(url + "/v1/status", timeout=10).json().get("warm_sandboxes", {}).values()
+    return sum(spec["hits"] for spec in specs), sum(spec["misses"] for spec in specs)
+
+
 def wait_warm_pool(url: str, timeout: float = 180) -> None:
     """Until the warm pool of every spec asked for so far is full (a spec's pool starts when it is first asked
     for: the warm-up's episodes ask for the one spec of these episodes)."""
@@ -720,8 +727,10 @@ def measure(mode: str, workload: Workload, env: Environment, tag: str, profile: 
     requests = make_requests(workload, tag)
     reset_prefix_cache(env.vllm_url)
     wait_llm_idle(env.vllm_url)
+    warm_before = None
     if mode == "pipeline-warm":
         wait_warm_pool(env.services[mode].url)
+        warm_before = warm_counts(env.services[mode].url)
     spy = None
     if profile is not None and mode == "pipeline":
         py_spy = Path(sys.executable).parent / "py-spy"
@@ -749,9 +758,13 @@ def measure(mode: str, workload: Workload, env: Environment, tag: str, profile: 
         spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
         spy.wait(timeout=60)
     orchestrator = cpu["benchmark process (client / coupled loop)" if mode == "coupled" else "rollout service"]
-    return ModeResult(
+    result = ModeResult(
         mode, start, end, results, orchestrator, wakeups, cpu, phases=phases, stage_means=stages, vllm=vllm
     )
+    if warm_before is not None:
+        hits, misses = warm_counts(env.services[mode].url)
+        result.warm_hits = (hits - warm_before[0], misses - warm_before[1])
+    return result
 
 
 VLLM_COUNTERS = (
@@ -907,6 +920,13 @@ def details(setting: Setting, args: argparse.Namespace) -> list[str]:
             f"{pct(r.busy_exact)} (client-side) / {pct(r.busy_sampled)} (engine, sampled), {r.solved()} solved, "
             f"{r.failed()} failed, orchestration CPU {r.cpu_ms_per_turn:.2f} ms/turn."
         )
+    for r in runs:
+        if r.warm_hits is not None:
+            hits, misses = r.warm_hits
+            out.append(
+                f"{r.name} round {r.round}: {hits} episodes took a warm sandbox and {misses} made their own "
+                f"(hit rate {pct(hits / max(hits + misses, 1))})."
+            )
     for r in setting.results.get("coupled", []):
         phases = "; ".join(f"{name} {seconds:.1f} s" for name, seconds in r.phases)
         out.append(f"coupled round {r.round}, wall time by phase: {phases}.")
