@@ -222,7 +222,7 @@ def listen_address(
     or loopback, --port or `default_port`). ValueError as `inherited_socket`, or for --listen-fd with --host or
     --port (the socket's address is the one it has)."""
     if fd is None:
-        return None, host or "127.0.0.1", default_port if port is None else port
+        return None, "127.0.0.1" if host is None else host, default_port if port is None else port
     if host is not None or port is not None:
         raise ValueError("--listen-fd serves on the socket's own address: give it without --host and --port")
     sock = inherited_socket(fd)

@@ -28,6 +28,7 @@ import httpx
 PR_SET_PDEATHSIG = 1
 # free_port's picks: above the ports Ray's workers take by default (10002-19999), below the ephemeral range.
 FREE_PORTS_FROM = 20_000
+_HANDED_OUT: set[int] = set()  # free_port's picks in this process, never given twice
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 LOG_TAIL_CHARS = 3000
 
@@ -77,9 +78,6 @@ def free_port(ip: str = "127.0.0.1") -> int:
     with socket.socket(family) as s:  # no room below the ephemeral range (or all taken): the kernel's pick
         s.bind((ip, 0))
         return s.getsockname()[1]
-
-
-_HANDED_OUT: set[int] = set()  # free_port's picks in this process, never given twice
 
 
 def _ephemeral_range() -> tuple[int, int]:
