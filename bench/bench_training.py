@@ -371,14 +371,14 @@ def relay_target(relay: dict[str, list[Run]], coupled_mode: str, decoupled_modes
     per step; time to reward also counts the steps each mode needs, so both ratios are given, and a miss is
     put down to the one that misses."""
     coupled = relay[coupled_mode]
-    train, wait, bound = overlap_bound(coupled)
     base_goal = median([r.time_to_goal() for r in coupled])
-    base_step = median([r.wall_s / len(r.records) for r in coupled])
     modes = [m for m in decoupled_modes if relay[m]]
-    goal = {m: median([r.time_to_goal() for r in relay[m]]) / base_goal for m in modes}
-    step = {m: median([r.wall_s / len(r.records) for r in relay[m]]) / base_step for m in modes}
     if not modes or math.isinf(base_goal):
         return TargetResult("—", False, "coupled never reached the reward, or no decoupled mode ran; bench_training")
+    train, wait, bound = overlap_bound(coupled)
+    base_step = median([r.wall_s / len(r.records) for r in coupled])
+    goal = {m: median([r.time_to_goal() for r in relay[m]]) / base_goal for m in modes}
+    step = {m: median([r.wall_s / len(r.records) for r in relay[m]]) / base_step for m in modes}
     best = min(modes, key=goal.get)
     met = goal[best] <= 1.1 * bound
     name = best.split(", ")[-1]

@@ -8,23 +8,14 @@ import logging
 import os
 from pathlib import Path
 
-from .config import DEFAULT_SANDBOX_UIDS, ServerConfig, default_state_dir, parse_uid_range
+from .config import DEFAULT_SANDBOX_UIDS, ServerConfig, add_address_arguments, default_state_dir, parse_uid_range
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prorl-sandbox", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the sandbox runtime server")
-    serve.add_argument("--host", default=None, help="address to bind (default: 127.0.0.1, loopback only)")
-    serve.add_argument("--port", type=int, default=None, help=f"port to bind (default: {ServerConfig.port})")
-    serve.add_argument(
-        "--listen-fd",
-        type=int,
-        default=None,
-        metavar="FD",
-        help="serve on this inherited descriptor, a TCP socket its starter bound and listens on (so the port is "
-        "held before the server starts); its address is the socket's own, so give no --host or --port",
-    )
+    add_address_arguments(serve, ServerConfig.port)
     serve.add_argument(
         "--backend",
         choices=["bwrap", "apptainer", "singularity", "local"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import os
 import re
@@ -101,6 +102,20 @@ class ServerConfig:
             raise ValueError(f"--advertise-url {self.advertise_url!r} is not a URL such as http://node-7:8765")
         if self.name is not None and not RUNTIME_NAME.fullmatch(self.name):
             raise ValueError(f"--name {self.name!r}: 1-128 of letters, digits and . _ : -")
+
+
+def add_address_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
+    """--host, --port and --listen-fd, as both servers take them (`webapp.listen_address` reads them)."""
+    parser.add_argument("--host", default=None, help="address to bind (default: 127.0.0.1, loopback only)")
+    parser.add_argument("--port", type=int, default=None, help=f"port to bind (default: {default_port})")
+    parser.add_argument(
+        "--listen-fd",
+        type=int,
+        default=None,
+        metavar="FD",
+        help="serve on this inherited descriptor, a TCP socket its starter bound and listens on (so the port is "
+        "held before the server starts); its address is the socket's own, so give no --host or --port",
+    )
 
 
 def check_exposure(host: str, token: str | None, token_variable: str) -> None:

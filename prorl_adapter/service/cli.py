@@ -8,6 +8,8 @@ import logging
 import os
 from pathlib import Path
 
+from sandbox_runtime.config import add_address_arguments
+
 from ..hooks.manager import read_plugin_config
 from ..launch.cli import add_ray_parser, run_ray
 from .adaptive_concurrency import AdaptiveConfig
@@ -35,16 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         "a plain URL is probed. None: add them through the API (PUT /v1/llm-servers, ProRL's /add_llm_server)",
     )
     serve.add_argument("--tokenizer", required=True, help="path or name of the policy's tokenizer")
-    serve.add_argument("--host", default=None, help="address to bind (default: 127.0.0.1, loopback only)")
-    serve.add_argument("--port", type=int, default=None, help=f"port to bind (default: {RolloutConfig.port})")
-    serve.add_argument(
-        "--listen-fd",
-        type=int,
-        default=None,
-        metavar="FD",
-        help="serve the API on this inherited descriptor, a TCP socket its starter bound and listens on (so the "
-        "port is held before the service starts); its address is the socket's own, so give no --host or --port",
-    )
+    add_address_arguments(serve, RolloutConfig.port)
     serve.add_argument("--token", default=os.environ.get("PRORL_ROLLOUT_TOKEN"), help="env PRORL_ROLLOUT_TOKEN")
     serve.add_argument("--sandbox-token", default=os.environ.get("PRORL_SANDBOX_TOKEN"))
     serve.add_argument("--timeout", type=float, default=1800.0, help="default time budget of a job, in seconds")
