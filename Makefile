@@ -27,6 +27,7 @@ system-packages:
 llm:  # idempotent: each step checks a marker of its own
 	scripts/vllm-env.sh
 	.venv-vllm/bin/python scripts/build_tiny_model.py
+	.venv-vllm/bin/python scripts/build_real_model.py
 
 demo: system-packages $(VENV)/.installed llm
 	$(VENV)/bin/prorl-train-cpu --out runs/cpu-grpo

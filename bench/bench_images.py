@@ -100,7 +100,9 @@ def direct_argv(work: Path, root: Path | None) -> list[str]:
     dirs = SandboxDirs("baseline", work / "baseline", image_root=root)
     dirs.workspace.mkdir(parents=True, exist_ok=True)
     dirs.tmp.mkdir(exist_ok=True)
-    return BwrapBackend(work).argv(dirs, SandboxSpec(image="x" if root else None), SHELL)
+    backend, spec = BwrapBackend(work), SandboxSpec(image="x" if root else None)
+    backend.prepare(dirs, spec)  # without an image: the /etc and passwd that its argv binds
+    return backend.argv(dirs, spec, SHELL)
 
 
 async def first_uses(rt: Runtime, state: Path, work: Path, rounds: int) -> list[FirstUse]:

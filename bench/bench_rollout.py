@@ -467,7 +467,7 @@ async def run_coupled(
 
     async def generate(ep: CoupledEpisode, index: int) -> None:
         try:
-            ep.pending = await policy_turn(ep.episode, ep.request, llm, chat, ep.pin, 0, index)
+            ep.pending = await policy_turn(ep.episode, ep.request, llm, chat, ep.pin, 0, index, ep.tools)
         except Exception as exc:
             fail(ep, "run", exc)
             return

@@ -286,7 +286,9 @@ def bwrap_argv(work: Path, owner: int | None) -> list[str]:
                 os.chown(folder, owner, owner)
         if owner is not None:
             work.chmod(0o711)  # the owner passes through to its folders
-        return BwrapBackend(work).argv(dirs, SandboxSpec())
+        backend = BwrapBackend(work)
+        backend.prepare(dirs, SandboxSpec())  # the /etc and passwd that its argv binds
+        return backend.argv(dirs, SandboxSpec())
     except Exception as exc:  # the backend's internals changed: an equivalent command line
         print(f"note: using a generic bwrap command line for the baseline ({type(exc).__name__}: {exc})")
         ns = ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net"]

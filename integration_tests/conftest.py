@@ -94,20 +94,27 @@ def reachable(path: Path) -> Path:
 
 
 def start_server(
-    state_dir: Path, backend: str, token: str | None = None, *extra: str, port: int | None = None
+    state_dir: Path,
+    backend: str,
+    token: str | None = None,
+    *extra: str,
+    port: int | None = None,
+    pass_fds: tuple[int, ...] = (),
 ) -> RuntimeServer:
+    """A runtime as root runs it here (or as the tests' user); `pass_fds`: descriptors it inherits."""
     state_dir = reachable(state_dir)
     args = ["--token", token] if token else []
-    service = localstack.start_sandbox_runtime(state_dir, backend, *args, *extra, port=port)
+    service = localstack.start_sandbox_runtime(state_dir, backend, *args, *extra, port=port, pass_fds=pass_fds)
     return RuntimeServer(service, state_dir, backend, token)
 
 
 NOBODY = 65534
 
 
-def start_unprivileged_server(state: Path, backend: str, *extra: str) -> RuntimeServer:
+def start_unprivileged_server(state: Path, backend: str, *extra: str, pass_fds: tuple[int, ...] = ()) -> RuntimeServer:
     """The runtime as an unprivileged user runs it: nobody, when the tests run as root (as CI does). `state`
-    is created and given to that user; the same path again is the same state dir (a restart)."""
+    is created and given to that user; the same path again is the same state dir (a restart). `pass_fds`:
+    descriptors it inherits."""
     prefix: list[str] = []
     if os.geteuid() == 0:
         prefix = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
@@ -119,7 +126,7 @@ def start_unprivileged_server(state: Path, backend: str, *extra: str) -> Runtime
         os.chown(state, NOBODY, NOBODY)
     argv = [*prefix, *localstack.runtime_argv(state)]
     argv += ["--backend", backend, "--log-level", "WARNING", *extra]
-    service = localstack.start_service("unprivileged sandbox runtime", argv, "/healthz", 30)
+    service = localstack.start_service("unprivileged sandbox runtime", argv, "/healthz", 30, pass_fds=pass_fds)
     return RuntimeServer(service, state, backend, None, unprivileged=True)
 
 
@@ -204,10 +211,11 @@ def bwrap_runtime(tmp_path_factory) -> Iterator[RuntimeServer]:
 
 @pytest.fixture(scope="module")
 def sandbox_server(tmp_path_factory) -> Iterator[RuntimeServer]:
-    """A bwrap sandbox runtime for the rollout service's tests (one per test module)."""
+    """A bwrap sandbox runtime for the rollout service's tests (one per test module), which shows its sandboxes
+    the agent programs' environment where it has been made (localstack.AGENT_ENV)."""
     if BACKEND_SKIPS["bwrap"]:
         pytest.skip(BACKEND_SKIPS["bwrap"])
-    server = start_server(tmp_path_factory.mktemp("rollout-sandboxes"), "bwrap")
+    server = start_server(tmp_path_factory.mktemp("rollout-sandboxes"), "bwrap", None, *localstack.agent_env_args())
     yield server
     stop_server(server)
 

@@ -6,20 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import secrets
 from pathlib import Path
 
 import httpx
 import pytest
 
+from prorl_adapter.dev import localstack
 from prorl_adapter.models import Trajectory
 from prorl_adapter.service.chat import tool_call_regex
 
 from .conftest import start_rollout
 from .protocol_standins import protocol_standin
 
-AGENT_ENV = Path(os.environ.get("PRORL_AGENT_ENV", "/opt/prorl-agent"))
+AGENT_ENV = localstack.AGENT_ENV  # the `sandbox_server` fixture shows it to the sandboxes (--host-path)
 pytestmark = pytest.mark.skipif(
     not (AGENT_ENV / ".agent-installed").exists(),
     reason=f"the agent programs' environment {AGENT_ENV} is missing: run scripts/agent-env.sh (make test does)",

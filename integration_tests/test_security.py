@@ -37,12 +37,14 @@ pytestmark = pytest.mark.skipif(bool(BACKEND_SKIPS["bwrap"]), reason=str(BACKEND
 DEPLOYMENTS = ["root", "unprivileged"]
 
 
-def start_deployment(deployment: str, state: Path, backend: str, *extra: str) -> RuntimeServer:
+def start_deployment(
+    deployment: str, state: Path, backend: str, *extra: str, pass_fds: tuple[int, ...] = ()
+) -> RuntimeServer:
     if deployment == "unprivileged":
-        return start_unprivileged_server(state, backend, *extra)
+        return start_unprivileged_server(state, backend, *extra, pass_fds=pass_fds)
     if os.geteuid() != 0:
         pytest.skip("the tests do not run as root: there is no root server to start")
-    return start_server(state, backend, None, *extra)
+    return start_server(state, backend, None, *extra, pass_fds=pass_fds)
 
 
 @pytest.fixture(scope="module", params=DEPLOYMENTS)

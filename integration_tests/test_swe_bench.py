@@ -113,6 +113,21 @@ ADD_CLAMP_TEST = (
     ">> tests/test_calc.py"
 )
 
+REWRITES_PYTEST = """
+import _pytest.reports
+
+_init = _pytest.reports.TestReport.__init__
+
+
+def _passed(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    self.outcome = "passed"
+    self.longrepr = None
+
+
+_pytest.reports.TestReport.__init__ = _passed
+"""
+
 SCRIPTS = {
     "fix": [bash_call(f"cd {REPO} && python3 -m pytest -q tests"), bash_call(FIX)],
     # The fix, and changes of other kinds: a deleted file, a new one, an executable bit.
@@ -176,6 +191,13 @@ SCRIPTS = {
         bash_call(
             f'cd {REPO} && sed -i \'s/^def clamp(\\(.*\\)):$/def clamp(\\1):\\n    __import__("pytest").xfail("")/\' '
             f"calc/ops.py && {ADD_CLAMP_TEST} && python3 -m pytest -rA tests/test_calc.py"
+        )
+    ],
+    # A few lines appended to the code under test make pytest report every test passed (its TestReport rewritten).
+    "rewrite-runner": [
+        bash_call(
+            f"cd {REPO} && echo {b64(REWRITES_PYTEST)} | base64 -d >> calc/ops.py && {ADD_CLAMP_TEST} && "
+            "python3 -m pytest -rA tests/test_calc.py"
         )
     ],
     # In the src-layout image: where `import calc` comes from, then the fix where it is imported from.
@@ -319,6 +341,13 @@ async def test_a_fail_to_pass_test_must_pass_not_xfail(rollout, runtime):
     assert "XFAIL" in trajectory.turns[0].observation  # the hack works in the agent's own run
     assert trajectory.reward_components == {"outcome": 0.0}
     assert f"{FAIL_TO_PASS[0]}: XFAIL" in trajectory.artifacts["test_failures"]
+
+
+async def test_code_under_test_that_rewrites_the_runner_scores_nothing_and_is_labelled_tampered(rollout, runtime):
+    trajectory = await episode(rollout, runtime, FORMATS[0], "rewrite-runner")
+    assert f"PASSED {FAIL_TO_PASS[0]}" in trajectory.turns[0].observation  # the rewrite works in the agent's run
+    assert trajectory.reward_components == {"outcome": 0.0}
+    assert "must fail" in trajectory.artifacts["tampered"]
 
 
 async def test_a_fix_where_the_image_imports_the_package_from_scores_one(rollout, runtime, src_image):

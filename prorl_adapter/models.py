@@ -98,6 +98,11 @@ class AgentProgram(_Strict):
     )
 
 
+# How the built-in agent loop reads a policy turn's actions (prorl_adapter/service/actions.py): hermes
+# `<tool_call>` JSON, or the last fenced code block (```bash, ```python, ```finish) as text harnesses write them.
+ActionFormatName = Literal["hermes", "fenced"]
+
+
 class JobRequest(_Strict):
     """Body of POST /v1/jobs: one episode of one task instance."""
 
@@ -127,6 +132,11 @@ class JobRequest(_Strict):
     )
     num_samples: int = Field(
         1, ge=1, le=256, description="episodes of this instance, one GRPO group (their `group` label is shared)"
+    )
+    action_format: ActionFormatName | None = Field(
+        None,
+        description="how the built-in loop reads the policy's actions: hermes <tool_call> JSON, or the last fenced "
+        "code block of a turn (```bash, ```python, ```finish); default: the task's (hermes for the built-in tasks)",
     )
 
     @model_validator(mode="after")

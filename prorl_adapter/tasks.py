@@ -14,6 +14,8 @@ from typing import Any, ClassVar
 from sandbox_runtime.client import SandboxClient
 from sandbox_runtime.models import ExecResult, RunResult
 
+from .models import ActionFormatName
+
 
 @dataclass(frozen=True)
 class Environment:
@@ -169,6 +171,9 @@ class TaskHandler(ABC):
     # Whether an agent program of the user's own (JobRequest.agent) can run this task's episodes: False for a task
     # whose eval reads what only the built-in loop records (the `finish` tool's answer), which would score 0.
     supports_agent_programs: ClassVar[bool] = True
+    # How the built-in loop reads the policy's actions unless the job says (JobRequest.action_format): "hermes"
+    # tool calls, or "fenced" code blocks for a model that writes actions as text (prorl_adapter/service/actions.py).
+    action_format: ClassVar[ActionFormatName] = "hermes"
 
     def from_prorl_instance(self, data_source: str, row: dict[str, Any]) -> dict[str, Any]:
         """This task's instance from a row of ProRL dataset `data_source`; raise TaskConfigError naming what the

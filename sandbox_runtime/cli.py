@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from .config import DEFAULT_SANDBOX_UIDS, ServerConfig, add_address_arguments, default_state_dir, parse_uid_range
+from .connections import add_connection_arguments, connection_limits
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +40,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="a directory of images (SIF files, OCI layouts, docker save archives, root directories); a spec's "
         "`image` is a name below one of these (repeatable)",
+    )
+    serve.add_argument(
+        "--host-path",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an absolute host path (a directory or file) that every bwrap sandbox without an image sees, "
+        "read-only, at the same path, e.g. /opt/prorl-agent for agent programs (repeatable); beside it such a "
+        "sandbox sees only /usr, its own minimal /etc, /dev, /proc, its workspace and /tmp",
     )
     serve.add_argument(
         "--image-cache-gb",
@@ -80,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--register-token",
-        default=os.environ.get("PRORL_ROLLOUT_TOKEN"),
-        help="the rollout services' API token (env PRORL_ROLLOUT_TOKEN)",
+        default=os.environ.get("PRORL_REGISTRATION_TOKEN") or os.environ.get("PRORL_SANDBOX_TOKEN"),
+        help="what the services require to register (their --registration-token; env PRORL_REGISTRATION_TOKEN; "
+        "default: this runtime's own --token), and the token they then call it with",
     )
     serve.add_argument(
         "--advertise-url",
@@ -91,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--name", default=None, help="how the services know this runtime (default: HOSTNAME-PORT)")
     serve.add_argument("--heartbeat-s", type=float, default=2.0, help="seconds between heartbeats")
     serve.add_argument("--log-level", default="INFO")
+    add_connection_arguments(serve)
     openapi = sub.add_parser("openapi", help="print the API's OpenAPI document, or write it and its reference")
     openapi.add_argument("--out", type=Path, default=None, help="write runtime.json and runtime.md in this folder")
     return parser
@@ -123,17 +136,20 @@ def main(argv: list[str] | None = None) -> int:
         apptainer_fakeroot=args.fakeroot,
         apptainer_cgroups={"auto": None, "on": True, "off": False}[args.apptainer_cgroups],
         image_dirs=args.image_dir,
+        host_paths=args.host_path,
         image_cache_gb=args.image_cache_gb,
         allow_local=args.allow_local or args.backend == "local",
         sandbox_uids=args.sandbox_uids,
         register=args.register,
-        register_token=args.register_token,
+        register_token=args.register_token or args.token,
         advertise_url=args.advertise_url,
         name=args.name,
         heartbeat_s=args.heartbeat_s,
+        connections=connection_limits(args),
     )
     try:
         config.check()
+        config.connections = config.connections.resolve()
     except ValueError as exc:
         print(f"prorl-sandbox: {exc}")
         return 2

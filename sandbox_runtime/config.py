@@ -10,6 +10,8 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .connections import ConnectionLimits
+from .host_view import check_host_path
 from .models import RUNTIME_NAME_PATTERN, RUNTIME_URL_PATTERN, Limits
 
 
@@ -53,17 +55,32 @@ class ServerConfig:
     state_dir: Path = field(default_factory=default_state_dir)
     default_limits: Limits = field(
         default_factory=lambda: Limits(
-            memory_mb=8192, pids=1024, cpu_seconds=3600, file_size_mb=1024, open_files=4096, disk_mb=4096
+            memory_mb=8192,
+            pids=1024,
+            cpu_seconds=3600,
+            file_size_mb=1024,
+            open_files=4096,
+            disk_mb=4096,
+            inodes=1 << 18,
         )
     )
     # What a spec may ask for at most; above it is a 400 naming the limit. Clamped at start-up to the
     # server's own hard rlimits, which an unprivileged sandbox cannot raise.
     max_limits: Limits = field(
         default_factory=lambda: Limits(
-            memory_mb=65536, pids=4096, cpu_seconds=86400, file_size_mb=16384, open_files=65536, disk_mb=65536
+            memory_mb=65536,
+            pids=4096,
+            cpu_seconds=86400,
+            file_size_mb=16384,
+            open_files=65536,
+            disk_mb=65536,
+            inodes=1 << 22,
         )
     )
     image_dirs: list[Path] = field(default_factory=list)  # where `image` names are looked up; nothing else
+    # Host paths every bwrap sandbox without an image sees read-only, beside /usr and its own /etc (host_view.py):
+    # an agent programs' environment such as /opt/prorl-agent.
+    host_paths: list[Path] = field(default_factory=list)
     # Unpacked images kept in <state dir>/images at most; beyond it the least recently used that no sandbox
     # runs are removed (a directory of SWE-bench images unpacks to terabytes).
     image_cache_gb: float = 100.0
@@ -86,11 +103,15 @@ class ServerConfig:
     heartbeat_s: float = 2.0
     # A socket listening already, given by whoever started the server (--listen-fd); host and port are its own.
     listen_socket: socket.socket | None = None
+    # The front door: header and body deadlines, connection caps (sandbox_runtime.connections).
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
 
     def check(self) -> None:
-        """What start-up refuses, with a message naming the setting: exposure without a token, and a
-        registration that could not work."""
+        """What start-up refuses, with a message naming the setting: exposure without a token, a host path
+        that sandboxes cannot be shown, and a registration that could not work."""
         check_exposure(self.host, self.token, "PRORL_SANDBOX_TOKEN")
+        for path in self.host_paths:
+            check_host_path(path, self.state_dir)
         if not self.image_cache_gb > 0:
             raise ValueError(f"--image-cache-gb {self.image_cache_gb:g} must be above 0")
         if not 0 < self.heartbeat_s <= 3600:

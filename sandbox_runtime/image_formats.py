@@ -23,6 +23,7 @@ import platform
 import struct
 import tarfile
 import tempfile
+import zlib
 from pathlib import Path
 
 from .models import ImageFormat, check_env
@@ -50,11 +51,48 @@ _SIF_PART_PRIMARY_SYSTEM = 2
 
 class ImageError(Exception):
     """An image that cannot be found or used; `status` is the HTTP status to answer with: 400 for what the spec
-    named (an unknown image, a tag it lacks, a file that is no image), 500 for the server's side (a tool, the disk)."""
+    named (an unknown image, a tag it lacks, a file that is no image), 500 for the server's side (a tool, the disk),
+    507 for an image that does not fit the cache."""
 
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
+
+
+# What one entry of an image costs on disk beyond its bytes: an inode and a directory entry. With it, a layer of a
+# million empty files is counted for the space it takes, not as nothing.
+ENTRY_BYTES = 512
+BLOCK = 4096
+
+
+def entry_bytes(size: int) -> int:
+    """The disk one entry of `size` bytes takes at most once unpacked: whole blocks, and its inode."""
+    return -(-max(size, 0) // BLOCK) * BLOCK + ENTRY_BYTES
+
+
+class UnpackBudget:
+    """The bytes an unpack may write into the cache: spent as they are written (a docker archive's blobs) or
+    before (a layer's entries, counted from its own headers), so that an image expanding far beyond its compressed
+    size is refused before it fills the disk, not after. What the image's root will hold may not pass the cache's
+    bound (`kept`: None for none); everything written, working copies included, may not pass the state disk's
+    free space above its floor (`room`, explained by `why`)."""
+
+    def __init__(self, kept: int | None, room: int, why: str) -> None:
+        self.kept, self.room, self.why = kept, room, why
+        self.kept_spent = self.spent = 0
+
+    def spend(self, size: int, name: str, kept: bool = True) -> None:
+        """Count `size` bytes written (`kept`: into the root that stays cached, else a working copy)."""
+        self.spent += size
+        self.kept_spent += size if kept else 0
+        if self.kept is not None and self.kept_spent > self.kept:
+            raise ImageError(
+                f"no space in the image cache to unpack {name}: it expands to more than the cache's bound of "
+                f"{self.kept} bytes (--image-cache-gb)",
+                507,
+            )
+        if self.spent > self.room:
+            raise ImageError(f"no space in the image cache to unpack {name}: {self.why}", 507)
 
 
 def detect_format(path: Path) -> ImageFormat | None:
@@ -229,6 +267,25 @@ def oci_config(layout: Path, manifest_digest: str, name: str) -> tuple[dict[str,
     return env, media
 
 
+def spend_layers(layout: Path, manifest_digest: str, name: str, budget: UnpackBudget) -> None:
+    """Spend on `budget` what the image's layers unpack to, read from their tar headers in one streaming pass
+    (every layer counted in full: a later layer's whiteout frees nothing until the end). Stops at the first header
+    over the budget, so a small layer declaring gigabytes is refused without reading its data."""
+    manifest = read_blob_json(layout, manifest_digest, name)
+    for layer in manifest.get("layers") or []:
+        if not isinstance(layer, dict):
+            continue
+        path = blob_path(layout, layer.get("digest"))
+        try:
+            with open(path, "rb") as handle, tarfile.open(fileobj=handle, mode="r|*") as tar:
+                for member in tar:
+                    budget.spend(entry_bytes(member.size if member.isreg() else 0), name)
+        except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            raise ImageError(f"{name}: layer {layer.get('digest')} is not a readable tar ({exc})") from None
+        except FileNotFoundError:
+            raise ImageError(f"{name}: layer {layer.get('digest')} is missing") from None
+
+
 def check_layers(media_types: list[str], name: str) -> None:
     """umoci 0.4 (Debian 12) applies plain and gzip layers only."""
     for media in media_types:
@@ -283,11 +340,12 @@ def archive_tags(archive: Path, name: str) -> list[str]:
     raise ImageError(f"{name}: not a docker save archive (no manifest.json or index.json)")
 
 
-def docker_archive_to_layout(archive: Path, layout: Path, name: str) -> Path:
+def docker_archive_to_layout(archive: Path, layout: Path, name: str, budget: UnpackBudget | None = None) -> Path:
     """An OCI layout at `layout` for the `docker save` archive `archive`: the one inside it (newer Docker), or
     one made from the classic `manifest.json` format's files, their digests computed and nothing else changed.
     Members are copied by name, never extracted; a layer that the classic format stores as a link to another
-    is read through it. Images without a tag are tagged UNTAGGED, as archive_tags names them."""
+    is read through it. Images without a tag are tagged UNTAGGED, as archive_tags names them. Each byte copied
+    is spent on `budget` as it is written: a gzip'd archive of a few MB may hold layers of gigabytes."""
     blobs = layout / "blobs" / "sha256"
     blobs.mkdir(parents=True)
     try:
@@ -305,6 +363,8 @@ def docker_archive_to_layout(archive: Path, layout: Path, name: str) -> Path:
                 handle, digest, size, head = member(member_name), hashlib.sha256(), 0, b""
                 with tempfile.NamedTemporaryFile(dir=blobs, delete=False) as out:
                     while chunk := handle.read(1 << 20):
+                        if budget is not None:
+                            budget.spend(len(chunk), name, kept=False)
                         head = head or chunk[:4]
                         digest.update(chunk)
                         out.write(chunk)

@@ -39,17 +39,20 @@ from pathlib import Path
 
 from .image_formats import (
     ImageError,
+    UnpackBudget,
     archive_tags,
     check_layers,
     choose_tag,
     detect_format,
     docker_archive_to_layout,
+    entry_bytes,
     file_sha256,
     oci_config,
     oci_manifest,
     oci_tags,
     sif_root_partition,
     single_tag_layout,
+    spend_layers,
 )
 from .models import IMAGE_NAME, ImageCacheState, ImageFormat, ImageInfo, ImageList
 
@@ -57,6 +60,10 @@ log = logging.getLogger(__name__)
 
 UNPACK_TIMEOUT_S = 1800.0  # a multi-GB SWE-bench image on a slow shared file system
 MAX_UNPACKS = 2  # at once: each one is disk- and CPU-bound, and the sandboxes share both
+# What an unpack leaves free on the state disk at least, which the sandboxes' workspaces share: this much, or
+# this share of a smaller disk.
+FREE_FLOOR_BYTES = 1 << 30
+FREE_FLOOR_SHARE = 0.05
 MAX_LISTED = 10_000  # GET /v1/images stops walking after this many images
 MAX_DEPTH = 4  # how deep below an image directory the listing looks for images
 DIGESTS = "digests.json"
@@ -100,6 +107,14 @@ def tree_bytes(root: Path) -> int:
             with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(directory, name)).st_size
     return total
+
+
+def squashfs_entry_bytes(line: bytes) -> int:
+    """What one line of `unsquashfs -lln` (mode, uid/gid, size, date, time, path) takes unpacked; a device node's
+    line has `major, minor` where the size is, and takes an inode only."""
+    fields = line.split(None, 3)
+    size = int(fields[2]) if len(fields) > 2 and fields[2].isdigit() and fields[0][:1] == b"-" else 0
+    return entry_bytes(size)
 
 
 def free_bytes(path: Path) -> int:
@@ -304,20 +319,32 @@ class ImageStore:
         started = time.monotonic()
         before = await asyncio.to_thread(file_key, image.path) if image.path.is_file() else None
         await asyncio.to_thread(self._check_room, image)
-        work = Path(tempfile.mkdtemp(prefix=".unpack-", dir=self.cache_dir))
+        budget = await asyncio.to_thread(self._budget)
+        try:
+            work = Path(tempfile.mkdtemp(prefix=".unpack-", dir=self.cache_dir))
+        except OSError as exc:  # a full disk has no room for even the directory
+            if _out_of_space(exc):
+                raise ImageError(
+                    f"no space left in the image cache ({self.cache_dir}) to unpack {image.name}", 507
+                ) from None
+            raise
         try:
             root = work / "root"
             env: dict[str, str] = {}
             if image.format == "sif":
+                await self._spend_sif(image, budget)
                 await self._unpack_sif(image, root)
             else:
                 layout, tag = image.path, image.tag
                 if image.format == "docker-archive":
-                    layout = await asyncio.to_thread(docker_archive_to_layout, image.path, work / "archive", image.name)
+                    layout = await asyncio.to_thread(
+                        docker_archive_to_layout, image.path, work / "archive", image.name, budget
+                    )
                     tag = await asyncio.to_thread(choose_tag, oci_tags(layout, image.name), tag, image.name)
                 _tag, manifest = await asyncio.to_thread(oci_manifest, layout, tag, image.name)
                 env, media_types = await asyncio.to_thread(oci_config, layout, manifest, image.name)
                 check_layers(media_types, image.name)
+                await asyncio.to_thread(spend_layers, layout, manifest, image.name, budget)
                 single = await asyncio.to_thread(single_tag_layout, layout, manifest, UNPACK_TAG, work / "layout")
                 await self._unpack_oci(image, single, root)
                 for leftover in ("layout", "archive"):
@@ -350,6 +377,38 @@ class ImageStore:
                 f"{packed} bytes and {free} are free",
                 507,
             )
+
+    def _budget(self) -> UnpackBudget:
+        """What one unpack may write: a root no larger than the cache's bound (an image larger than the whole cache
+        could never stay), and in all no more than leaves the state disk its floor of free space (concurrent
+        unpacks each check the disk as they start; the tools' own ENOSPC is the last resort)."""
+        info = os.statvfs(self.cache_dir)
+        floor = min(FREE_FLOOR_BYTES, int(info.f_blocks * info.f_frsize * FREE_FLOOR_SHARE))
+        free = info.f_bavail * info.f_frsize
+        why = f"{free} bytes are free on the state disk, and unpacks leave {floor} free"
+        return UnpackBudget(self.max_bytes, max(free - floor, 0), why)
+
+    async def _spend_sif(self, image: Image, budget: UnpackBudget) -> None:
+        """Spend on `budget` what the SIF's squashfs unpacks to, from unsquashfs's listing of its entries and
+        sizes (nothing is written), stopping the listing as soon as it is over."""
+        if shutil.which("unsquashfs") is None:
+            raise ImageError("SIF images need unsquashfs on the server (apt-get install squashfs-tools)", 500)
+        offset, _size = await asyncio.to_thread(sif_root_partition, image.path)
+        argv = ["unsquashfs", "-lln", "-no-progress", "-offset", str(offset), str(image.path)]
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+        )
+        try:
+            assert proc.stdout is not None
+            async with asyncio.timeout(UNPACK_TIMEOUT_S):
+                async for line in proc.stdout:
+                    budget.spend(squashfs_entry_bytes(line), image.name)
+                await proc.wait()
+        finally:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
 
     async def _unpack_sif(self, image: Image, root: Path) -> None:
         if shutil.which("unsquashfs") is None:

@@ -26,15 +26,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from . import procs
+from . import cgroups, memory_watch, procs, workspace_fs
 from .backends import make_backend
 from .backends.base import Backend, BackendError, SandboxDirs
 from .config import ServerConfig
 from .host_tree import remove_tree
 from .images import ImageError, ImageStore, Unpacked
 from .metrics import Metrics
-from .models import Limits, SandboxSpec
-from .sandbox import Sandbox, own_dirs
+from .models import LimitEnforcement, Limits, SandboxSpec
+from .sandbox import Sandbox, own_dirs, state_disk
 from .session import SessionError
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,7 @@ class SandboxManager:
         self._deleted: OrderedDict[str, None] = OrderedDict()  # recent ids, so DELETE stays idempotent
         self._backends: dict[str, Backend] = {}
         self._reaper: asyncio.Task[None] | None = None
+        self._memory_watch: asyncio.Task[None] | None = None
         self._lock_file: TextIO | None = None
         self.default_backend = config.backend or self._pick_default()
         self.max_limits = effective_max_limits(config.max_limits)
@@ -142,6 +143,10 @@ class SandboxManager:
         self.images = ImageStore(
             config.image_dirs, self.state_dir / "images", int(config.image_cache_gb * 2**30), self._images_in_use
         )
+        # What bounds a whole sandbox (memory, disk, inodes): found at start-up, tried for real.
+        self.memory_cgroups: cgroups.MemoryCgroups | None = None
+        self.own_disks = False
+        self.enforcement = LimitEnforcement(memory="per process", disk="per file", inodes="none", detail="")
 
     # -- start and stop ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -157,19 +162,42 @@ class SandboxManager:
         reaped = await self.reap_leftovers()
         if reaped:
             log.warning("reaped %d sandboxes left by a previous server in %s", reaped, self.state_dir)
+        await asyncio.to_thread(self._find_enforcement)
         self._reaper = asyncio.create_task(self._reap_expired_forever())
+        if self.memory_cgroups is None:
+            self._memory_watch = asyncio.create_task(self._watch_memory_forever())
 
     async def stop(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
+        for task in (self._reaper, self._memory_watch):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await asyncio.gather(*(self.delete(i) for i in list(self._sandboxes)), return_exceptions=True)
         await self.images.stop()
         while self._clean_uids:  # closing releases the lock: other servers may use them
             self._uid_locks.pop(self._clean_uids.pop()).close()
         if self._lock_file is not None:
             self._lock_file.close()  # closing releases the lock
+
+    def _find_enforcement(self) -> None:
+        """Find what can bound each sandbox as a whole here, and say it (in the log and in GET /v1/info)."""
+        self.memory_cgroups, memory_why = cgroups.find()
+        self.own_disks, disk_why = workspace_fs.probe(self.boxes_dir)
+        memory = "watchdog" if self.memory_cgroups is None else self.memory_cgroups.version
+        if self.memory_cgroups is None:
+            memory_why += "; a watchdog sums the resident memory of each sandbox's processes every "
+            memory_why += f"{memory_watch.WATCH_INTERVAL_S:g} s and ends them all above limits.memory_mb"
+        disk = "filesystem" if self.own_disks else "per file"
+        self.enforcement = LimitEnforcement(
+            memory=memory,
+            disk=disk,
+            inodes="filesystem" if self.own_disks else "none",
+            detail=f"memory: {memory_why}; disk and inodes: {disk_why}",
+        )
+        for what, held in (("memory", self.memory_cgroups is not None), ("disk", self.own_disks)):
+            if not held:
+                log.warning("a sandbox's %s is bounded per process or per file only: %s", what, self.enforcement.detail)
 
     def _check_reachable_by_sandboxes(self) -> None:
         """Sandbox uids must reach their own workspaces (bwrap binds them as that uid) and the images."""
@@ -273,7 +301,10 @@ class SandboxManager:
             raise
         self._sandboxes[sandbox_id] = box
         try:
+            if self.memory_cgroups is not None and spec.limits.memory_mb is not None:
+                box.cgroup = self.memory_cgroups.path(sandbox_id)  # recorded before it is made: a crash leaks none
             box.write_record()
+            await asyncio.to_thread(self._bound, box)
             await box.seed()  # after the registration: the copy awaits, and the image must stay cached meanwhile
             await backend.create(dirs, spec)
             await box.session("default")
@@ -290,11 +321,30 @@ class SandboxManager:
 
     @staticmethod
     def _make_dirs(dirs: SandboxDirs) -> None:
-        dirs.workspace.mkdir(parents=True)
-        dirs.tmp.mkdir()
+        with state_disk(f"make sandbox {dirs.id}'s directories"):
+            dirs.workspace.mkdir(parents=True)
+            dirs.tmp.mkdir()
         if dirs.uid is not None:  # its folder is traversable, not listable
             dirs.root.chmod(0o711)
         own_dirs(dirs)  # the sandbox's own uid owns what it may write
+
+    def _bound(self, box: Sandbox) -> None:
+        """Give the sandbox what bounds it as a whole, before anything of it runs: a file system of its own for
+        the workspace and /tmp, and a memory cgroup."""
+        limits, dirs = box.spec.limits, box.dirs
+        if self.own_disks and limits.disk_mb is not None and limits.inodes is not None:
+            templates = self.state_dir / "disk-templates"
+            workspace_fs.make(dirs.root, dirs.workspace, dirs.tmp, limits.disk_mb << 20, limits.inodes, templates)
+            own_dirs(dirs)  # the new file system's directories, which now lie over the old ones
+        if self.memory_cgroups is not None and box.cgroup is not None and limits.memory_mb is not None:
+            self.memory_cgroups.create(box.id, limits.memory_mb << 20)
+
+    @staticmethod
+    def _unbound(dirs: SandboxDirs, cgroup: Path | None) -> None:
+        """Undo `_bound` once nothing of the sandbox runs: its cgroup removed, its file system unmounted."""
+        if cgroup is not None:
+            cgroups.remove(cgroup)
+        workspace_fs.unmount(dirs.workspace, dirs.tmp)
 
     def _limits(self, asked: Limits) -> Limits:
         """What the spec asked for, each at most the server's maximum, the rest the server's defaults."""
@@ -336,6 +386,7 @@ class SandboxManager:
         finally:
             del self._sandboxes[sandbox_id]
             self._remember_deleted(sandbox_id)
+            await asyncio.to_thread(self._unbound, box.dirs, box.cgroup)
             await asyncio.to_thread(remove_tree, box.dirs.root)
             await self._release_uid(box.dirs.uid)
             self.metrics.sandboxes_deleted.labels(box.backend.name).inc()
@@ -413,6 +464,27 @@ class SandboxManager:
         while len(self._deleted) > 100_000:
             self._deleted.popitem(last=False)
 
+    # -- the memory watchdog, where no cgroup bounds a sandbox (memory_watch.py) -------------------------------
+    async def _watch_memory_forever(self) -> None:
+        while True:
+            await asyncio.sleep(memory_watch.WATCH_INTERVAL_S)
+            limits = {
+                box.id: box.spec.limits.memory_mb << 20
+                for box in self._sandboxes.values()
+                if box.spec.limits.memory_mb is not None and box.started
+            }
+            if not limits:
+                continue
+            found = await asyncio.to_thread(memory_watch.over_limit, os.getpid(), self.boxes_dir, limits)
+            for sandbox_id, (held, pids) in found.items():
+                log.warning(
+                    "sandbox %s: its processes held %d bytes, over limits.memory_mb (%d bytes): ending them",
+                    sandbox_id,
+                    held,
+                    limits[sandbox_id],
+                )
+                await asyncio.to_thread(memory_watch.kill, pids)
+
     # -- reaping ----------------------------------------------------------------------------------------
     async def _reap_expired_forever(self) -> None:
         while True:
@@ -448,6 +520,10 @@ class SandboxManager:
                 with contextlib.suppress(BackendError, RuntimeError, ValueError):
                     spec = SandboxSpec.model_validate(record["spec"])
                     await self.backend(record["backend"]).destroy(SandboxDirs(root.name, root, uid=uid), spec)
+            cgroup = record.get("cgroup")
+            if isinstance(cgroup, str) and Path(cgroup).name == cgroups.PREFIX + root.name:
+                await asyncio.to_thread(cgroups.remove, Path(cgroup))
+            await asyncio.to_thread(workspace_fs.unmount_below, root)
             await asyncio.to_thread(remove_tree, root)
             reaped += 1
         return reaped

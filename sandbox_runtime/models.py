@@ -31,14 +31,21 @@ class _Strict(BaseModel):
 MIN_MEMORY_MB = 32
 MIN_PIDS = 16
 MIN_OPEN_FILES = 16
+MIN_INODES = 1024  # a file system of the workspace and /tmp smaller than this is no use
 
 
 class Limits(_Strict):
-    """Resource limits of a sandbox, enforced with rlimits (cgroups are not delegated here) and, for the file
-    API, by the server. A field left out takes the server's default; above the server's maximum is a 400.
+    """Resource limits of a sandbox: per process with rlimits, and for the whole sandbox (memory of all its
+    processes, disk bytes and inodes of its workspace and /tmp) with what the server can use, which GET /v1/info
+    names in `enforcement`. A field left out takes the server's default; above the server's maximum is a 400.
     Both are in GET /v1/info. The minimums are what a shell needs to run ordinary commands."""
 
-    memory_mb: int | None = Field(None, ge=MIN_MEMORY_MB, description="address space per process (RLIMIT_AS)")
+    memory_mb: int | None = Field(
+        None,
+        ge=MIN_MEMORY_MB,
+        description="address space per process (RLIMIT_AS), and the memory of all the sandbox's processes together "
+        "(see GET /v1/info's enforcement.memory)",
+    )
     pids: int | None = Field(None, ge=MIN_PIDS, description="processes of the sandbox's own host uid (RLIMIT_NPROC)")
     cpu_seconds: int | None = Field(None, gt=0, description="CPU time per process (RLIMIT_CPU)")
     file_size_mb: int | None = Field(
@@ -48,7 +55,15 @@ class Limits(_Strict):
         None, ge=MIN_OPEN_FILES, description="open file descriptors per process (RLIMIT_NOFILE)"
     )
     disk_mb: int | None = Field(
-        None, gt=0, description="what the file API may bring into the sandbox in all (archives counted expanded)"
+        None,
+        gt=0,
+        description="bytes of the workspace and /tmp together (see GET /v1/info's enforcement.disk), and what the "
+        "file API may bring into the sandbox in all (archives counted expanded)",
+    )
+    inodes: int | None = Field(
+        None,
+        ge=MIN_INODES,
+        description="files, directories and links of the workspace and /tmp together (see enforcement.inodes)",
     )
 
 
@@ -359,6 +374,23 @@ class BackendInfo(BaseModel):
     detail: str
 
 
+class LimitEnforcement(BaseModel):
+    """What bounds a sandbox as a whole on this server; where nothing can, the value says what still holds."""
+
+    memory: Literal["cgroup v2", "cgroup v1", "watchdog", "per process"] = Field(
+        description="limits.memory_mb for all the sandbox's processes together: a memory cgroup of its own (the "
+        "kernel reclaims, then OOM-kills inside it), a watchdog that sums their resident memory and ends them "
+        "above the limit, or only RLIMIT_AS per process"
+    )
+    disk: Literal["filesystem", "per file"] = Field(
+        description="limits.disk_mb for the workspace and /tmp together: a file system of the sandbox's own (its "
+        "writes fail with ENOSPC, nobody else's do), or only limits.file_size_mb per file (and disk_mb for what "
+        "the file API brings in)"
+    )
+    inodes: Literal["filesystem", "none"] = Field(description="limits.inodes: the same file system, or nothing")
+    detail: str = Field(description="why, where something could not be used")
+
+
 class ServerInfo(BaseModel):
     version: str
     default_backend: str
@@ -369,10 +401,16 @@ class ServerInfo(BaseModel):
     max_limits: Limits
     local_backend_allowed: bool
     image_dirs: int = Field(description="how many image directories the server takes images from")
+    host_paths: list[str] = Field(
+        default_factory=list,
+        description="host paths that a bwrap sandbox without an image sees read-only (--host-path), beside /usr, "
+        "its own minimal /etc, /dev, /proc, its workspace and /tmp",
+    )
     sandbox_uids: str | None = Field(description="host uids sandboxes run as (one each), or None: the server's own")
     max_timeout_s: float
     max_output_bytes: int
     max_body_bytes: int
+    enforcement: LimitEnforcement = Field(description="what holds each limit for the whole sandbox on this server")
 
 
 # -- replies of the smaller operations ------------------------------------------------------------------

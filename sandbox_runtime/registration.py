@@ -8,6 +8,11 @@ that starts on a new node is used within one interval. Replicas sharing their st
 them heard, so reaching one of them is enough; the heartbeat still goes to each, as nothing here knows whether
 they share.
 
+Registering needs the services' registration token (`token`), whatever else they require: whatever registers is
+sent episodes' files and believed about their rewards. It is also the one token a service calls a registered
+runtime with, so a runtime that requires a token of its own is started with the registration token as that token
+(its default: `prorl-sandbox serve --token T --register URL` presents T).
+
 The runtime knows nothing about RL: this is one periodic HTTP call, and the service owns what it means.
 """
 
@@ -32,7 +37,7 @@ class RegistrationConfig:
     services: list[str]  # rollout service URLs
     name: str  # how the services know this runtime: stable across restarts on the same node and port
     url: str  # where the services reach it
-    token: str | None = None  # the services' API token
+    token: str | None = None  # the services' registration token (not their API token)
     interval_s: float = 2.0
 
 

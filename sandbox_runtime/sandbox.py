@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import errno
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
-from .backends.base import ONESHOT_ARGV, Backend, SandboxDirs
+from .backends.base import ONESHOT_ARGV, SHELL_ARGV, Backend, SandboxDirs
+from .cgroups import join_argv
 from .files import SandboxFiles
 from .host_tree import SeedError, empty_directory, seed_workspace
 from .models import RunRequest, RunResult, SandboxInfo, SandboxSpec, SessionInfo
 from .oneshot import run_once, run_script
-from .session import SessionError, ShellSession
+from .session import Launch, SessionError, ShellSession
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +31,24 @@ RECORD = "record.json"
 # minimums (models.Limits) leave room for that command.
 OUT_OF_MEMORY = "cannot allocate"
 T = TypeVar("T")
+
+
+class InsufficientStorage(Exception):
+    """The server's state disk is full: what the request needed could not be written there (507)."""
+
+    status = 507
+
+
+@contextlib.contextmanager
+def state_disk(what: str) -> Iterator[None]:
+    """Turn a full state disk (ENOSPC, EDQUOT) met while doing `what` into a 507 that says so; other errors
+    pass through as they are."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise InsufficientStorage(f"no space left on the server's state disk to {what} ({exc.strerror})") from None
+        raise
 
 
 class Sandbox:
@@ -41,6 +63,8 @@ class Sandbox:
         self.started = False  # a shell of it started once: with this spec, the sandbox works
         self.created = False  # its creation returned (the reaper leaves a sandbox alone until then)
         self.deleted = asyncio.Event()
+        # Its memory cgroup (cgroups.py), which every process of it starts in; None where the server has none.
+        self.cgroup: Path | None = None
         self._output_limit = output_limit
         self._sessions: dict[str, ShellSession] = {}
         self._starting: dict[str, asyncio.Task[ShellSession]] = {}
@@ -82,7 +106,7 @@ class Sandbox:
         old = self._sessions.pop(name, None)
         if old is not None:
             await old.close()
-        launch = self.backend.launch(self.dirs, self.spec)
+        launch = self._launch(SHELL_ARGV)
         session = ShellSession(name, launch, self._output_limit, self.spec.forwards)
         try:
             await session.start()
@@ -140,7 +164,7 @@ class Sandbox:
             raise SessionError(f"sandbox {self.id} is being deleted", status=404)
         self.touch()
         argv = request.argv or ["bash", "--norc", "--noprofile", "-c", request.script or ""]
-        launch = self.backend.launch(self.dirs, self.spec, ONESHOT_ARGV)
+        launch = self._launch(ONESHOT_ARGV)
         script = run_script(launch, request.cwd or self.workdir, request.env, argv)
         task = asyncio.ensure_future(run_once(launch, script, timeout, max_output))
         self._runs.add(task)  # a delete cancels it, and its process with it
@@ -150,6 +174,14 @@ class Sandbox:
             if task.done():
                 self._runs.discard(task)
             self.touch()
+
+    def _launch(self, command: list[str]) -> Launch:
+        """The backend's launch of `command`, started inside the sandbox's memory cgroup where it has one: the
+        launcher joins it before it execs, so nothing of the sandbox ever runs outside (cgroups.join_argv)."""
+        launch = self.backend.launch(self.dirs, self.spec, command)
+        if self.cgroup is None:
+            return launch
+        return dataclasses.replace(launch, argv=[*join_argv(self.cgroup), *launch.argv])
 
     async def _passage(self) -> None:
         """Return once no reset is under way. Checked again after each wait: a reset may begin between the wake-up
@@ -264,10 +296,12 @@ class Sandbox:
             "backend": self.backend.name,
             "spec": self.spec.model_dump(mode="json"),
             "uid": self.dirs.uid,
+            "cgroup": None if self.cgroup is None else str(self.cgroup),
             "sessions": {n: [s.pid, s.started_at] for n, s in self._sessions.items() if not s.dead},
         }
         tmp = self.dirs.root / (RECORD + ".tmp")
-        tmp.write_text(json.dumps(record))
+        with state_disk(f"record sandbox {self.id}"):
+            tmp.write_text(json.dumps(record))
         tmp.chmod(0o600)
         tmp.replace(self.dirs.root / RECORD)
 

@@ -74,12 +74,14 @@ async def server_info(request: web.Request) -> web.Response:
             max_limits=manager.max_limits,
             local_backend_allowed=config.allow_local,
             image_dirs=len(manager.images.image_dirs),
+            host_paths=[str(path) for path in config.host_paths],
             sandbox_uids=None
             if manager.sandbox_uids is None
             else f"{manager.sandbox_uids.start}-{manager.sandbox_uids.stop - 1}",
             max_timeout_s=config.max_timeout_s,
             max_output_bytes=config.max_output_bytes,
             max_body_bytes=config.max_body_bytes,
+            enforcement=manager.enforcement,
         )
     )
 
@@ -435,4 +437,6 @@ async def serve(config: ServerConfig) -> None:
     # Bound first (or given bound): the registration advertises its real port.
     sock = config.listen_socket or bound_socket(config.host, config.port)
     app = create_app(config, port=sock.getsockname()[1])
-    await serve_sites([Site(app, config.host, 0, f"prorl-sandbox (state dir {config.state_dir})", sock=sock)])
+    await serve_sites(
+        [Site(app, config.host, 0, f"prorl-sandbox (state dir {config.state_dir})", sock=sock)], config.connections
+    )

@@ -11,7 +11,12 @@ subprocesses were no alternative either: their children kept the ends of their o
 What every child gets:
 - a new session (setsid), so that killing its session or its namespace's init ends all it started;
 - its stdin, stdout and stderr, and no other descriptor of the server's: every descriptor Python opens is
-  close-on-exec (PEP 446), these pipes and terminals included, and only the three the file actions make are not;
+  close-on-exec (PEP 446), these pipes and terminals included, and only the three the file actions make are not.
+  What the server inherited is another matter: whoever started it may have left descriptors open without
+  close-on-exec (a shell's `exec 7<file`, a `pass_fds`), and posix_spawn passes those on to bwrap, which passes
+  them into the sandbox. The first spawn marks every such descriptor close-on-exec (`seal_inherited`); once is
+  enough, since nothing of the server's opens an inheritable one later. (Python's posix_spawn has no closefrom
+  action, and a close action per descriptor at every spawn would cost a scan of them all each time.)
 - signals at their default dispositions and none blocked. Ignored dispositions survive exec: Python ignores
   SIGPIPE and SIGXFSZ (`yes | head -n1` would run forever in a sandbox, a file-size limit would give EFBIG
   instead of killing the writer), and `nohup` ignores SIGHUP.
@@ -32,7 +37,28 @@ DEFAULT_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM
 ROWS, COLUMNS = 24, 80  # ptyprocess's default terminal size
 
 
+_sealed = False
+
+
+def seal_inherited() -> list[int]:
+    """Mark every descriptor above 2 that a child would inherit close-on-exec; returns those it marked."""
+    marked = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if fd > 2 and os.get_inheritable(fd):
+                os.set_inheritable(fd, False)
+                marked.append(fd)
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+    return marked
+
+
 def _spawn(argv: list[str], env: dict[str, str], file_actions: list[tuple]) -> int:
+    global _sealed
+    if not _sealed:
+        seal_inherited()
+        _sealed = True
     program = shutil.which(argv[0], path=env.get("PATH", os.defpath))
     if program is None:
         raise FileNotFoundError(f"{argv[0]}: not found on the launcher's PATH")

@@ -1,6 +1,6 @@
 """What both HTTP servers of the project share (the sandbox runtime's and the rollout service's): JSON errors,
 bearer-token auth, the refusal of browser-borne requests, request metrics, body parsing, and running an app
-until SIGTERM."""
+until SIGTERM behind the front door's bounds on slow requests and connections (connections.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import logging
 import re
 import signal
 import socket
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -20,6 +20,7 @@ from prometheus_client import Counter
 from pydantic import BaseModel, ValidationError
 
 from .config import is_loopback
+from .connections import CONNECTION_GUARD, ConnectionGuard, ConnectionLimits, request_admitted, request_seen
 from .openapi import API, ErrorBody, describe_validation
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,12 @@ def errors_as_json(max_body_bytes: int) -> Middleware:
             return error_response(exc.status, message, allow)
         except asyncio.CancelledError:
             raise
+        except ConnectionResetError:
+            if request.transport is not None and not request.transport.is_closing():
+                raise
+            # The client went, or was closed (a stalled body): nobody reads this answer, and a flood of them must
+            # not flood the log with tracebacks.
+            return error_response(400, "the connection was lost while the request was read")
         except Exception as exc:
             status = getattr(exc, "status", None)
             if isinstance(status, int) and 400 <= status < 600:
@@ -136,14 +143,26 @@ def count_requests(counter: Counter) -> Middleware:
     return middleware
 
 
-def json_api(api: API, token: str | None, max_body_bytes: int, requests: Counter) -> web.Application:
+def json_api(
+    api: API,
+    token: str | None,
+    max_body_bytes: int,
+    requests: Counter,
+    gates: Sequence[Middleware] = (),
+    own_auth_paths: frozenset[str] = frozenset(),
+) -> web.Application:
     """The application serving `api` (and its OpenAPI document) with both servers' middlewares, outermost
-    first: errors as JSON (and the body bound), browsers refused where there is no token, the bearer token
-    (but on `api`'s public paths), and every request counted in `requests`."""
+    first: the connection guard's view of the request (`connections`), errors as JSON (and the body bound),
+    browsers refused where there is no token, the bearer token (but on `api`'s public paths and on
+    `own_auth_paths`, whose handlers check a credential of their own), the application's own `gates`, the
+    guard's mark of an admitted request, and every request counted in `requests`."""
     middlewares = [
+        request_seen,
         errors_as_json(max_body_bytes),
         refuse_browsers(token),
-        bearer_auth(token, api.public_paths),
+        bearer_auth(token, api.public_paths | own_auth_paths),
+        *gates,
+        request_admitted,
         count_requests(requests),
     ]
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
@@ -162,31 +181,45 @@ class Site:
     sock: socket.socket | None = None
 
 
-async def serve_sites(sites: list[Site]) -> None:
+async def serve_sites(sites: list[Site], limits: ConnectionLimits | None = None) -> None:
     """Run the applications until SIGTERM or SIGINT, then shut them down cleanly (their cleanup contexts run,
     the last started first). Each is set up in order, so an application's start-up may prepare the next one.
 
+    Every connection to any of them goes through one `ConnectionGuard` with `limits` (the process's descriptors
+    are what the caps protect): aiohttp's server is the protocol the guard wraps, on a listener made here.
     The listen backlog is large: at hundreds of concurrent clients, the default 128 costs 1 s SYN retries.
     """
+    limits = (limits or ConnectionLimits()).resolve()
+    guard = ConnectionGuard(limits)
+    loop = asyncio.get_running_loop()
     runners: list[web.AppRunner] = []
+    listeners: list[asyncio.AbstractServer] = []
     try:
         for site in sites:
+            site.app[CONNECTION_GUARD] = guard
             # A request line may carry a query parameter of up to 4096 characters (a file path), percent-encoded:
             # far more than aiohttp's default 8190 bytes, whose refusal is a plain-text 400 below the middlewares.
-            runner = web.AppRunner(site.app, access_log=None, max_line_size=MAX_REQUEST_LINE)
+            runner = web.AppRunner(
+                site.app, access_log=None, max_line_size=MAX_REQUEST_LINE, keepalive_timeout=limits.idle_timeout_s
+            )
             await runner.setup()
             runners.append(runner)
+            assert runner.server is not None
+            factory = guard.protocol_factory(runner.server)
             if site.sock is not None:
-                await web.SockSite(runner, site.sock, backlog=LISTEN_BACKLOG).start()
+                listener = await loop.create_server(factory, sock=site.sock, backlog=LISTEN_BACKLOG)
             else:
-                await web.TCPSite(runner, site.host, site.port, backlog=LISTEN_BACKLOG).start()
-            log.info("%s listening on http://%s:%d", site.name, site.host, runner.addresses[0][1])
+                listener = await loop.create_server(factory, site.host, site.port, backlog=LISTEN_BACKLOG)
+            listeners.append(listener)
+            port = listener.sockets[0].getsockname()[1]
+            log.info("%s listening on http://%s:%d", site.name, site.host, port)
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
         await stop.wait()
     finally:
+        for listener in listeners:
+            listener.close()
         for runner in reversed(runners):
             await runner.cleanup()
 

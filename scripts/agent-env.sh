@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The environment agent programs run in inside the sandboxes: a virtualenv of the system's own Python with the
 # `openai` client and `litellm`, at /opt/prorl-agent (PRORL_AGENT_ENV to put it elsewhere).
-# Why there: a bwrap sandbox on the host's root sees the host's top-level directories read-only but not /root,
-# /home or /tmp (docs/security.md), so neither .venv (its Python lives under pyenv in /root here) nor a clone in
-# /tmp would be visible inside; /opt and /usr are. On a cluster the harness belongs in the image instead.
+# Why there: a bwrap sandbox without an image sees only /usr of the host and the paths its runtime names
+# (`prorl-sandbox serve --host-path /opt/prorl-agent`, docs/runtime.md), so neither .venv (its Python lives under
+# pyenv in /root here) nor a clone in /tmp would be visible inside; a venv of /usr/bin/python3 in a named path is.
+# On a cluster the harness belongs in the image instead.
 # Idempotent: a marker file says the venv is complete.
 set -euo pipefail
 venv="${PRORL_AGENT_ENV:-/opt/prorl-agent}"

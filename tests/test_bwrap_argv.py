@@ -1,9 +1,11 @@
+import os
 from pathlib import Path
 
 import pytest
 
-from sandbox_runtime.backends.base import SandboxDirs, ulimit_args
-from sandbox_runtime.backends.bwrap import BwrapBackend
+from sandbox_runtime.backends.base import BackendError, SandboxDirs, ulimit_args
+from sandbox_runtime.backends.bwrap import BwrapBackend, unmountable_in
+from sandbox_runtime.host_view import MERGED_USR
 from sandbox_runtime.models import Limits, SandboxSpec
 
 
@@ -21,14 +23,34 @@ def test_default_sandbox_is_isolated_and_read_only(dirs):
     for flag in ("--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--die-with-parent"):
         assert flag in argv
     assert ("/usr", "/usr") in pairs(argv, "--ro-bind")
-    targets = {t for _, t in pairs(argv, "--ro-bind")} | {t for _, t in pairs(argv, "--bind")}
-    assert not {"/home", "/root", "/run", "/proc"} & {t for _, t in pairs(argv, "--ro-bind")}
     assert (str(dirs.workspace), "/workspace") in pairs(argv, "--bind")
     assert (str(dirs.tmp), "/tmp") in pairs(argv, "--bind")
-    assert "/workspace" in targets
-    assert argv[argv.index("--tmpfs") + 1] == "/var/lib/prorl"  # other sandboxes' workspaces hidden
     assert argv[argv.index("--remount-ro") + 1] == "/"
     assert argv[argv.index("--") + 1 :] == ["bash", "--norc", "--noprofile", "--noediting", "-i"]
+
+
+def test_without_an_image_only_usr_its_links_and_a_minimal_etc_come_from_the_host(dirs):
+    argv = BwrapBackend(Path("/var/lib/prorl")).argv(dirs, SandboxSpec())
+    read_only = dict((t, s) for s, t in pairs(argv, "--ro-bind"))
+    assert read_only.pop("/usr") == "/usr"
+    assert read_only.pop("/etc") == "/var/lib/prorl/host-etc"  # made for sandboxes, not the host's
+    assert read_only.pop("/etc/passwd") == str(dirs.root / "passwd")  # the sandbox's own uid has an entry
+    assert read_only.pop("/etc/group") == str(dirs.root / "group")
+    for target, source in read_only.items():  # what is left: merged-/usr entries where the host has directories
+        assert target.lstrip("/") in MERGED_USR and source == target
+    for source, target in pairs(argv, "--symlink"):  # links stay links: /bin -> usr/bin
+        assert target.lstrip("/") in MERGED_USR and os.readlink(target) == source
+    assert "/etc/resolv.conf" not in argv  # no network, no resolver: its /etc has an empty one
+    assert "/sys" not in argv and not pairs(argv, "--tmpfs")  # the state dir is not there to hide
+
+
+def test_a_sandbox_with_the_network_gets_the_hosts_resolver_and_named_host_paths_read_only(dirs):
+    backend = BwrapBackend(Path("/var/lib/prorl"), host_paths=[Path("/opt/b"), Path("/opt/a/x"), Path("/opt/a")])
+    argv = backend.argv(dirs, SandboxSpec(network="host"))
+    assert ("/etc/resolv.conf", "/etc/resolv.conf") in pairs(argv, "--ro-bind-try")
+    binds = [pair for pair in pairs(argv, "--ro-bind") if pair[0].startswith("/opt")]
+    assert binds == [("/opt/a", "/opt/a"), ("/opt/a/x", "/opt/a/x"), ("/opt/b", "/opt/b")]  # parents first
+    assert argv.index("--ro-bind-try") < argv.index(str(dirs.workspace))  # the workspace goes on top
 
 
 def test_network_on_request_and_custom_workdir(dirs):
@@ -36,7 +58,25 @@ def test_network_on_request_and_custom_workdir(dirs):
     assert "--unshare-net" not in argv
     assert (str(dirs.workspace), "/code") in pairs(argv, "--bind")
     assert argv[argv.index("--chdir") + 1] == "/code"
-    assert "--tmpfs" not in argv  # a state dir under /root is hidden already
+
+
+@pytest.mark.parametrize(
+    ("workdir", "blocked"),
+    [("/workspace", None), ("/opt/ws", None), ("{agent}", None), ("{agent}/present", None), ("{agent}/x", "{agent}")],
+)
+def test_a_workdir_inside_a_read_only_host_path_must_exist_there(dirs, tmp_path, workdir, blocked):
+    agent = tmp_path / "agent"
+    (agent / "present").mkdir(parents=True)
+    backend = BwrapBackend(dirs.root.parent, host_paths=[agent])
+    where = unmountable_in(*backend.read_only(dirs), workdir.format(agent=agent))
+    assert where == (blocked and blocked.format(agent=agent))
+
+
+async def test_an_unmountable_workdir_is_the_clients_error(dirs):
+    backend = BwrapBackend(dirs.root.parent, host_paths=[Path("/opt")])
+    with pytest.raises(BackendError, match="inside /opt") as error:
+        await backend.create(dirs, SandboxSpec(workdir="/opt/no-such-directory"))
+    assert error.value.status == 400
 
 
 def test_image_directory_becomes_the_root(dirs, tmp_path):

@@ -120,6 +120,29 @@ async def test_the_turn_limit_and_the_context_are_the_jobs():
         assert full.status == 400 and "max_context_tokens" in (await full.json())["error"]
 
 
+async def test_a_call_over_the_turn_limit_is_refused_before_its_body_is_read():
+    """Headers announcing 4 MiB and no body at all: the refusal comes without waiting for it (before the fix, the
+    gateway read and parsed the whole body, so this client, which never sends it, got no answer)."""
+    async with rollout_stack(script=["x"]) as stack:
+        episode = open_episode(stack, max_turns=1)
+        assert (await chat(stack, episode.key, messages=USER)).status == 200
+        reader, writer = await asyncio.open_connection(stack.gateway.host, stack.gateway.port)
+        try:
+            path = f"/gateway/{episode.key}/v1/chat/completions"
+            writer.write(
+                f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {4 * 1024 * 1024}\r\n\r\n".encode()
+            )
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=30)
+            length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))[15:])
+            body = json.loads(await asyncio.wait_for(reader.readexactly(length), timeout=30))
+        finally:
+            writer.close()
+        assert head.startswith(b"HTTP/1.1 400 ") and "max_turns=1" in body["error"]
+        assert episode.calls_started == 1  # the refused call counted no turn
+
+
 async def test_keys_of_no_running_episode_are_refused_and_no_token_is_needed_for_the_gateway():
     async with rollout_stack(script=["x"], token="secret") as stack:
         episode = open_episode(stack)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import hashlib
+import io
 import json
 import os
 import platform
@@ -14,7 +15,9 @@ import stat
 import struct
 import subprocess
 import sys
+import tarfile
 import tempfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -444,3 +447,134 @@ def test_a_cache_without_room_for_the_image_is_a_507_that_leaves_nothing(images,
     answer = json.loads(run.stdout)
     assert answer["status"] == 507 and "no space" in answer["error"], answer
     assert answer["left"] == []  # no half-unpacked root stays behind
+
+
+# -- an image that expands far beyond its file: the cache's bound holds during the unpack --------------------------
+BOMB_BYTES = 512 << 20  # what the layer expands to: 512 MiB of zeros, about half a MiB gzip'd
+BOMB_BOUND = 64 << 20  # the cache's bound in these tests
+
+
+class _ZeroTar(io.RawIOBase):
+    """A tar of one file of `size` zero bytes, read as a stream: nothing of it is ever held or written whole."""
+
+    def __init__(self, size: int) -> None:
+        info = tarfile.TarInfo("zeros")
+        info.size = size
+        self._header = info.tobuf(format=tarfile.GNU_FORMAT)
+        self._left = len(self._header) + size + (-size % 512) + 1024  # data padded to a block, then the end
+        self._sent = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        count = min(len(buffer), self._left)
+        for i in range(count):
+            position = self._sent + i
+            if position >= len(self._header):
+                buffer[i:count] = bytes(count - i)
+                break
+            buffer[i] = self._header[position]
+        self._sent += count
+        self._left -= count
+        return count
+
+    @property
+    def size(self) -> int:
+        return self._left + self._sent
+
+
+def _gzip_of(stream: io.RawIOBase) -> tuple[bytes, str]:
+    """The gzip of what `stream` reads, and the sha256 of what it read (a layer's diff id)."""
+    packer, digest = zlib.compressobj(9, zlib.DEFLATED, 31), hashlib.sha256()  # 31: a gzip header, as layers have
+    parts = []
+    for chunk in iter(lambda: stream.read(1 << 20), b""):
+        digest.update(chunk)
+        parts.append(packer.compress(chunk))
+    return b"".join(parts) + packer.flush(), "sha256:" + digest.hexdigest()
+
+
+def _bomb_config(diff_id: str) -> dict:
+    """A config umoci takes: before the bound, nothing else about the image is wrong."""
+    return {"architecture": "amd64", "os": "linux", "config": {}, "rootfs": {"type": "layers", "diff_ids": [diff_id]}}
+
+
+def _bomb_layout(layout: Path) -> Path:
+    """An OCI layout whose one gzip'd layer of ~0.5 MiB holds a file of BOMB_BYTES."""
+    (layout / "blobs" / "sha256").mkdir(parents=True)
+    (layout / "oci-layout").write_text('{"imageLayoutVersion":"1.0.0"}')
+    layer, diff_id = _gzip_of(_ZeroTar(BOMB_BYTES))
+    assert len(layer) < 1 << 20
+    layer_digest = hashlib.sha256(layer).hexdigest()
+    (layout / "blobs" / "sha256" / layer_digest).write_bytes(layer)
+    config, config_size = _write_blob(layout, _bomb_config(diff_id))
+    manifest, manifest_size = _write_blob(
+        layout,
+        {
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config, "size": config_size},
+            "layers": [
+                {
+                    "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+                    "digest": "sha256:" + layer_digest,
+                    "size": len(layer),
+                }
+            ],
+        },
+    )
+    _retag(
+        layout, [{"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": manifest, "size": manifest_size}]
+    )
+    return layout
+
+
+def _bomb_archive(archive: Path) -> Path:
+    """A gzip'd classic `docker save` archive of ~0.5 MiB whose layer.tar is BOMB_BYTES of tar."""
+    _, diff_id = _gzip_of(_ZeroTar(BOMB_BYTES))
+    config = json.dumps(_bomb_config(diff_id)).encode()
+    manifest = json.dumps([{"Config": "config.json", "RepoTags": ["bomb:latest"], "Layers": ["l/layer.tar"]}])
+    with tarfile.open(archive, mode="w:gz", compresslevel=9) as tar:
+        layer = _ZeroTar(BOMB_BYTES)
+        for name, size, content in [
+            ("config.json", len(config), io.BytesIO(config)),
+            ("manifest.json", len(manifest), io.BytesIO(manifest.encode())),
+            ("l/layer.tar", layer.size, layer),
+        ]:
+            info = tarfile.TarInfo(name)
+            info.size = size
+            tar.addfile(info, content)
+    assert archive.stat().st_size < 1 << 20
+    return archive
+
+
+def _bomb_sif(images: Path, tmp_path: Path) -> Path:
+    """A SIF of a few KB whose root holds a sparse file of BOMB_BYTES (squashfs keeps its holes as holes)."""
+    root = tmp_path / "bomb-root"
+    shutil.copytree(images / "tiny.rootfs", root, symlinks=True)
+    with open(root / "zeros", "wb") as handle:
+        handle.truncate(BOMB_BYTES)
+    sif = _sif_of(root, images / "bomb.sif")
+    assert sif.stat().st_size < 4 << 20
+    return sif
+
+
+@pytest.mark.parametrize("kind", ["oci", "docker-archive", "sif"])
+async def test_an_image_expanding_beyond_the_cache_bound_is_refused_before_it_is_written(images, tmp_path, kind):
+    name = {"oci": "bomb.oci", "docker-archive": "bomb.tar.gz", "sif": "bomb.sif"}[kind]
+    if kind == "oci":
+        _bomb_layout(images / name)
+    elif kind == "docker-archive":
+        _bomb_archive(images / name)
+    else:
+        _bomb_sif(images, tmp_path)
+    cache = tmp_path / "cache"
+    images_store = ImageStore([images], cache, max_bytes=BOMB_BOUND)
+    images_store.start()
+    with pytest.raises(ImageError, match="no space in the image cache") as caught:
+        await images_store.prepare(images_store.find(name))
+    assert caught.value.status == 507
+    assert str(BOMB_BOUND) in str(caught.value) or "free" in str(caught.value)
+    assert [p.name for p in cache.iterdir() if p.name != "digests.json"] == []  # no partial directory stays
+    # The bound is on what an image unpacks to, not its file: an image within it still unpacks.
+    assert (await images_store.prepare(images_store.find("tiny.oci"))).root is not None

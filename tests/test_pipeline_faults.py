@@ -95,6 +95,7 @@ class FakeChat:
     """Token ids without a tokenizer: the prompt is one id per message."""
 
     eos_id = 8
+    takes_tools = True
 
     async def off_loop(self, work: Any, *args: Any, size: int | None = None) -> Any:
         return work(*args)

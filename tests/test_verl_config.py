@@ -433,12 +433,36 @@ def test_a_launched_stack_needs_no_service_url():
         ({"service_url": "http://h:1", "runtime_resource": "r"}, r"add \+prorl.launch=ray"),
         ({"launch": "ray", "launch_replicas": 0}, r"prorl.launch_replicas=0 must be an integer > 0"),
         ({"launch": "ray", "runtime_resource": ""}, r"prorl.runtime_resource='' must be a name"),
+        ({"launch": "ray", "runtime_host_paths": "/opt"}, r"runtime_host_paths='/opt' must be a list of absolute"),
+        ({"launch": "ray", "runtime_host_paths": ["opt"]}, r"'opt' is not an absolute path"),
+        ({"service_url": "http://h:1", "runtime_host_paths": ["/opt"]}, r"runtime_host_paths is a setting of a launch"),
         ({}, r"service_url is missing.*or \+prorl.launch=ray"),
     ],
 )
 def test_a_wrong_launch_setting_says_what_to_fix(block, message):
     with pytest.raises(ProrlVerlConfigError, match=message):
         ProrlVerlConfig.from_block({"task": "shell", **block})
+
+
+def test_a_launched_stacks_runtimes_show_the_named_host_paths(monkeypatch):
+    """Image-less sandboxes see no host path but /usr unless the runtime names it: agent programs need theirs."""
+    from prorl_adapter.launch import ray_stack
+    from prorl_plugins.verl import agent_loop
+
+    calls = []
+    monkeypatch.setattr(
+        ray_stack.RayStack,
+        "up_or_attach",
+        staticmethod(
+            lambda namespace, **up: calls.append(up) or SimpleNamespace(service_urls=["http://h:1"], token=None)
+        ),
+    )
+    monkeypatch.setattr(
+        ray_stack.ray, "get_runtime_context", lambda: SimpleNamespace(get_job_id=lambda: "1", get_actor_id=lambda: "w")
+    )
+    config = compose_verl_config([*PLUGIN, *LAUNCH, "+prorl.runtime_host_paths=[/opt/prorl-agent,/data/sets]"])
+    agent_loop.launched_block(check_verl_config(config), config)
+    assert calls[0]["runtime_args"] == ["--host-path", "/opt/prorl-agent", "--host-path", "/data/sets"]
 
 
 def test_preflight_of_a_launched_stack_asks_no_service(capsys):
@@ -464,6 +488,13 @@ def test_each_worker_starts_or_attaches_to_the_runs_stack_and_uses_one_replica(m
     launched = agent_loop.launched_block(prorl, config)
     (namespace, up), *_ = calls
     assert namespace == "prorl-05000000"  # one stack per training run
-    assert up == {"tokenizer": "/m/q", "replicas": 2, "runtime_resource": None, "token": None, "detached": False}
+    assert up == {
+        "tokenizer": "/m/q",
+        "replicas": 2,
+        "runtime_resource": None,
+        "token": None,
+        "runtime_args": [],
+        "detached": False,
+    }
     assert launched.service_url in ("http://10.0.0.1:1", "http://10.0.0.2:1") and launched.token == "stack-token"
     assert agent_loop.launched_block(prorl, config).service_url == launched.service_url  # the same replica each time

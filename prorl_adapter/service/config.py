@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sandbox_runtime.config import SERVICE_URL, check_exposure
+from sandbox_runtime.connections import ConnectionLimits
 from sandbox_runtime.registration import advertised_url
 
 from .decoupled import ProducerConfig
@@ -49,6 +50,18 @@ class RolloutConfig:
     # The API's socket listening already, given by whoever started the service (--listen-fd); host and port are
     # its own.
     listen_socket: socket.socket | None = None
+    # The front door of both the API and the gateway: header and body deadlines, connection caps.
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
+    # What a runtime presents to register (PUT /v1/runtimes/{name}), and the one token this service then sends
+    # it; None: the sandbox token, and with neither, registration is refused (see `registration_credential`).
+    registration_token: str | None = None
+
+    @property
+    def registration_credential(self) -> str | None:
+        """The token a registering runtime must present: --registration-token, else --sandbox-token (runtimes
+        launched with that token as their own present it by default). A registered runtime is sent this token and
+        no other: it is the one it proved to hold, while --sandbox-token may open runtimes given by URL."""
+        return self.registration_token or self.sandbox_token
 
     @property
     def sandbox_owner(self) -> str:

@@ -193,8 +193,7 @@ class Gateway:
     async def _call_slot(self, episode: GatewayEpisode) -> AsyncIterator[None]:
         """A call counts against the episode's turns, and waits for one of its few slots: a program (or whatever
         else runs in its sandbox) cannot put hundreds of generations in flight at the cost of other episodes."""
-        if episode.calls_started >= episode.request.max_turns:
-            raise GatewayError(400, f"this episode's turn limit is reached: max_turns={episode.request.max_turns}")
+        refuse_spent(episode)
         episode.calls_started += 1
         async with episode.slots:
             yield
@@ -242,6 +241,12 @@ class Gateway:
         if not episode.open:  # answered after the run ended: the trajectory is already built without it
             raise GatewayError(404, "the episode's run ended while this call was sampled; it was not recorded")
         episode.log.record(sampled, chat, calls, errors)
+
+
+def refuse_spent(episode: GatewayEpisode) -> None:
+    """GatewayError (400) once the episode has started all the calls its turn limit allows."""
+    if episode.calls_started >= episode.request.max_turns:
+        raise GatewayError(400, f"this episode's turn limit is reached: max_turns={episode.request.max_turns}")
 
 
 def _finish(reason: str | None) -> str:
@@ -400,14 +405,17 @@ def create_gateway_app(requests: Counter) -> web.Application:
     """The gateway's application: its paths only. `app[GATEWAY]` is set by the service once its pipeline runs,
     before this application starts. A key no running episode holds is refused before the body is read, so a
     caller without one costs nothing but the request line."""
-    app = json_api(GATEWAY_API, None, MAX_BODY_BYTES, requests)
-    app.middlewares.append(_known_key)
-    return app
+    return json_api(GATEWAY_API, None, MAX_BODY_BYTES, requests, gates=[_known_key])
 
 
 @web.middleware
 async def _known_key(request: web.Request, handler) -> web.StreamResponse:
+    """What refuses a call whatever its body says, decided before the body is read (up to MAX_BODY_BYTES of it,
+    parsed): a key no running episode holds (404; a finished episode's key is forgotten when its run ends), and
+    a generation beyond the episode's turn limit (400). The connection of a refused call is not kept alive."""
     key = request.match_info.get("key")
     if key is not None:
-        request.app[GATEWAY].episode(key)  # 404 for any other
+        episode = request.app[GATEWAY].episode(key)  # 404 for any other
+        if request.method == "POST":  # the generating calls
+            refuse_spent(episode)
     return await handler(request)

@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from ..hooks.specs import hookimpl
 from ..models import JobState, RunConcurrencyState, Trajectory
 
+TAMPERED_ARTIFACT = "tampered"  # the artifact a task's eval sets when it found the grading tampered with
 _SECONDS = (0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900, 1800)
 
 
@@ -18,6 +19,11 @@ class RolloutMetrics:
         self.requests = Counter("prorl_rollout_http_requests", "HTTP requests", ["route", "status"], registry=r)
         self.jobs = Counter(
             "prorl_rollout_jobs_finished", "Jobs finished", ["task", "state", "error_class"], registry=r
+        )
+        # A grading whose canary tests read wrong (the code under test rewrote the test runner): it scored 0, and
+        # the trajectory's artifacts say why under TAMPERED_ARTIFACT.
+        self.tampered = Counter(
+            "prorl_rollout_tampered_gradings", "Gradings that found the test runner tampered with", ["task"], registry=r
         )
         self.stage_seconds = Histogram(
             "prorl_rollout_stage_seconds", "Time per stage", ["stage"], buckets=_SECONDS, registry=r
@@ -79,6 +85,8 @@ class RolloutMetrics:
     def prorl_job_finished(self, trajectory: Trajectory, state: JobState) -> None:
         error_class = trajectory.error.error_class if trajectory.error else ""
         self.jobs.labels(trajectory.task, state.value, error_class).inc()
+        if TAMPERED_ARTIFACT in trajectory.artifacts:
+            self.tampered.labels(trajectory.task).inc()
         for stage in ("queued_s", "init_s", "run_s", "eval_s"):
             self.stage_seconds.labels(stage.removesuffix("_s")).observe(getattr(trajectory.timings, stage))
         if state is JobState.done:

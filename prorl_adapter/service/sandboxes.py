@@ -79,13 +79,15 @@ class SandboxPool:
         urls: list[str],
         token: str | None = None,
         owner: str = "prorl-rollout",
+        registered_token: str | None = None,
         coordination: Coordination | None = None,
         wait_for_runtime_s: float = WAIT_FOR_RUNTIME_S,
         warm: WarmConfig | None = None,
         max_concurrent_creates: int = 0,
     ) -> None:
         self.owner = owner
-        self._token = token
+        self._token = token  # for the runtimes given by URL only
+        self._registered_token = registered_token  # the credential registered runtimes presented: all they get
         self.coordination = coordination or LocalCoordination(owner)
         self.wait_for_runtime_s = wait_for_runtime_s
         self.max_concurrent_creates = max_concurrent_creates
@@ -103,12 +105,14 @@ class SandboxPool:
         self._creations: set[asyncio.Future[SandboxInfo]] = set()  # awaited at close: their sandboxes are deleted
         self._refresh_lock = asyncio.Lock()
 
-    def _client(self, url: str) -> SandboxClient:
-        return SandboxClient(url, token=self._token, timeout=120)
-
     def _server(self, name: str, url: str, static: bool, swept: bool = True) -> RuntimeServer:
+        """A runtime and its client. A registered one is sent only the token it registered with, never the
+        runtimes' token given for the static ones: whatever registers (at whatever URL it names) must not learn a
+        credential that opens other runtimes."""
         gate = CreateGate(self.max_concurrent_creates or None)
-        return RuntimeServer(name, url, self._client(url), static=static, swept=swept, gate=gate)
+        token = self._token if static else self._registered_token
+        client = SandboxClient(url, token=token, timeout=120)
+        return RuntimeServer(name, url, client, static=static, swept=swept, gate=gate)
 
     # -- the runtimes -----------------------------------------------------------------------------------
     async def refresh(self) -> None:

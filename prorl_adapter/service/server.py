@@ -12,13 +12,23 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hmac
 
 from aiohttp import web
 
 from sandbox_runtime.config import RUNTIME_NAME
 from sandbox_runtime.models import RuntimeHeartbeat
 from sandbox_runtime.openapi import API, Link, Operation, Reply, metrics_operation, operations_under
-from sandbox_runtime.webapp import Site, bound_socket, json_api, json_response, serve_sites
+from sandbox_runtime.webapp import (
+    Handler,
+    Middleware,
+    Site,
+    bound_socket,
+    error_response,
+    json_api,
+    json_response,
+    serve_sites,
+)
 
 from .. import __version__
 from ..hooks.plugin_set import PluginSet
@@ -252,6 +262,39 @@ async def buffer_status(request: web.Request) -> web.Response:
     return json_response(BufferStatus(**counts, **figures.model_dump()))
 
 
+REGISTRATION_PATH = "/v1/runtimes/{name}"
+
+
+def registration_gate(credential: str | None) -> Middleware:
+    """Registering a runtime needs the registration credential, with or without a service token: whatever
+    registers is sent episodes' files and a token, and is believed about their rewards. The service's API token
+    is not it (a runtime needs no power over jobs or LLM servers), so the bearer check skips this path and this
+    gate checks it, before the body is read, in constant time."""
+    expected = f"Bearer {credential}".encode() if credential else None
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        if resource is None or resource.canonical != REGISTRATION_PATH:
+            return await handler(request)
+        if expected is None:
+            return error_response(
+                403,
+                "this service takes no runtime registrations: start it with --registration-token "
+                "(env PRORL_REGISTRATION_TOKEN) or --sandbox-token, and the runtimes with the same --register-token",
+            )
+        sent = request.headers.get("Authorization", "").encode("utf-8", errors="surrogateescape")
+        if not hmac.compare_digest(sent, expected):
+            return error_response(
+                401,
+                "registering a runtime needs the registration token (Authorization: Bearer <token>; the runtime's "
+                "--register-token, env PRORL_REGISTRATION_TOKEN)",
+            )
+        return await handler(request)
+
+    return middleware
+
+
 # -- the API, described once: routes and the OpenAPI document ---------------------------------------------
 JOB_ID = {"id": {"type": "string", "description": "the job_id POST /v1/jobs answered with"}}
 NO_JOB = {404: "no such job (or it finished long enough ago to be forgotten)"}
@@ -292,15 +335,21 @@ ROLLOUT_API = API(
         ),
         Operation(
             "PUT",
-            "/v1/runtimes/{name}",
+            REGISTRATION_PATH,
             runtime_heartbeat,
             "A sandbox runtime's heartbeat: where it is, its room; `leaving` stops its use",
             (Reply(200, "recorded (for every replica sharing this one's state)", RuntimeRegistered),),
             body=RuntimeHeartbeat,
             path_parameters={"name": {"type": "string", "pattern": f"^{RUNTIME_NAME.pattern}$"}},
             tag="runtimes",
+            errors={
+                401: "no registration token, or a wrong one (Authorization: Bearer <registration token>)",
+                403: "this service takes no registrations (started without a registration or sandbox token)",
+            },
             description="Sent by `prorl-sandbox serve --register URL` every few seconds; a runtime not heard from "
-            "for three of its intervals gets no new sandboxes. See docs/scale-out.md.",
+            "for three of its intervals gets no new sandboxes. Needs the registration token (not the API token), "
+            "whether or not the service has one; the service then calls the runtime with that token only. See "
+            "docs/scale-out.md.",
         ),
         Operation(
             "GET",
@@ -455,7 +504,10 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
     """The service as an aiohttp application; each resource is opened and closed by a `cleanup_ctx` of its own,
     in the order they depend on each other (closed in reverse)."""
     app_metrics = RolloutMetrics()
-    app = json_api(ROLLOUT_API, config.token, config.max_body_bytes, app_metrics.requests)
+    gates = [registration_gate(config.registration_credential)]
+    app = json_api(
+        ROLLOUT_API, config.token, config.max_body_bytes, app_metrics.requests, gates, frozenset({REGISTRATION_PATH})
+    )
     app[METRICS] = app_metrics
     app[GATEWAY_APP] = gateway.create_gateway_app(app_metrics.requests)
 
@@ -486,6 +538,7 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
         app[SANDBOXES] = SandboxPool(
             config.sandbox_urls,
             token=config.sandbox_token,
+            registered_token=config.registration_credential,
             owner=config.sandbox_owner,
             coordination=app[COORDINATION],
             warm=config.warm,
@@ -565,7 +618,7 @@ async def serve(config: RolloutConfig) -> None:
         Site(app, config.host, config.port, "prorl-rollout", sock=config.listen_socket),
         Site(app[GATEWAY_APP], config.gateway_host, 0, "prorl-rollout's LLM gateway", sock=gateway_socket),
     ]
-    await serve_sites(sites)
+    await serve_sites(sites, config.connections)
 
 
 async def freeze_long_lived(app: web.Application) -> None:

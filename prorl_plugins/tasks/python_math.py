@@ -75,7 +75,7 @@ class PythonMathTask(TaskHandler):
     def system_prompt(self, instance: dict[str, Any]) -> str:
         return (
             "Solve the problem. You may run Python with the python tool; give the final answer, "
-            "a number only, with the finish tool. Call tools inside <tool_call></tool_call>."
+            "a number only, with the finish tool."
         )
 
     def user_prompt(self, instance: dict[str, Any]) -> str:

@@ -97,7 +97,7 @@ class RelayTask(TaskHandler):
         return [with_latency(bash, latencies) if latencies else bash]
 
     def system_prompt(self, instance: dict[str, Any]) -> str:
-        return "You operate a Linux shell. Call the bash tool once per turn inside <tool_call></tool_call>."
+        return "You operate a Linux shell. Call the bash tool once per turn."
 
     def user_prompt(self, instance: dict[str, Any]) -> str:
         return f"{BOX} holds {NOTE}. Put the word in it into {ANSWER}."

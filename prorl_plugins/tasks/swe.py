@@ -11,10 +11,18 @@ Eval trusts nothing the agent could have planted (swe_grading.py has the rules):
 1. the pipeline has ended every process the agent started;
 2. the repository is read through the runtime's file API (links stored as links, never followed), and the
    patch is computed from it in this process: the agent's git (config, hooks, attributes, excludes) never runs;
-3. the sandbox is wiped (workspace and /tmp emptied), and the original files with the patch applied and the
-   original tests restored are written back;
-4. the test command runs as a one-shot process whose exit status comes from the kernel; where the instance
-   names the tests that must pass, each must appear as passed in the log (an early `exit 0` passes nothing).
+3. the sandbox is wiped (workspace and /tmp emptied), and the original files are written back with the agent's
+   changes that `swe_protected.outside` keeps (the rule SWE-bench rows get: no new module at the repository's root
+   or in a test's directory, no compiled Python, no test configuration), the original tests restored, and the
+   grader's canary tests (swe_canary.py) added to them;
+4. the test command runs as a one-shot process whose exit status comes from the kernel, and the log is read: a
+   canary that reports the wrong outcome, or none, scores 0 as tampered; where the instance names the tests that
+   must pass, each must appear as passed in the log (an early `exit 0` passes nothing); where it names none, no
+   real test may read as failed (the exit status is 1: the canaries that must fail failed). A row whose test
+   files hold no Python test gets no canaries, and its exit status is the verdict, as before.
+
+The patch and the graded tree are computed on a worker thread: seconds of CPU for a big tree never stall the
+service's event loop (and `unified_patch` bounds its own work).
 
 SWE-bench-format rows (SWE-bench, SWE-Gym: `instance_id`, `repo`, `base_commit`, `test_patch`, ...; the repository
 in the instance's image at /testbed) are served by swe_bench.py on the same rules, graded by swebench's own log
@@ -25,7 +33,9 @@ parsers. Their image is the row's `image`, else an image template (the row's `im
 
 from __future__ import annotations
 
+import asyncio
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from prorl_adapter.tasks import Environment, EpisodeState, TaskConfigError, TaskHandler
@@ -33,7 +43,9 @@ from sandbox_runtime.client import SandboxAPIError
 
 from . import swe_bench
 from .swe_bench import named_tests
-from .swe_grading import agent_changes, graded_tree, parse_test_log, tests_verdict, unified_patch
+from .swe_canary import TAMPERED, Planted, plant, tampering, without_canaries
+from .swe_grading import PASSED, SKIPPED, agent_changes, graded_tree, parse_test_log, tests_verdict, unified_patch
+from .swe_protected import outside
 
 REPO = "repo"
 TEST_LOG_BYTES = 8 << 20  # a verbose log in full: a named test cut out of the middle would count as missing
@@ -82,8 +94,8 @@ class SweTask(TaskHandler):
         if row := self._bench_row(instance):
             return swe_bench.system_prompt(row)
         return (
-            f"You fix bugs in the git repository in ./{REPO} using the bash tool (one call per turn, inside "
-            "<tool_call></tool_call>). Do not edit the tests. Call finish when the tests pass."
+            f"You fix bugs in the git repository in ./{REPO} using the bash tool (one call per turn). "
+            "Do not edit the tests. Call finish when the tests pass."
         )
 
     def user_prompt(self, instance: dict[str, Any]) -> str:
@@ -109,15 +121,18 @@ class SweTask(TaskHandler):
         if row := self._bench_row(instance):
             return await swe_bench.evaluate(env, row, state)
         repo = f"{env.workdir}/{REPO}"  # absolute: nothing depends on a session's cwd
-        original = {**instance["files"], **instance["test_files"]}
+        must_pass = named_tests(instance, "FAIL_TO_PASS") + named_tests(instance, "PASS_TO_PASS")
+        framework = instance.get("test_framework") or ("pytest" if "pytest" in instance["test_command"] else "unittest")
         try:
-            changes = agent_changes(await env.download_archive(repo), original)
+            archive = await env.download_archive(repo)
+            # Off the event loop: reading, diffing and packing a tree is seconds of CPU for a big one.
+            graded = await asyncio.to_thread(graded_own_row, archive, instance, must_pass, framework)
         except (SandboxAPIError, ValueError):  # no readable repository (replaced by a link, too large): no patch
             return {"outcome": 0.0}
-        state.artifacts["git_patch"] = unified_patch(changes, original)
+        state.artifacts["git_patch"] = graded.patch
         await env.wipe()
         try:  # the runtime refuses a patch whose links lead out of the repository: such a patch scores nothing
-            await env.upload_archive(repo, graded_tree(original, instance["test_files"], changes))
+            await env.upload_archive(repo, graded.tree)
         except SandboxAPIError as exc:
             if exc.status >= 500:
                 raise
@@ -127,12 +142,44 @@ class SweTask(TaskHandler):
         )
         if result.status != "completed":
             return {"outcome": 0.0}
-        must_pass = named_tests(instance, "FAIL_TO_PASS") + named_tests(instance, "PASS_TO_PASS")
-        if not must_pass:
-            return {"outcome": 1.0 if result.exit_code == 0 else 0.0}
-        framework = instance.get("test_framework") or ("pytest" if "pytest" in instance["test_command"] else "unittest")
-        passed, _ = tests_verdict(parse_test_log(result.output, framework), must_pass, framework)
+        if not graded.planted.canaries:  # no Python test to put canaries beside: the command's word, as it was
+            if not must_pass:
+                return {"outcome": 1.0 if result.exit_code == 0 else 0.0}
+            passed, _ = tests_verdict(parse_test_log(result.output, framework), must_pass, framework)
+            return {"outcome": 1.0 if passed else 0.0}
+        statuses = parse_test_log(result.output, framework)
+        if tampered := tampering(statuses, graded.planted):
+            state.artifacts[TAMPERED] = tampered
+            return {"outcome": 0.0}
+        real = without_canaries(statuses, graded.planted)
+        if must_pass:
+            passed, failures = tests_verdict(real, must_pass, framework)
+        else:  # the canaries that must fail make the exit status 1: every test the log reports must not fail
+            failures = [f"{name}: {status}" for name, status in real.items() if status not in (PASSED, SKIPPED)]
+            passed = not failures
+        state.artifacts["test_failures"] = "\n".join(failures)
         return {"outcome": 1.0 if passed else 0.0}
+
+
+@dataclass(frozen=True)
+class GradedRow:
+    """What eval makes of an own row's repository, in pure Python, before anything runs."""
+
+    patch: str  # the agent's changes, for people and trainers (`git_patch`)
+    tree: bytes  # the tar.gz the tests run on
+    planted: Planted  # the canaries in its test files
+
+
+def graded_own_row(archive: bytes, instance: dict[str, Any], must_pass: list[str], framework: str) -> GradedRow:
+    """The tree an own row's tests run on: the original files with the agent's changes that `outside` keeps (the
+    rule SWE-bench rows get), the original tests restored with the grader's canaries among them."""
+    test_files = instance["test_files"]
+    original = {**instance["files"], **test_files}
+    changes = agent_changes(archive, original)
+    kept = outside(changes, test_files, original, instance["test_command"])
+    planted = plant(test_files, must_pass, framework)
+    tree = graded_tree(original, {**test_files, **planted.files}, kept)
+    return GradedRow(unified_patch(changes, original), tree, planted)
 
 
 def check_row(instance: dict[str, Any]) -> None:

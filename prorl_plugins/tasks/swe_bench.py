@@ -38,7 +38,8 @@ eval, as SWE-bench grades, trusting nothing the agent could have planted (the pi
    them can load a plugin that reports every test passed), installation records (*.egg-info, *.dist-info,
    .pth: entry points such as pytest plugins), the root's dotfiles, compiled Python (`__pycache__`, .pyc), new
    modules in the repository's root or a test's directory (they would shadow pytest or the standard library)
-   and what lies below one of its symlinks;
+   and what lies below one of its symlinks (swe_protected.py: the rule the task's own rows get too); then the
+   grader's canary tests (swe_canary.py) are added to the test patch's files that hold a named test;
 4. the tests run as a one-shot process (swebench's test command for the repo and version, else `python3 -m
    pytest -rA` on the test patch's test files; the image's conda `testbed` environment activated where it has
    one; a run that times out scores 0, and its exit status is not read: as in SWE-bench, tests outside the two
@@ -49,8 +50,10 @@ eval, as SWE-bench grades, trusting nothing the agent could have planted (the pi
    log fails, and so does one that any line of the log on its own reports as failed: swebench's parsers keep a
    test's last line, which a line printed by the code under test after pytest's summary would otherwise be.
 
-Not defended, as in SWE-bench: the code under test runs with the agent's changes, so it can change how the tests
-run (monkeypatch pytest when imported, shadow a module the tests import, or add a plugin in setup.cfg).
+The canaries make a rewritten runner visible: code under test that monkeypatches pytest when imported reaches
+them too, and a canary that must fail reading as passed, or missing from the log, scores 0 as tampered (the
+artifact `tampered` says why). Not defended: code that tells the canaries from the real tests and reports them
+truthfully while lying about the rest (docs/security.md).
 
 Not done, unlike SWE-bench's eval script: swebench's `install` step is not run again before the tests (it installs
 into the image's read-only site-packages). An editable install already points at /testbed, and the repository
@@ -72,7 +75,7 @@ import sys
 import threading
 import types
 import uuid
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,7 +83,9 @@ from prorl_adapter.tasks import Environment, EpisodeState, TaskConfigError
 from sandbox_runtime.client import SandboxAPIError
 from sandbox_runtime.models import SandboxSpec
 
+from .swe_canary import TAMPERED, Planted, plant, tampering
 from .swe_grading import AgentChanges, agent_changes, graded_tree, repository_tree, unified_patch
+from .swe_protected import outside
 
 REPO_PATH = "/testbed"
 DEFAULT_IMAGE_TEMPLATE = "sweb.eval.x86_64.{image_id}.sif"
@@ -98,17 +103,6 @@ CONDA_ACTIVATE = (
     "if [ -f /opt/miniconda3/bin/activate ]; then source /opt/miniconda3/bin/activate && conda activate testbed; fi"
 )
 REQUIRED = ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "FAIL_TO_PASS")
-# Files that configure how the tests are collected and run, wherever they are, rather than what they test: a
-# fix does not change them, and each can load a plugin that reports every test passed (`addopts = -p x`).
-PROTECTED_NAMES = frozenset(
-    {
-        *("conftest.py", "sitecustomize.py", "usercustomize.py", "__main__.py"),
-        *("pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "noxfile.py", "runtests.py"),
-    }
-)
-# Installation records a test runner reads (entry points such as [pytest11] plugins, path hooks).
-PROTECTED_SUFFIXES = (".pth", ".egg-link")
-PROTECTED_DIRECTORY_SUFFIXES = (".egg-info", ".dist-info")
 CHECKOUT_TIMEOUT_S = 900.0  # a big repository, on a slow shared file system
 MOVE_TIMEOUT_S = 900.0  # a big .git, copied to /tmp and back (another mount: mv copies)
 TEST_TIMEOUT_S = 1800.0  # SWE-bench's own per-instance default
@@ -117,7 +111,6 @@ TREE_BYTES = 1 << 30  # what a repository's files may hold in all, read into thi
 _COMMIT = re.compile(r"[0-9a-f]{7,64}")
 _DIFF_HEADER = re.compile(r'^diff --git (?P<old>"(?:[^"\\]|\\.)*"|\S+) (?P<new>"(?:[^"\\]|\\.)*"|\S+)$', re.MULTILINE)
 _ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
-_IMPORT_SUFFIXES = tuple(importlib.machinery.all_suffixes())  # .py, .pyc, .so, .cpython-311-x86_64-linux-gnu.so
 
 
 def is_bench_row(row: Mapping[str, Any]) -> bool:
@@ -404,13 +397,9 @@ def graded_script(row: BenchRow) -> str:
 _UNITTEST_SUMMARY = re.compile(r"^(?:FAIL|ERROR): (\S+ \([\w.]+\))\s*$", re.MULTILINE)
 
 
-def grade_log(row: BenchRow, log: str) -> tuple[bool, list[str]]:
-    """Whether every FAIL_TO_PASS and PASS_TO_PASS test passed in the log, by swebench's parser for the
-    repository (its pytest parser for one it does not know), and 'name: STATUS' for each that did not.
-
-    A test passes when the parser reads the log as PASSED or XFAIL, and no line of the log, read on its own,
-    reports it FAILED or ERROR (a unittest runner's summary line `FAIL: name (module.Class)` among them, which
-    swebench's django parser keys by the bare name); a test the log never mentions is 'missing' and fails."""
+def parsed_log(row: BenchRow, log: str) -> dict[str, str]:
+    """Test name -> status, as swebench's parser for the repository (its pytest parser for one it does not know)
+    reads `log`; nothing for a log the parser chokes on (what the code under test printed)."""
     package = swebench()
     parse = package.parsers.get(row.repo, package.pytest_parser)
     spec = types.SimpleNamespace(
@@ -420,17 +409,24 @@ def grade_log(row: BenchRow, log: str) -> tuple[bool, list[str]]:
         FAIL_TO_PASS=row.fail_to_pass,
         PASS_TO_PASS=row.pass_to_pass,
     )
+    try:
+        return parse(_ANSI_COLOUR.sub("", log), spec)
+    except Exception:
+        return {}
 
-    def parsed(text: str) -> dict[str, str]:
-        try:
-            return parse(text, spec)
-        except Exception:  # a parser that chokes on what the code under test printed: nothing reported there
-            return {}
 
+def grade_log(row: BenchRow, log: str) -> tuple[bool, list[str]]:
+    """Whether every FAIL_TO_PASS and PASS_TO_PASS test passed in the log, by swebench's parser for the
+    repository (its pytest parser for one it does not know), and 'name: STATUS' for each that did not.
+
+    A test passes when the parser reads the log as PASSED or XFAIL, and no line of the log, read on its own,
+    reports it FAILED or ERROR (a unittest runner's summary line `FAIL: name (module.Class)` among them, which
+    swebench's django parser keys by the bare name); a test the log never mentions is 'missing' and fails."""
+    package = swebench()
     log = _ANSI_COLOUR.sub("", log)
-    statuses = parsed(log)
+    statuses = parsed_log(row, log)
     failed_somewhere = {
-        name for line in log.splitlines() for name, status in parsed(line).items() if status in package.failed
+        name for line in log.splitlines() for name, status in parsed_log(row, line).items() if status in package.failed
     } | {match[1] for match in _UNITTEST_SUMMARY.finditer(log)}
     failures = []
     must_pass = set(row.fail_to_pass)
@@ -507,8 +503,8 @@ case "$head" in {base}*) exit 0 ;; esac
 
 def system_prompt(row: BenchRow) -> str:
     return (
-        f"You resolve an issue in the git repository in {row.repo_path}, using the bash tool (one call per turn, "
-        "inside <tool_call></tool_call>). Make your changes there: the environment runs the code from there. "
+        f"You resolve an issue in the git repository in {row.repo_path}, using the bash tool (one call per turn). "
+        "Make your changes there: the environment runs the code from there. "
         "Change the code, not the tests: the tests are replaced by the graders' own. Call finish when the issue "
         "is resolved."
     )
@@ -540,23 +536,22 @@ async def evaluate(env: Environment, row: BenchRow, state: EpisodeState) -> dict
     await fresh_checkout(env, row)
     aside = f"/tmp/.git-{uuid.uuid4().hex}"
     await _checked_run(env, ["mv", "--", f"{repo}/.git", aside], timeout=MOVE_TIMEOUT_S)
-    original, original_links = repository_tree(await env.download_archive(repo), TREE_BYTES)
+    original_archive = await env.download_archive(repo)
     await _checked_run(env, ["mv", "--", aside, f"{repo}/.git"], timeout=MOVE_TIMEOUT_S)
     if agent_tree is None:
         return {"outcome": 0.0}
-    try:
-        changes = agent_changes(agent_tree, {path: content for path, (content, _) in original.items()}, TREE_BYTES)
+    try:  # off the event loop: reading, diffing and packing a big tree is seconds of CPU
+        graded = await asyncio.to_thread(graded_changes, row, original_archive, agent_tree)
     except ValueError:  # an unreadable or oversized tree: no patch
         return {"outcome": 0.0}
-    changes = _unchanged_dropped(changes, original, original_links)
-    state.artifacts["git_patch"] = unified_patch(changes, {path: content for path, (content, _) in original.items()})
-    # 3. The test patch on the fresh copy, then the agent's changes outside the test machinery.
+    state.artifacts["git_patch"] = graded.patch
+    # 3. The test patch on the fresh copy, then the agent's changes outside the test machinery, then the canaries.
     patch = f"/tmp/test-patch-{uuid.uuid4().hex}.diff"
     await env.write_file(patch, row.test_patch)
     applied = await env.run(script=f"git apply {shlex.quote(patch)} 2>&1", cwd=repo, timeout=120)
     if applied.status != "completed" or applied.exit_code != 0:
         raise TaskConfigError(f"'test_patch' no longer applies to a fresh checkout: {applied.output[-800:]}")
-    kept = outside(changes, row.test_paths, original.keys() | original_links.keys(), graded_command(row))
+    kept = graded.kept
     if kept.deleted:
         listing = f"/tmp/deleted-{uuid.uuid4().hex}"
         await env.write_file(listing, b"".join(path.encode() + b"\0" for path in sorted(kept.deleted)))
@@ -568,6 +563,7 @@ async def evaluate(env: Environment, row: BenchRow, state: EpisodeState) -> dict
             if exc.status >= 500:
                 raise
             return {"outcome": 0.0}
+    planted = await plant_canaries(env, row)
     # 4. The tests, and the log read by swebench's parser.
     result = await env.run(
         script=graded_script(row),
@@ -578,9 +574,48 @@ async def evaluate(env: Environment, row: BenchRow, state: EpisodeState) -> dict
     )
     if result.status != "completed":
         return {"outcome": 0.0}
+    if tampered := tampering(await asyncio.to_thread(parsed_log, row, result.output), planted):
+        state.artifacts[TAMPERED] = tampered
+        return {"outcome": 0.0}
     passed, failures = await asyncio.to_thread(grade_log, row, result.output)
     state.artifacts["test_failures"] = "\n".join(failures)
     return {"outcome": 1.0 if passed else 0.0}
+
+
+@dataclass(frozen=True)
+class GradedChanges:
+    patch: str  # all the agent's changes, for people and trainers (`git_patch`)
+    kept: AgentChanges  # those that `outside` keeps: what is applied
+
+
+def graded_changes(row: BenchRow, original_archive: bytes, agent_tree: bytes) -> GradedChanges:
+    """The agent's changes relative to the fresh checkout (a tar.gz of it without its .git), in pure Python:
+    ValueError for a tree that cannot be read or is over TREE_BYTES."""
+    try:
+        original, original_links = repository_tree(original_archive, TREE_BYTES)
+    except ValueError as exc:  # the image's own tree: not the agent's doing
+        raise RuntimeError(f"the fresh checkout cannot be read: {exc}") from exc
+    contents = {path: content for path, (content, _) in original.items()}
+    changes = _unchanged_dropped(agent_changes(agent_tree, contents, TREE_BYTES), original, original_links)
+    kept = outside(changes, row.test_paths, original.keys() | original_links.keys(), graded_command(row))
+    return GradedChanges(unified_patch(changes, contents), kept)
+
+
+async def plant_canaries(env: Environment, row: BenchRow) -> Planted:
+    """The grader's canary tests (swe_canary) added to the test patch's Python files that hold a named test, as
+    they are in the sandbox now, with the test patch applied."""
+    test_files = {}
+    for path in sorted(row.test_paths):
+        if path.endswith(".py"):
+            try:
+                test_files[path] = await env.read_file(f"{row.repo_path}/{path}")
+            except SandboxAPIError as exc:  # a test file the patch deletes
+                if exc.status >= 500:
+                    raise
+    planted = plant(test_files, [*row.fail_to_pass, *row.pass_to_pass])
+    for path, content in planted.files.items():
+        await env.write_file(f"{row.repo_path}/{path}", content)
+    return planted
 
 
 async def _checked_run(env: Environment, argv: list[str], cwd: str | None = None, timeout: float = 300) -> None:
@@ -600,87 +635,3 @@ def _unchanged_dropped(
         symlinks={path: target for path, target in changes.symlinks.items() if links.get(path) != target},
         deleted=changes.deleted,
     )
-
-
-def outside(
-    changes: AgentChanges, protected: Collection[str], original: Collection[str] = (), command: str = ""
-) -> AgentChanges:
-    """The agent's changes except what could change how the tests run rather than what they test:
-
-    - the protected paths (the test patch's), a directory of one (a file where a test's directory is), anything
-      below one (a test file turned into a directory), and every PROTECTED_NAMES file (conftest.py, ...);
-    - compiled Python (`__pycache__`, .pyc), which no fix consists of, and which would run in place of a source
-      whose size and time it names;
-    - a new module (a file with an import suffix, or a new directory, which may be a package) directly in the
-      repository's root or in a test's directory: the root is first on sys.path (the tests run from it, as
-      `python -m pytest`; a repository's own configuration may put it there), ahead of the standard library and
-      of pytest itself, and pytest puts a test's directory first on sys.path, so `pytest.py` or `re.py` there
-      would replace the test runner. `original` holds the original files' paths: what is there already stays.
-    """
-    runners = runner_paths(command, original)
-    runner_dirs = {path.rpartition("/")[0] for path in runners}
-    protected = frozenset(protected) | runners
-    directories = {"/".join(path.split("/")[:depth]) for path in protected for depth in range(1, path.count("/") + 1)}
-    existing = {"/".join(path.split("/")[:depth]) for path in original for depth in range(1, path.count("/") + 2)}
-    on_sys_path = {""} | {path.rpartition("/")[0] for path in protected}
-    # Packages the tests' directories are (pytest imports their __init__.py at collection), and the modules beside
-    # a runner script, which it imports by name (Django's tests/runtests.py: --settings=test_sqlite).
-    protected |= {f"{directory}/__init__.py" for directory in test_packages(protected)}
-    protected |= {
-        path for path in original if path.rpartition("/")[0] in runner_dirs and path.endswith(_IMPORT_SUFFIXES)
-    }
-
-    def new_module(path: str) -> bool:
-        for top in on_sys_path:
-            below = path[len(top) + 1 :] if top else path
-            if top and not path.startswith(top + "/"):
-                continue
-            name, _, rest = below.partition("/")
-            entry = f"{top}/{name}" if top else name
-            if entry not in existing and (rest or name.endswith(_IMPORT_SUFFIXES)):
-                return True
-        return False
-
-    def allowed(path: str) -> bool:
-        parts = path.split("/")
-        ancestors = ("/".join(parts[:depth]) for depth in range(1, len(parts)))
-        return (
-            path not in protected
-            and path not in directories
-            and parts[-1] not in PROTECTED_NAMES
-            and not parts[-1].endswith(PROTECTED_SUFFIXES)
-            and not any(part.endswith(PROTECTED_DIRECTORY_SUFFIXES) for part in parts[:-1])
-            and not parts[0].startswith(".")  # the root's dotfiles: tool configuration (.coveragerc, .condarc)
-            and "__pycache__" not in parts
-            and not parts[-1].endswith((".pyc", ".pyo"))
-            and not any(a in protected for a in ancestors)
-            and not new_module(path)
-        )
-
-    return AgentChanges(
-        written={path: entry for path, entry in changes.written.items() if allowed(path)},
-        symlinks={path: target for path, target in changes.symlinks.items() if allowed(path)},
-        deleted=frozenset(path for path in changes.deleted if allowed(path)),
-    )
-
-
-def test_packages(test_paths: Collection[str]) -> set[str]:
-    """The directories of the tests from the first one named like a test directory down (`pkg/io/tests`,
-    `tests/unit`): their __init__.py are the tests' (the code under test's own packages are the agent's)."""
-    found = set()
-    for path in test_paths:
-        parts = path.split("/")[:-1]
-        start = next((i for i, part in enumerate(parts) if "test" in part.lower()), len(parts))
-        found |= {"/".join(parts[: depth + 1]) for depth in range(start, len(parts))}
-    return found
-
-
-def runner_paths(command: str, original: Collection[str]) -> frozenset[str]:
-    """The repository's files the test command names (`./tests/runtests.py`, `bin/test`): the test runner is
-    the graders', as the tests are."""
-    try:
-        words = shlex.split(command, comments=True)
-    except ValueError:
-        words = command.split()
-    files = set(original)
-    return frozenset(word.removeprefix("./") for word in words if word.removeprefix("./") in files)

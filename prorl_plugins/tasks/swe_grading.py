@@ -13,9 +13,9 @@ Python with no sandbox and no network, turns it into what to grade:
 What this does not defend against:
 
 - The code under test runs with the agent's changes, so it can print fake result lines (`test_x (m.C.test_x) ... ok`,
-  `PASSED t.py::test_x`) or change how the tests run (a new `conftest.py`, a module that shadows one the tests
-  import). A fake line cannot hide a real failure line of the same test (a test's worst status wins), but it can
-  stand in for a test that never reported. SWE-bench's log parsing has the same bar.
+  `PASSED t.py::test_x`). A fake line cannot hide a real failure line of the same test (a test's worst status wins),
+  but it can stand in for a test that never reported. SWE-bench's log parsing has the same bar. What the agent may
+  change is limited by swe_protected.py, and a runner it rewrites is caught by swe_canary.py, as far as that goes.
 - git configuration is read by nobody, so a file hidden from git only through `core.excludesFile` stays in the
   agent's patch (its own new file: this makes the patch bigger, never smuggles a test file in or out).
 - The graded tree can hold the agent's symlinks pointing anywhere. Nothing in it lies below a link, but whoever
@@ -117,12 +117,27 @@ def repository_tree(archive: bytes, max_bytes: int = 64 << 20) -> tuple[dict[str
     )
 
 
+DIFF_FILE_BYTES = 1 << 20
+"""A text file over this size, before or after, is shown as a binary change (`Binary files ... differ`): a megabyte
+of diff is more than a person or a trainer reads, and the patch travels in every trajectory."""
+DIFF_TOTAL_BYTES = 8 << 20
+"""Text diffed in one patch, in all (both sides); the files after that budget is spent are shown as binary changes."""
+DIFF_EXACT_BYTES = 128 << 10
+"""Changed text (a file's lines between its common first and last lines, both sides) that difflib matches line by
+line, in all; beyond it a file's changed lines are written as one hunk, all removed then all added: still a patch
+that applies, made in linear time. difflib is quadratic in repeated lines (1 MiB of 150 distinct lines took 64 s
+here, 128 KiB 1.2 s; one 60 MB file 15.6 s and 4.5 GB): this bounds a patch's time whatever the agent wrote."""
+_CONTEXT = 3  # lines of context around a change, as git and difflib write them
+
+
 def unified_patch(changes: AgentChanges, original: Mapping[str, str | bytes]) -> str:
     """The agent's changes as a git-style unified diff (what ProRL's clients read as `git_patch`): text files line
     by line, a binary file as `Binary files ... differ`, a symlink as its target. For a person or a trainer to read;
-    grading never applies it (it writes `changes` itself)."""
+    grading never applies it (it writes `changes` itself). Text over DIFF_FILE_BYTES, or beyond DIFF_TOTAL_BYTES in
+    all, is shown as a binary change."""
     originals = {path: _as_bytes(content) for path, content in original.items()}
     parts: list[str] = []
+    budget, exact = DIFF_TOTAL_BYTES, [DIFF_EXACT_BYTES]
     for path in sorted({*changes.written, *changes.symlinks, *changes.deleted}):
         before = originals.get(path)
         if path in changes.symlinks:
@@ -142,15 +157,67 @@ def unified_patch(changes: AgentChanges, original: Mapping[str, str | bytes]) ->
             header += ["old mode 100644", f"new mode {mode}"]
         old_name = "/dev/null" if before is None else f"a/{path}"
         new_name = "/dev/null" if after is None else f"b/{path}"
+        size = len(before or b"") + len(after or b"")
+        if max(len(before or b""), len(after or b"")) > DIFF_FILE_BYTES or size > budget:
+            parts.append("\n".join([*header, f"Binary files {old_name} and {new_name} differ"]) + "\n")
+            continue
+        budget -= size
         try:
             old_lines = (before or b"").decode().splitlines(keepends=True)
             new_lines = (after or b"").decode().splitlines(keepends=True)
         except UnicodeDecodeError:
             parts.append("\n".join([*header, f"Binary files {old_name} and {new_name} differ"]) + "\n")
             continue
-        body = "".join(_ended(line) for line in difflib.unified_diff(old_lines, new_lines, old_name, new_name))
+        body = "".join(_ended(line) for line in _unified_diff(old_lines, new_lines, old_name, new_name, exact))
         parts.append("\n".join(header) + "\n" + body)
     return "".join(parts)
+
+
+def _unified_diff(old: list[str], new: list[str], old_name: str, new_name: str, exact: list[int]) -> list[str]:
+    """difflib's unified diff of two texts' lines, computed on what lies between their common first and last lines
+    (a fix in a big file is a small change), and matched line by line only while `exact[0]` bytes of such changed
+    text are left; else the changed lines as one hunk."""
+    if old == new:
+        return []
+    prefix = 0
+    while prefix < min(len(old), len(new)) and old[prefix] == new[prefix]:
+        prefix += 1
+    suffix = 0
+    while suffix < min(len(old), len(new)) - prefix and old[-1 - suffix] == new[-1 - suffix]:
+        suffix += 1
+    start = max(0, prefix - _CONTEXT)
+    old_window, new_window = (
+        old[start : len(old) - max(0, suffix - _CONTEXT)],
+        new[start : len(new) - max(0, suffix - _CONTEXT)],
+    )
+    changed = sum(map(len, old[prefix : len(old) - suffix])) + sum(map(len, new[prefix : len(new) - suffix]))
+    header = [f"--- {old_name}\n", f"+++ {new_name}\n"]
+    if changed <= exact[0]:
+        exact[0] -= changed
+        lines = list(difflib.unified_diff(old_window, new_window, old_name, new_name))
+        return header + [_shifted(line, start) if line.startswith("@@") else line for line in lines[2:]]
+    lead, trail = prefix - start, len(old_window) - (len(old) - suffix - start)
+    hunk = f"@@ -{_range(start, len(old_window))} +{_range(start, len(new_window))} @@\n"
+    return [
+        *header,
+        hunk,
+        *(" " + line for line in old_window[:lead]),
+        *("-" + line for line in old_window[lead : len(old_window) - trail]),
+        *("+" + line for line in new_window[lead : len(new_window) - trail]),
+        *(" " + line for line in old_window[len(old_window) - trail :]),
+    ]
+
+
+def _range(start: int, length: int) -> str:
+    """A hunk's range as difflib and git write it: `first,length`, `first` for one line, the line before for none."""
+    if length == 1:
+        return str(start + 1)
+    return f"{start + 1 if length else start},{length}"
+
+
+def _shifted(hunk_header: str, offset: int) -> str:
+    """`@@ -a,b +c,d @@` of a window that starts `offset` lines into the file, as the whole file's."""
+    return re.sub(r"([-+])(\d+)", lambda m: f"{m[1]}{int(m[2]) + offset}", hunk_header, count=2)
 
 
 def _ended(line: str) -> str:

@@ -157,6 +157,7 @@ def launched_block(prorl: ProrlVerlConfig, config) -> ProrlVerlConfig:
             replicas=prorl.launch_replicas,
             runtime_resource=prorl.runtime_resource,
             token=prorl.token,
+            runtime_args=[arg for path in prorl.runtime_host_paths for arg in ("--host-path", path)],
             detached=False,  # it ends with the worker that started it: with the run
         )
     except StackError as exc:

@@ -17,8 +17,9 @@ Instead of a running service, the run may start its own rollout stack on verl's 
 
 (`launch_replicas`: rollout service replicas, default 1; `runtime_resource`: a sandbox runtime on each node with
 this custom Ray resource, default every node; `launch_namespace`: the stack's Ray namespace, default one per
-training run). The first agent loop worker starts Redis, the replicas and the runtimes
-(`prorl_adapter.launch.ray_stack`), the others attach; the replicas tokenize with
+training run; `runtime_host_paths`: host directories the runtimes show their image-less sandboxes read-only, as
+their `--host-path`, e.g. `[/opt/prorl-agent]` for agent programs). The first agent loop worker starts Redis,
+the replicas and the runtimes (`prorl_adapter.launch.ray_stack`), the others attach; the replicas tokenize with
 `actor_rollout_ref.model.tokenizer_path` or `.path`, and generate with verl's own vLLM replicas, as with a
 service of one's own. `service_url` and `sandbox_url` are then not given.
 
@@ -74,9 +75,11 @@ _KEYS = (
     "launch_replicas",
     "runtime_resource",
     "launch_namespace",
+    "runtime_host_paths",
 )
 LAUNCHERS = ("ray",)  # prorl.launch: who starts the rollout stack for the run (the module docstring)
-_LAUNCH_KEYS = ("launch_replicas", "runtime_resource", "launch_namespace")  # settings of a launched stack
+# settings of a launched stack
+_LAUNCH_KEYS = ("launch_replicas", "runtime_resource", "launch_namespace", "runtime_host_paths")
 
 
 class ProrlVerlConfigError(ValueError):
@@ -118,6 +121,18 @@ def _name(value: Any, key: str) -> str | None:
     if value is not None and (not isinstance(value, str) or not value.strip()):
         raise ProrlVerlConfigError(f"{key}={value!r} must be a name")
     return value
+
+
+def _host_paths(value: Any, key: str) -> tuple[str, ...]:
+    """Absolute paths; the runtime checks the rest (that they exist, and are not its own) when it starts."""
+    if value is None:
+        return ()
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ProrlVerlConfigError(f"{key}={value!r} must be a list of absolute paths, e.g. [/opt/prorl-agent]")
+    for path in value:
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise ProrlVerlConfigError(f"{key}: {path!r} is not an absolute path")
+    return tuple(value)
 
 
 def _launch(block: Mapping[str, Any]) -> str | None:
@@ -171,6 +186,7 @@ class ProrlVerlConfig:
     launch_replicas: int = 1
     runtime_resource: str | None = None  # None: a sandbox runtime on every node
     launch_namespace: str | None = None  # None: prorl-<the Ray job id>, one stack per training run
+    runtime_host_paths: tuple[str, ...] = ()  # the launched runtimes' --host-path (image-less sandboxes see them)
 
     @classmethod
     def from_block(cls, block: Any) -> ProrlVerlConfig:
@@ -238,6 +254,7 @@ class ProrlVerlConfig:
             launch_replicas=_positive_int(block.get("launch_replicas", 1), f"{BLOCK}.launch_replicas", False),
             runtime_resource=_name(block.get("runtime_resource"), f"{BLOCK}.runtime_resource"),
             launch_namespace=_name(block.get("launch_namespace"), f"{BLOCK}.launch_namespace"),
+            runtime_host_paths=_host_paths(block.get("runtime_host_paths"), f"{BLOCK}.runtime_host_paths"),
         )
         config.plugins()  # the shared plugins validate their own sections now, not mid-training
         return config

@@ -25,7 +25,7 @@ def make_backend(name: str, config: ServerConfig) -> Backend:
     if not available:
         raise BackendError(f"backend {name!r} is not available here: {detail}", 400)
     if cls is BwrapBackend:
-        return BwrapBackend(config.state_dir)
+        return BwrapBackend(config.state_dir, host_paths=config.host_paths)
     if cls is ApptainerBackend:
         binary = config.apptainer_binary or ("singularity" if name == "singularity" else None)
         return ApptainerBackend(binary=binary, fakeroot=config.apptainer_fakeroot, cgroups=config.apptainer_cgroups)

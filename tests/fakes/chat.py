@@ -1,6 +1,7 @@
 """A stand-in for `ChatTokenizer` (NOT a model's tokenizer): one id per character, two special tokens, and a
 ChatML-like template, so that unit tests need no model files. It has what the agent loop calls: `eos_id`,
-`off_loop`, `prompt_ids` and `tool_turn_ids`, and `encode`/`decode` for the LLM stand-in and for assertions."""
+`takes_tools`, `off_loop`, `prompt_ids` and `tool_turn_ids`, and `encode`/`decode` for the LLM stand-in and for
+assertions."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class CharChat:
     eos_id = SPECIAL[END]
     eos_text = END
     after_eos = "\n"  # what the template writes after the eos that closes an assistant turn
+    takes_tools = True  # its template lays tools out in the system message, as Qwen2.5's does
 
     async def off_loop(self, work: Callable[..., T], *args: Any, size: int | None = None) -> T:
         return work(*args)

@@ -77,7 +77,7 @@ class CountdownTask(TaskHandler):
         return (
             "Reach the target number by combining the given numbers with + - * / and parentheses, using each "
             f"number at most once. The puzzle is also in {PUZZLE_FILE}; you may compute with the bash tool. Call "
-            "one tool per turn inside <tool_call></tool_call>, and give your expression, for example (25 - 3) * 2, "
+            "one tool per turn, and give your expression, for example (25 - 3) * 2, "
             "as the answer of the finish tool."
         )
 
