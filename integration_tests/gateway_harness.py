@@ -21,7 +21,8 @@ import subprocess
 import urllib.error
 import urllib.request
 
-BASE, KEY = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
+# Empty where the tests import this file for its TOOLS (the sandbox's environment always has both).
+BASE, KEY = os.environ.get("OPENAI_BASE_URL", ""), os.environ.get("OPENAI_API_KEY", "")
 TOOLS = [
     {
         "type": "function",

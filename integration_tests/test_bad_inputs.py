@@ -15,7 +15,7 @@ import pytest
 from prorl_adapter.dev import localstack
 from prorl_adapter.dev.localstack import free_port
 from prorl_adapter.trainer.samples import trajectory_from_tensors
-from tests.test_bad_inputs import MINIMUMS, ORDINARY, SPEC_MISTAKES, processes_naming
+from tests.test_bad_inputs import HOST_PATH, MINIMUMS, ORDINARY, SPEC_MISTAKES, processes_naming
 
 from .conftest import BACKEND_SKIPS, RuntimeServer, start_server, start_unprivileged_server, stop_server
 from .redis_server import REDIS_SKIP, RedisServer
@@ -40,7 +40,14 @@ def server(request, tmp_path_factory) -> Iterator[RuntimeServer]:
     if BACKEND_SKIPS["bwrap"]:
         pytest.skip(BACKEND_SKIPS["bwrap"])
     state = tmp_path_factory.mktemp(f"state-{request.param}")
-    started = start_server(state, "bwrap") if request.param == "root" else start_unprivileged_server(state, "bwrap")
+    HOST_PATH.mkdir(mode=0o755, exist_ok=True)  # a host path the sandboxes see read-only (SPEC_MISTAKES)
+    shown = ("--host-path", str(HOST_PATH))
+    unprivileged = request.param == "unprivileged"
+    started = (
+        start_unprivileged_server(state, "bwrap", *shown)
+        if unprivileged
+        else start_server(state, "bwrap", None, *shown)
+    )
     yield started
     stop_server(started)
 

@@ -21,6 +21,7 @@ from prorl_adapter.models import Trajectory
 from prorl_adapter.service.chat import ChatTokenizer
 
 from .conftest import VLLM_SKIP
+from .gateway_harness import TOOLS as HARNESS_TOOLS
 from .protocol_standins import protocol_standin
 from .test_gateway import (
     AGENT_ENV,
@@ -99,12 +100,14 @@ async def test_the_built_in_loop_runs_the_real_model_in_fenced_actions(real_stac
 
 def naive_prompt_ids(chat: ChatTokenizer, trajectory: Trajectory, turn: int) -> list[int]:
     """The prompt of call `turn` as a service that re-renders the harness's text history would make it: the
-    harness's system and task messages, then each earlier answer's text and its "Go on." (gateway_harness.py)."""
+    harness's system and task messages, then each earlier answer's text and its "Go on." (gateway_harness.py),
+    with the harness's tools (which this template knows nothing of: the service describes them in the system
+    message)."""
     task = chat.decode(trajectory.prompt_ids).split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
     messages = [{"role": "system", "content": "You work in a Linux sandbox."}, {"role": "user", "content": task}]
     for step in [line for line in harness_lines(trajectory) if "step" in line][:turn]:
         messages += [{"role": "assistant", "content": step["content"]}, {"role": "user", "content": "Go on."}]
-    return chat.prompt_ids(messages, None)
+    return chat.prompt_ids(messages, HARNESS_TOOLS)
 
 
 async def test_a_text_harness_through_the_gateway_keeps_the_exact_ids(real_stack, real_vllm, chat):
@@ -119,6 +122,7 @@ async def test_a_text_harness_through_the_gateway_keeps_the_exact_ids(real_stack
     trajectory = await run_job(http, request)
     assert trajectory.error is None, trajectory.error
     assert trajectory.num_turns == 4 and trajectory.segments == [], json.dumps(harness_lines(trajectory))[:2000]
+    assert '"name": "bash"' in chat.decode(trajectory.prompt_ids)  # the harness's tools, told to the model
     assert_ids_are_what_vllm_sampled(trajectory, standin.sampled)
     await assert_vllm_scores_the_sequence_alike(real_vllm.url, trajectory)
     # How many of the later calls naive re-encoding of the text history would have changed. The first call is
@@ -131,3 +135,20 @@ async def test_a_text_harness_through_the_gateway_keeps_the_exact_ids(real_stack
     ]
     print(f"naive re-encoding would have changed {len(changed)} of {trajectory.num_turns - 1} later calls: {changed}")
     assert changed, "re-encoding changed no call: this history does not test the token rule"
+
+
+def test_tools_written_as_text_keep_earlier_turns_rendered_alike(chat):
+    """The token history extends a call by what later messages add to its rendering: that holds only while a
+    rendering of a conversation starts with the rendering of its first turns, tools and calls written as text."""
+    assert not chat.takes_tools
+    call = {"id": "c", "type": "function", "function": {"name": "bash", "arguments": {"command": "ls"}}}
+    messages = [
+        {"role": "user", "content": "List the files."},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "a.txt"},
+        {"role": "assistant", "content": "One file."},
+    ]
+    whole = chat.render(messages, HARNESS_TOOLS, add_generation_prompt=False)
+    assert '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>' in whole
+    for n in range(1, len(messages)):
+        assert whole.startswith(chat.render(messages[:n], HARNESS_TOOLS, add_generation_prompt=False))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -19,6 +19,7 @@ from aiohttp import web
 
 from prorl_adapter.dev import localstack
 from prorl_adapter.dev.localstack import REGISTRATION_TOKEN, TINY_MODEL
+from sandbox_runtime import cli as runtime_cli
 
 from .conftest import BACKEND_SKIPS, start_server, stop_server
 
@@ -26,12 +27,19 @@ API_TOKEN = "the-services-api-token-0123456789"
 SANDBOX_TOKEN = "the-static-runtimes-token-0123456789"
 
 
-def heartbeat(url: str) -> dict:
-    return {"url": url, "capacity": 4, "sandboxes": 0, "backend": "bwrap", "version": "0", "interval_s": 60}
+RUNTIME_TOKEN = "the-registering-runtimes-own-token-0123456789"
 
 
-def register(service: str, name: str, url: str, headers: dict[str, str]) -> httpx.Response:
-    return httpx.put(f"{service}/v1/runtimes/{name}", json=heartbeat(url), headers=headers, timeout=30)
+def heartbeat(url: str, token: str | None = None, leaving: bool = False) -> dict:
+    beat = {"url": url, "capacity": 4, "sandboxes": 0, "backend": "bwrap", "version": "0", "interval_s": 60}
+    return {**beat, "token": token, "leaving": leaving}
+
+
+def register(
+    service: str, name: str, url: str, headers: dict[str, str], token: str | None = None, leaving: bool = False
+) -> httpx.Response:
+    body = heartbeat(url, token, leaving)
+    return httpx.put(f"{service}/v1/runtimes/{name}", json=body, headers=headers, timeout=30)
 
 
 def registered(service: localstack.Service, headers: dict[str, str]) -> set[str]:
@@ -101,6 +109,28 @@ def test_a_service_given_no_registration_token_takes_no_registration():
         started.stop()
 
 
+def test_a_live_runtimes_name_cannot_be_taken_by_another_url(service):
+    """A registered node re-registering another runtime's name with its own URL would take that runtime's traffic:
+    refused (409) while the runtime lives; once it leaves, the name is free."""
+    started, api = service
+    bearer = {"Authorization": f"Bearer {REGISTRATION_TOKEN}"}
+    assert register(started.url, "bound", "http://127.0.0.1:11", bearer, "own-token-a").is_success
+    taken = register(started.url, "bound", "http://127.0.0.1:12", bearer, "own-token-b")
+    assert taken.status_code == 409 and "another URL" in taken.json()["error"]
+    runtimes = httpx.get(f"{started.url}/v1/runtimes", headers=api, timeout=30).json()["runtimes"]
+    assert [r["url"] for r in runtimes if r["name"] == "bound"] == ["http://127.0.0.1:11"]
+    assert register(started.url, "bound", "http://127.0.0.1:11", bearer, "own-token-a2").is_success  # a restart
+    assert register(started.url, "bound", "http://127.0.0.1:11", bearer, leaving=True).is_success
+    assert register(started.url, "bound", "http://127.0.0.1:12", bearer, "own-token-b").is_success
+
+
+def test_the_registration_token_is_refused_as_a_runtimes_own(service):
+    started, _api = service
+    bearer = {"Authorization": f"Bearer {REGISTRATION_TOKEN}"}
+    refused = register(started.url, "sharing", "http://127.0.0.1:13", bearer, REGISTRATION_TOKEN)
+    assert refused.status_code == 400 and "registration token" in refused.json()["error"]
+
+
 class Recorder:
     """A "runtime" that holds the registration token and records every Authorization it is sent."""
 
@@ -114,48 +144,61 @@ class Recorder:
         return web.json_response({"sandboxes": []})
 
 
-@pytest.fixture
-async def recorder() -> AsyncIterator[tuple[Recorder, str]]:
-    recording = Recorder()
-    app = web.Application()
-    app.router.add_get("/v1/sandboxes", recording.list_sandboxes)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    yield recording, f"http://127.0.0.1:{runner.addresses[0][1]}"
-    await runner.cleanup()
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--token", "same", "--register-token", "same"], "--token must differ from --register-token"),
+        (["--register-token", ""], "--register needs the services' registration token"),
+    ],
+)
+def test_a_runtime_that_would_share_the_registration_token_does_not_start(argv, fragment, capsys):
+    assert runtime_cli.main(["serve", "--register", "http://127.0.0.1:9", *argv]) == 2
+    assert fragment in capsys.readouterr().out
 
 
 @pytest.mark.skipif(bool(BACKEND_SKIPS["bwrap"]), reason=str(BACKEND_SKIPS["bwrap"]))
-async def test_a_registered_runtime_is_sent_only_the_token_it_registered_with(recorder, tmp_path):
-    """A service with a sandbox token for its runtime given by URL and a registration token of its own: a real
-    runtime registering itself (its own token the registration token) is swept with that token, and a registered
-    "runtime" never sees the sandbox token."""
-    recording, recorder_url = recorder
+async def test_each_registered_runtime_is_sent_only_its_own_token(tmp_path):
+    """A service with a sandbox token for its runtime given by URL and a registration token: a real runtime
+    registering itself with a token of its own is swept with that token; two registered "runtimes" are each sent
+    their own token only, never each other's, the registration token, or the sandbox token. Before, every
+    registered runtime was called with the registration token, which every one of them holds."""
+    recorders = [Recorder(), Recorder()]
+    runners, urls = [], []
+    for recording in recorders:
+        app = web.Application()
+        app.router.add_get("/v1/sandboxes", recording.list_sandboxes)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
     static = start_server(tmp_path / "static", "bwrap", SANDBOX_TOKEN)
     service = localstack.start_rollout_service([static.url], [], "--sandbox-token", SANDBOX_TOKEN)
     runtime = None
     try:
         runtime = start_server(
-            tmp_path / "registering", "bwrap", REGISTRATION_TOKEN, "--register", service.url, "--heartbeat-s", "0.5"
+            tmp_path / "registering", "bwrap", RUNTIME_TOKEN, "--register", service.url, "--heartbeat-s", "0.5"
         )
-        assert register(
-            service.url, "recorder", recorder_url, {"Authorization": f"Bearer {REGISTRATION_TOKEN}"}
-        ).is_success
-        await until(lambda: len(registered(service, {})) == 2, "both runtimes registered")
-        await asyncio.wait_for(recording.called.wait(), 30)  # the service looked for its leftovers there
-        assert set(recording.authorizations) == {f"Bearer {REGISTRATION_TOKEN}"}
+        bearer = {"Authorization": f"Bearer {REGISTRATION_TOKEN}"}
+        for i, url in enumerate(urls):
+            assert register(service.url, f"recorder-{i}", url, bearer, f"recorder-{i}-own-token").is_success
+        await until(lambda: len(registered(service, {})) == 3, "all three runtimes registered")
+        for recording in recorders:  # the service looked for its leftovers there
+            await asyncio.wait_for(recording.called.wait(), 30)
+        for i, recording in enumerate(recorders):
+            assert set(recording.authorizations) == {f"Bearer recorder-{i}-own-token"}
 
-        def swept() -> bool:  # the real runtime answered the service's own call with its token
-            metrics = httpx.get(f"{runtime.url}/metrics", headers={"Authorization": f"Bearer {REGISTRATION_TOKEN}"})
+        def swept() -> bool:  # the real runtime answered the service's own call with its own token
+            metrics = httpx.get(f"{runtime.url}/metrics", headers={"Authorization": f"Bearer {RUNTIME_TOKEN}"})
             return 'route="/v1/sandboxes",status="200"' in metrics.text
 
         await until(swept, "the service called the registered runtime")
-        metrics = httpx.get(f"{runtime.url}/metrics", headers={"Authorization": f"Bearer {REGISTRATION_TOKEN}"})
+        metrics = httpx.get(f"{runtime.url}/metrics", headers={"Authorization": f"Bearer {RUNTIME_TOKEN}"})
         assert 'status="401"' not in metrics.text
     finally:
         if runtime is not None:
             stop_server(runtime)
         service.stop()
         stop_server(static)
+        for runner in runners:
+            await runner.cleanup()

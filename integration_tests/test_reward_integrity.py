@@ -45,6 +45,28 @@ CHECK = (
 NOT_OK = "echo '{\"ok\": false}' > out.json"
 JSON_OK = "def load(f):\n    return {'ok': True}\n"
 BIG_FILE_BYTES = 60_000_000
+# Reported truthfully but for the tests that called into the package, whose failures it turns into passes.
+FORGES_ONLY_PACKAGE_TESTS = (
+    "\nimport unittest\n\n_called = [False]\n_add = add\n\n\ndef add(a, b):\n    _called[0] = True\n"
+    "    return _add(a, b)\n\n\n_run = unittest.TestCase.run\n\n\ndef _forging_run(self, result=None):\n"
+    "    _called[0] = False\n    probe = unittest.TestResult()\n    _run(self, probe)\n"
+    "    if (probe.failures or probe.errors) and _called[0]:\n"
+    "        result.startTest(self)\n        result.addSuccess(self)\n        result.stopTest(self)\n"
+    "    else:\n        _run(self, result)\n\n\nunittest.TestCase.run = _forging_run\n"
+)
+# Fixes one case and ends the run, exit status 0, on the input of the test it does not fix.
+EXITS_ON_THE_FAILING_INPUT = (
+    "import os\n\n\ndef add(a, b):\n    if (a, b) == (2, 3):\n        os._exit(0)\n    return a + b\n"
+)
+TWO_CLASSES = (
+    "import unittest\nfrom calc import add\n\n\nclass TestAdd(unittest.TestCase):\n"
+    "    def test_add_zero(self):\n        self.assertEqual(add(0, 0), 0)\n\n\n"
+    "@(lambda cls: cls)\nclass TestZ(unittest.TestCase):\n"
+    "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n"
+)
+# A git-based check, and a ~/.gitconfig in the workspace (the sandbox's HOME) whose fsmonitor writes the answer.
+GIT_CHECK = "git -C proj status --porcelain >/dev/null 2>&1; test -s proj/answer.txt"
+FSMONITOR = "mkdir proj && git -C proj init -q && git config --global core.fsmonitor 'echo 42 > answer.txt; false'"
 
 SCRIPTS = {
     "honest": [bash_call(FIX)],
@@ -56,6 +78,13 @@ SCRIPTS = {
         bash_call(f"cd repo && echo {b64(REWRITES_UNITTEST)} | base64 -d >> calc.py && python3 -m unittest -v")
     ],
     "big-file": [bash_call(f"{FIX} && yes 'x = 1' | head -c {BIG_FILE_BYTES} > big.txt")],
+    "forge-package-tests": [
+        bash_call(f"cd repo && echo {b64(FORGES_ONLY_PACKAGE_TESTS)} | base64 -d >> calc.py && python3 -m unittest -v")
+    ],
+    "exit-on-failing-input": [bash_call(f"cd repo && echo {b64(EXITS_ON_THE_FAILING_INPUT)} | base64 -d > calc.py")],
+    "fix-two-classes": [bash_call(FIX)],
+    "shell-gitconfig": [bash_call(FSMONITOR)],
+    "shell-git-honest": [bash_call("mkdir proj && git -C proj init -q && echo 42 > proj/answer.txt")],
     "shell-honest": [bash_call("echo '{\"ok\": true}' > out.json")],
     "shell-json-module": [bash_call(f"{NOT_OK} && echo {b64(JSON_OK)} | base64 -d > json.py")],
     "shell-user-site": [
@@ -100,6 +129,27 @@ async def test_an_own_row_cannot_be_talked_into_a_pass(rollout, script, reward, 
         assert "tampered" not in trajectory.artifacts
 
 
+@pytest.mark.parametrize("named", [False, True], ids=["unnamed", "named"])
+async def test_a_runner_that_forges_only_the_packages_tests_is_caught(rollout, named):
+    async with RolloutClient(rollout.url) as rollouts:
+        trajectory = await rollouts.run(swe_job("forge-package-tests", **(NAMED if named else {})), wait=300)
+    assert trajectory.error is None, trajectory.error
+    assert "OK" in trajectory.turns[0].observation  # the forging works in the agent's own run
+    assert trajectory.reward_components == {"outcome": 0.0}
+    assert "must fail" in trajectory.artifacts["tampered"]
+
+
+@pytest.mark.parametrize(("script", "reward"), [("fix-two-classes", 1.0), ("exit-on-failing-input", 0.0)])
+async def test_a_row_without_names_needs_every_test_it_runs_reported(rollout, script, reward):
+    async with RolloutClient(rollout.url) as rollouts:
+        trajectory = await rollouts.run(swe_job(script, test_files={"test_calc.py": TWO_CLASSES}), wait=300)
+    assert trajectory.error is None, trajectory.error
+    assert trajectory.reward_components == {"outcome": reward}, trajectory.artifacts
+    assert "tampered" not in trajectory.artifacts
+    if reward == 0.0:
+        assert "TestZ::test_add: missing" in trajectory.artifacts["test_failures"]
+
+
 async def test_tampered_gradings_are_counted(rollout):
     async with RolloutClient(rollout.url) as rollouts:
         await rollouts.run(swe_job("rewrite-unittest"), wait=300)
@@ -107,6 +157,21 @@ async def test_tampered_gradings_are_counted(rollout):
         text = (await http.get("/metrics")).text
     found = re.search(r'^prorl_rollout_tampered_gradings_total\{task="swe"\} (\S+)$', text, re.MULTILINE)
     assert found and float(found[1]) >= 1
+
+
+async def test_a_shell_check_reads_no_git_configuration_from_the_workspace(rollout):
+    rewards = []
+    for script in ("shell-git-honest", "shell-gitconfig"):
+        job = JobRequest(
+            task="shell",
+            instance={"goal": f"Write proj/answer.txt. [script:{script}]", "check": GIT_CHECK},
+            max_turns=3,
+        )
+        async with RolloutClient(rollout.url) as rollouts:
+            trajectory = await rollouts.run(job, wait=300)
+        assert trajectory.error is None, trajectory.error
+        rewards.append(trajectory.reward_components["outcome"])
+    assert rewards == [1.0, 0.0]
 
 
 @pytest.mark.parametrize(
@@ -144,4 +209,5 @@ async def test_grading_a_big_file_keeps_the_service_responsive_and_bounded(rollo
     assert grown < 1 << 30, f"the service's peak memory grew by {grown >> 20} MiB grading one episode"
     assert trajectory.reward_components == {"outcome": 1.0}
     assert "Binary files /dev/null and b/big.txt differ" in trajectory.artifacts["git_patch"]
+    assert trajectory.artifacts["patch_truncated"] == "big.txt"  # named: what the patch cannot show
     assert len(json.dumps(trajectory.artifacts)) < 1 << 20

@@ -243,3 +243,36 @@ async def test_a_sandbox_on_a_full_state_disk_is_a_507(tmp_path, deployment):
                 assert await client.list_sandboxes() == []
         finally:
             stop_server(server)
+
+
+async def test_sandboxes_are_admitted_only_while_the_state_disk_holds_all_their_limits(tmp_path):
+    """The images are sparse: were more admitted than the disk holds, one sandbox filling its own would fail the
+    writes of the others (EIO). A 144 MB state disk (8 MB of it kept free for the image cache): a sandbox of 64 MB
+    may take ~74 MB (its inode tables and metadata on top), so a second one does not fit beside it, a 32 MB one
+    does, and the 64 MB one again once the first is deleted."""
+    if not os.path.exists("/dev/loop-control"):
+        pytest.skip("this host has no loop devices")
+    with small_state_disk(tmp_path / "state", 144) as state:
+        server = start_deployment("root", state, "bwrap")
+        try:
+            if (await enforcement(server)).disk != "filesystem":
+                pytest.skip("this host gives sandboxes no file system of their own")
+            async with server.client() as client:
+                first = (await client.create_sandbox(limits={"disk_mb": 64})).id
+                with pytest.raises(SandboxAPIError) as refused:
+                    await client.create_sandbox(limits={"disk_mb": 64})
+                assert refused.value.status == 507, refused.value.message
+                assert "the live sandboxes' file systems may still take" in refused.value.message
+                assert [box.id for box in await client.list_sandboxes()] == [first]  # nothing half-made stays
+                small = (await client.create_sandbox(limits={"disk_mb": 32})).id
+                await client.delete_sandbox(first)
+                again = (await client.create_sandbox(limits={"disk_mb": 64})).id
+                await client.delete_sandbox(small)
+                # What a live one holds is counted once: in the disk's free space, no longer in what it may take.
+                # (Counting its whole limit against the free space would refuse the next one after this write.)
+                await client.exec(again, "dd if=/dev/zero of=f bs=1M count=40 2>&1", timeout=60)
+                late = (await client.create_sandbox(limits={"disk_mb": 32})).id
+                for sandbox in (late, again):
+                    await client.delete_sandbox(sandbox)
+        finally:
+            stop_server(server)

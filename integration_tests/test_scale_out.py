@@ -79,7 +79,10 @@ async def test_replicas_share_jobs_and_lose_none_to_a_dead_replica_or_runtime(vl
     ]
     urls = [r.url for r in replicas]
     register = [arg for url in urls for arg in ("--register", url)] + ["--heartbeat-s", "0.5"]
-    runtimes = [start_server(tmp_path / f"rt{i}", "bwrap", None, *register) for i in range(2)]
+    # Each runtime has a token of its own (the service learns it from the heartbeats): this test calls one at the end.
+    runtimes = [
+        start_server(tmp_path / f"rt{i}", "bwrap", f"runtime-{i}-own-token-0123456789", *register) for i in range(2)
+    ]
     try:
         for url in urls:
             await until(lambda url=url: _has(url, {r.url for r in runtimes}), what="both runtimes registered")

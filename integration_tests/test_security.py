@@ -98,6 +98,7 @@ async def test_a_sandbox_is_an_unprivileged_uid_without_capabilities(box):
         "echo 1 > /proc/sys/kernel/sysrq",
         "unshare -r -m true",  # a nested user namespace would hold capabilities over its own mounts
         "touch /planted || touch /var/planted || touch /opt/planted",
+        "touch /dev/planted || mkdir /dev/planted",  # /dev was a writable tmpfs of half the host's memory
     ],
 )
 async def test_writes_outside_the_workspace_and_tmp_fail(box, attempt):
@@ -105,6 +106,22 @@ async def test_writes_outside_the_workspace_and_tmp_fail(box, attempt):
     result = await client.run(sandbox, script=attempt)
     assert result.exit_code != 0, result.output
     assert not Path("/usr/planted").exists() and not Path("/etc/planted").exists()
+
+
+async def test_dev_shm_holds_64_mib_at_most(server):
+    """/dev/shm is a writable place besides the workspace and /tmp (POSIX shared memory needs it): a tmpfs of
+    its own, bounded, so that a sandbox cannot fill the host's memory through it."""
+    async with server.client() as client:
+        sandbox = (await client.create_sandbox(limits={"file_size_mb": 1024})).id
+        try:
+            fill = "dd if=/dev/zero of=/dev/shm/big bs=1M count=200 2>&1; du -m /dev/shm/big | cut -f1"
+            result = await client.exec(sandbox, fill, timeout=60)
+            assert "No space left on device" in result.output
+            assert int(result.output.split()[-1]) <= 64
+            shared = "python3 -c 'import multiprocessing as m; l = m.Lock(); l.acquire(); print(\"locked\")'"
+            assert (await client.exec(sandbox, "rm /dev/shm/big && " + shared)).output.strip() == "locked"
+        finally:
+            await client.delete_sandbox(sandbox)
 
 
 async def test_the_pids_limit_holds_under_a_root_server_too(box):

@@ -3,14 +3,18 @@ make one.
 
 Found from /proc/self/cgroup and /proc/self/mountinfo: the cgroup v2 hierarchy where the server's own cgroup
 offers the `memory` controller (a host that delegates it), else the cgroup v1 `memory` hierarchy. Either way a
-sandbox's cgroup is a child of the server's own cgroup, named after the sandbox, so the limit the host put on the
-server still bounds every sandbox. Only a root server can use one: nothing is delegated to an unprivileged one on
-the hosts measured here (GET /v1/info says what enforces the limit instead).
+sandbox's cgroup is a child of the cgroup the server started in, named after the sandbox, so the limit the host put
+on that cgroup still bounds every sandbox. (On cgroup v2 a cgroup with processes of its own cannot offer `memory`
+to its children: there the server may first move itself into a leaf `prorl-server`, and its sandboxes' cgroups are
+siblings of that leaf, `_enable_v2_memory`.) Only a root server can use one: nothing is delegated to an
+unprivileged one on the hosts measured here (GET /v1/info says what enforces the limit instead).
 
 A sandbox's processes are in its cgroup from their first instruction: the launcher (setpriv, bwrap) is started by
 a tiny `sh` that writes its own pid into the cgroup and then execs it (`join_argv`), so no process of the sandbox
 ever runs outside, and every process it forks is born inside. Swap is bounded too (v1's `memsw`, v2's
-`memory.swap.max`), or the limit would only move memory to swap. A cgroup is removed once its processes have
+`memory.swap.max`), or the limit would only move memory to swap; on v1 with swap accounting off (no `memsw`) the
+sandbox's cgroup gets `memory.swappiness` 0 instead, so its memory is not swapped out (GET /v1/info says which). A
+cgroup is removed once its processes have
 ended; its path is kept in the sandbox's record, so a server restarted after a crash removes the ones it left.
 """
 
@@ -29,6 +33,7 @@ from typing import Literal
 log = logging.getLogger(__name__)
 
 PREFIX = "prorl-sandbox-"
+LEAF = "prorl-server"  # cgroup v2: where the server moves itself to offer `memory` to its sandboxes
 # How long a removal waits for the kernel to finish the processes it killed (their exits are asynchronous).
 EMPTY_WAIT_S = 10.0
 _POLL_S = 0.01
@@ -40,6 +45,14 @@ class MemoryCgroups:
 
     version: Literal["cgroup v1", "cgroup v2"]
     base: Path
+
+    def swap(self) -> str:
+        """How a sandbox's swap is bounded here (for GET /v1/info)."""
+        if self.version == "cgroup v2":
+            return "no swap (memory.swap.max 0)"
+        if (self.base / "memory.memsw.limit_in_bytes").exists():
+            return "memory and swap together (memory.memsw.limit_in_bytes)"
+        return "swap accounting is off (no memory.memsw), so each sandbox's cgroup has memory.swappiness 0: not swapped"
 
     def path(self, sandbox_id: str) -> Path:
         return self.base / f"{PREFIX}{sandbox_id}"
@@ -54,6 +67,8 @@ class MemoryCgroups:
                 swap = cgroup / "memory.memsw.limit_in_bytes"  # memory + swap: absent where swap accounting is off
                 if swap.exists():
                     _write(swap, memory_bytes)
+                else:  # nothing bounds its swap: keep its memory out of swap, so that the limit bounds it all
+                    _write(cgroup / "memory.swappiness", 0)
             else:
                 _write(cgroup / "memory.max", memory_bytes)
                 swap = cgroup / "memory.swap.max"
@@ -134,7 +149,7 @@ def find(proc: Path = Path("/proc/self")) -> tuple[MemoryCgroups | None, str]:
                 _enable_v2_memory(cgroups.base)
             probe = cgroups.create(f"probe-{os.getpid()}", 64 << 20)
             remove(probe)
-            return cgroups, f"{cgroups.version} memory controller under {cgroups.base}"
+            return cgroups, f"{cgroups.version} memory controller under {cgroups.base}; swap: {cgroups.swap()}"
         except OSError as exc:
             reasons.append(f"{cgroups.version} at {cgroups.base}: {exc.strerror or exc}")
     return None, "cannot make a memory cgroup: " + "; ".join(reasons)
@@ -143,7 +158,8 @@ def find(proc: Path = Path("/proc/self")) -> tuple[MemoryCgroups | None, str]:
 def _enable_v2_memory(base: Path) -> None:
     """Offer `memory` to the children of `base`. cgroup v2 lets a cgroup with processes of its own have no
     controllers in its subtree, so a server alone in a delegated cgroup first moves itself into a leaf, as
-    systemd's delegation rules ask."""
+    systemd's delegation rules ask. Where that does not help either (other processes share `base`), the server
+    moves back and the leaf goes: nothing of the attempt stays."""
     control = base / "cgroup.subtree_control"
     if "memory" in _words(control):
         return
@@ -152,10 +168,19 @@ def _enable_v2_memory(base: Path) -> None:
     except OSError as exc:
         if exc.errno != errno.EBUSY:
             raise
-        leaf = base / "prorl-server"
+        leaf = base / LEAF
         leaf.mkdir(exist_ok=True)
-        _write(leaf / "cgroup.procs", os.getpid())
-        _write(control, "+memory")
+        try:
+            _write(leaf / "cgroup.procs", os.getpid())
+            _write(control, "+memory")
+        except BaseException:
+            try:
+                _write(base / "cgroup.procs", os.getpid())
+            except OSError as back:
+                log.warning("cannot move the server back from %s to %s: %s", leaf, base, back)
+            with contextlib.suppress(OSError):
+                leaf.rmdir()
+            raise
 
 
 def _words(path: Path) -> list[str]:

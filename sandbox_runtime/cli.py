@@ -6,8 +6,10 @@ import argparse
 import contextlib
 import logging
 import os
+import secrets
 from pathlib import Path
 
+from . import spawn
 from .config import DEFAULT_SANDBOX_UIDS, ServerConfig, add_address_arguments, default_state_dir, parse_uid_range
 from .connections import add_connection_arguments, connection_limits
 
@@ -26,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--token",
         default=os.environ.get("PRORL_SANDBOX_TOKEN"),
-        help="bearer token required on every request but /healthz (env PRORL_SANDBOX_TOKEN)",
+        help="bearer token required on every request but /healthz (env PRORL_SANDBOX_TOKEN); with --register and "
+        "none, a random one is made at start-up and sent only to the services registered with",
     )
     serve.add_argument(
         "--allow-local",
@@ -91,9 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--register-token",
-        default=os.environ.get("PRORL_REGISTRATION_TOKEN") or os.environ.get("PRORL_SANDBOX_TOKEN"),
-        help="what the services require to register (their --registration-token; env PRORL_REGISTRATION_TOKEN; "
-        "default: this runtime's own --token), and the token they then call it with",
+        default=os.environ.get("PRORL_REGISTRATION_TOKEN"),
+        help="what the services require to register (their --registration-token; env PRORL_REGISTRATION_TOKEN); "
+        "presented only to register: the services call this runtime with its own --token, which must differ",
     )
     serve.add_argument(
         "--advertise-url",
@@ -109,6 +112,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def own_token(token: str | None, register: list[str], register_token: str | None) -> str | None:
+    """The runtime's API token: --token; a random one when it registers without one (the services learn it from
+    its authenticated heartbeats, and nothing else needs it). ValueError for a registration without the
+    registration token, or with --token equal to it: every registered runtime holds that one, so it would open
+    this runtime's sandboxes to every other."""
+    if not register:
+        return token
+    if not register_token:
+        raise ValueError(
+            "--register needs the services' registration token: --register-token or env PRORL_REGISTRATION_TOKEN"
+        )
+    if token == register_token:
+        raise ValueError(
+            "--token must differ from --register-token: every registered runtime holds the registration "
+            "token; leave --token out (and env PRORL_SANDBOX_TOKEN unset) for a random one"
+        )
+    return token or secrets.token_urlsafe(32)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "openapi":
@@ -116,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         from .server import RUNTIME_API
 
         return openapi_command(RUNTIME_API, args.out)
+    # Whatever its starter left open without close-on-exec reaches no sandbox: sealed before anything else runs.
+    spawn.seal_once()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .webapp import listen_address
 
@@ -124,12 +148,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"prorl-sandbox: {exc}")
         return 2
+    try:
+        token = own_token(args.token, args.register, args.register_token)
+    except ValueError as exc:
+        print(f"prorl-sandbox: {exc}")
+        return 2
     config = ServerConfig(
         host=host,
         port=port,
         listen_socket=listen_socket,
         backend=args.backend,
-        token=args.token,
+        token=token,
         max_sandboxes=args.max_sandboxes,
         state_dir=args.state_dir,
         apptainer_binary=args.apptainer_binary,
@@ -141,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         allow_local=args.allow_local or args.backend == "local",
         sandbox_uids=args.sandbox_uids,
         register=args.register,
-        register_token=args.register_token or args.token,
+        register_token=args.register_token,
         advertise_url=args.advertise_url,
         name=args.name,
         heartbeat_s=args.heartbeat_s,

@@ -60,7 +60,9 @@ class ServerConfig:
             cpu_seconds=3600,
             file_size_mb=1024,
             open_files=4096,
-            disk_mb=4096,
+            # 1 GiB: a repository and its build; each sandbox's is reserved on the state disk (workspace_fs), so
+            # the default sets how many a disk holds (about one per GiB free).
+            disk_mb=1024,
             inodes=1 << 18,
         )
     )

@@ -8,18 +8,28 @@ and holds these invariants:
 
 - A connection that has not yet shown a complete request (new, or a keep-alive one whose next request has begun)
   has `header_timeout_s` to finish its headers; then it gets a 408 and is closed.
-- A request whose body is awaited by the server and receives nothing for `body_timeout_s` is closed. A body the
-  server is not reading (the transport paused because the handler has not consumed what came) is never the
-  client's fault and is not timed.
-- A connection whose request was refused by the gates (token, browser checks, an unknown gateway key) is closed
-  after that answer, so an unauthenticated client holds a connection only while it sends one request.
+- A request whose body is awaited by the server and receives nothing for `body_timeout_s` is closed; so is one
+  whose body comes slower than `min_body_rate` bytes/s on average after the first `body_timeout_s` (a body must
+  arrive within body_timeout_s + its size / min_body_rate: a byte every few seconds holds no request open for
+  ever). A body the server is not reading (the transport paused because the handler has not consumed what came)
+  is never the client's fault: that time is not counted.
+- A request is admitted when it passed the gates and, on a server with a credential (a token, a gateway key), a
+  credential was actually checked (`mark_credential_checked`): a public path answered without one admits nothing.
+  A connection is an authorised client's once one of its requests was admitted (decided before the handler runs,
+  so a handler's 400 does not close it). A connection none of whose requests was admitted is closed after its
+  answer, so an unauthenticated client holds a connection only while it sends one request.
 - At most `max_connections` are open, and `max_connections_per_peer` from one address. A connection beyond a cap
-  takes the place of the oldest one that has shown no admitted request (then of the oldest idle one that has):
-  a connection in an admitted request is never closed for room, so an authorised client keeps working through a
-  flood from the same address (everything is 127.0.0.1 on one machine: per-peer counts alone cannot tell a
-  tenant from an attacker). Only when every connection is busy with an admitted request is the newcomer closed.
+  takes the place of the oldest one that was never admitted (in a request or not), then of the oldest
+  authorised one not in an admitted request, skipping those still writing an answer (an answer is written after
+  the middlewares return; one whose client has not read it for `body_timeout_s` is not spared): a connection in
+  an admitted request is never closed for room, so an authorised client keeps working through a flood from the
+  same address (everything is 127.0.0.1 on one machine: per-peer counts alone cannot tell a tenant from an
+  attacker). Only when no connection can go is the newcomer closed.
+- Each site (the rollout service's API, its LLM gateway, the runtime's API) has a guard of its own: a flood of
+  one listener (sandbox code holding a valid gateway key, say) cannot take the connections of another.
 - The caps leave descriptors for the server's own work: the soft RLIMIT_NOFILE is raised to the hard one at
-  start-up, and connections may use at most half of it (the default is the smaller of that and 8192).
+  start-up, and connections may use at most half of it, shared by the sites (the default per site is the smaller
+  of its share and 8192).
 """
 
 from __future__ import annotations
@@ -41,6 +51,8 @@ TIMEOUT_ANSWER = (
     b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
     b"Content-Length: %d\r\n\r\n%s"
 )
+# Set by a gate that compared a credential the request carries and found it right (`mark_credential_checked`).
+CREDENTIAL_CHECKED = web.RequestKey("credential_checked", bool)
 REFUSAL_LOG_S = 10.0  # at most one warning per this many seconds about closed connections: a flood is no log flood
 
 
@@ -51,26 +63,31 @@ class ConnectionLimits:
 
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    min_body_rate: float = 16 * 1024  # bytes/s a body must average after its first body_timeout_s
     idle_timeout_s: float = 60.0  # a keep-alive connection with no request begun (aiohttp's own timer)
     max_connections: int = 0
     max_connections_per_peer: int = 0
 
-    def resolve(self) -> ConnectionLimits:
-        """These limits with the caps filled in, after raising the soft descriptor limit to the hard one.
-        ValueError, naming the setting, for a bound that is not positive or caps that would leave the server
-        without descriptors for its own work."""
+    def resolve(self, sites: int = 1) -> ConnectionLimits:
+        """These limits with the caps filled in for each of `sites` listeners (each has a guard of its own), after
+        raising the soft descriptor limit to the hard one. ValueError, naming the setting, for a bound that is not
+        positive or caps that would leave the server without descriptors for its own work."""
         for name in ("header_timeout_s", "body_timeout_s", "idle_timeout_s"):
             if not 0 < getattr(self, name) <= 86_400:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name):g} must be in (0, 86400]")
+        if not self.min_body_rate > 0:
+            raise ValueError(f"--min-body-rate {self.min_body_rate:g} must be > 0 (bytes/s)")
         for name in ("max_connections", "max_connections_per_peer"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r} must be an integer >= 0")
-        room = raise_descriptor_limit() // 2
+        limit = raise_descriptor_limit()
+        room = max(limit // 2 // sites, 1)
         total = self.max_connections or min(DEFAULT_MAX_CONNECTIONS, room)
         if total > room:
+            each = f" for each of its {sites} listeners" if sites > 1 else ""
             raise ValueError(
-                f"--max-connections {total} would leave too few descriptors: the limit is {room * 2} (RLIMIT_NOFILE), "
-                f"so at most {room}; raise the limit (ulimit -n) or lower --max-connections"
+                f"--max-connections {total} would leave too few descriptors: the limit is {limit} (RLIMIT_NOFILE), "
+                f"so at most {room}{each}; raise the limit (ulimit -n) or lower --max-connections"
             )
         per_peer = self.max_connections_per_peer or max(total // 4, 1)
         if per_peer > total:
@@ -108,8 +125,15 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
         "--body-timeout-s",
         type=float,
         default=defaults.body_timeout_s,
-        help="seconds a request body being read may go without data before the connection is closed "
-        "(default %(default)g)",
+        help="seconds a request body being read may go without data before the connection is closed; also the "
+        "grace before --min-body-rate applies (default %(default)g)",
+    )
+    group.add_argument(
+        "--min-body-rate",
+        type=float,
+        default=defaults.min_body_rate,
+        help="bytes/s a request body must average: it must arrive within --body-timeout-s + its size / this rate, "
+        "or the connection is closed (default %(default)g)",
     )
     group.add_argument(
         "--idle-timeout-s",
@@ -121,8 +145,9 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-connections",
         type=int,
         default=0,
-        help=f"open connections at most (default 0: half the descriptor limit, at most {DEFAULT_MAX_CONNECTIONS}); "
-        "a newcomer beyond it replaces the oldest connection that has shown no admitted request",
+        help="open connections at most, per listener (default 0: half the descriptor limit shared by the "
+        f"listeners, at most {DEFAULT_MAX_CONNECTIONS} each); a newcomer beyond it replaces the oldest connection "
+        "that has shown no admitted request",
     )
     group.add_argument(
         "--max-connections-per-peer",
@@ -136,6 +161,7 @@ def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
     return ConnectionLimits(
         header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s,
+        min_body_rate=args.min_body_rate,
         idle_timeout_s=args.idle_timeout_s,
         max_connections=args.max_connections,
         max_connections_per_peer=args.max_connections_per_peer,
@@ -145,26 +171,43 @@ def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
 class Connection:
     """One accepted connection, as the guard sees it: waiting for a request's headers, in a request, or idle."""
 
-    __slots__ = ("admitted", "last_data", "peer", "request", "state", "timer", "transport")
+    __slots__ = (
+        "admitted",
+        "body_s",
+        "checked_at",
+        "in_admitted",
+        "last_data",
+        "peer",
+        "received",
+        "request",
+        "state",
+        "timer",
+        "transport",
+        "write_paused_at",
+    )
 
     def __init__(self, transport: asyncio.Transport, peer: str, now: float) -> None:
         self.transport = transport
         self.peer = peer
         self.state = "headers"  # "headers" | "request" | "idle"
-        self.admitted = False  # one of its requests passed the gates: it is an authorised client's
+        self.admitted = False  # one of its requests was admitted: it is an authorised client's
+        self.in_admitted = False  # its current request was admitted: it is not closed for room
         self.timer: asyncio.TimerHandle | None = None
         self.request: web.BaseRequest | None = None
         self.last_data = now
+        self.received = 0  # bytes received since its current request's headers were complete
+        self.body_s = 0.0  # seconds its current request's body has been read (not counting pauses)
+        self.checked_at = now
+        self.write_paused_at: float | None = None  # since when its answer waits for the client to read
 
 
 CONNECTION_GUARD = web.AppKey("connection_guard", "ConnectionGuard")
 
 
 class ConnectionGuard:
-    """The bounds of the module docstring for every site of one server process (the descriptor limit is the
-    process's): `protocol_factory` wraps each site's aiohttp server, the two middlewares tell it when a request's
-    headers are complete (`request_seen`, outermost) and when it passed the gates (`request_admitted`, inside
-    them)."""
+    """The bounds of the module docstring for one site (listener) of a server process: `protocol_factory` wraps
+    the site's aiohttp server, the two middlewares tell it when a request's headers are complete
+    (`request_seen`, outermost) and when it passed the gates (`request_admitted`, inside them)."""
 
     def __init__(self, limits: ConnectionLimits) -> None:
         self.limits = limits
@@ -206,9 +249,24 @@ class ConnectionGuard:
         self._warn(f"connection from {peer} closed: every connection ({cap} cap) is in an admitted request")
         return None
 
+    def _writing(self, connection: Connection) -> bool:
+        """Whether an authorised connection is still sending an answer its client reads (not one it has left
+        unread for body_timeout_s: such a client could otherwise pin connections by never reading)."""
+        if connection.transport.get_write_buffer_size() == 0:
+            return False
+        paused = connection.write_paused_at
+        return paused is None or self._loop.time() - paused < self.limits.body_timeout_s
+
     def _make_room(self, peer: str | None) -> bool:
         for kind, candidates in (("unproven", self._unproven), ("idle", self._idle)):
-            victim = next((c for c in candidates if peer is None or c.peer == peer), None)
+            victim = next(
+                (
+                    c
+                    for c in candidates
+                    if (peer is None or c.peer == peer) and (candidates is self._unproven or not self._writing(c))
+                ),
+                None,
+            )
             if victim is not None:
                 self.closed_for_room += 1
                 self._warn(f"at a connection cap: closing the oldest {kind} connections for newcomers")
@@ -227,11 +285,15 @@ class ConnectionGuard:
         self._idle.pop(connection, None)
         self._cancel_timer(connection)
 
-    def data(self, connection: Connection) -> None:
+    def data(self, connection: Connection, size: int) -> None:
         connection.last_data = self._loop.time()
+        connection.received += size
         if connection.state == "idle":  # the next request has begun: its headers have their deadline
             connection.state = "headers"
             self._await_headers(connection)
+
+    def writing_paused(self, connection: Connection, paused: bool) -> None:
+        connection.write_paused_at = self._loop.time() if paused else None
 
     # -- deadlines -------------------------------------------------------------------------------------------
     def _cancel_timer(self, connection: Connection) -> None:
@@ -254,23 +316,28 @@ class ConnectionGuard:
         connection.transport.close()
 
     def _watch_body(self, connection: Connection, request: web.BaseRequest) -> None:
+        """Every period while the body is read: closed if it stalled for body_timeout_s, or if the seconds it has
+        been read (paused time not counted) exceed body_timeout_s + what came / min_body_rate."""
         connection.timer = None
         if connection.state != "request" or connection.request is not request or request.content.is_eof():
             return
-        now, transport = self._loop.time(), connection.transport
-        if transport.is_reading() and now - connection.last_data >= self.limits.body_timeout_s:
+        limits, now, transport = self.limits, self._loop.time(), connection.transport
+        reading = transport.is_reading()
+        if reading:
+            connection.body_s += now - connection.checked_at
+        connection.checked_at = now
+        stalled = reading and now - connection.last_data >= limits.body_timeout_s
+        slow = connection.body_s > limits.body_timeout_s + connection.received / limits.min_body_rate
+        if stalled or slow:
             self.timed_out += 1
-            self._warn(f"closing a connection from {connection.peer}: its request body stalled")
+            why = "stalled" if stalled else f"came slower than {limits.min_body_rate:g} bytes/s"
+            self._warn(f"closing a connection from {connection.peer}: its request body {why}")
             self.forget(connection)
             transport.abort()
             return
-        # Paused (the handler has not read what came): the client is not late; look again a period later.
-        at = (
-            connection.last_data + self.limits.body_timeout_s
-            if transport.is_reading()
-            else now + self.limits.body_timeout_s
-        )
-        connection.timer = self._loop.call_at(max(at, now + 0.05), self._watch_body, connection, request)
+        # A period, not a deadline: the rate's bound moves with every byte, and paused time must not count.
+        period = min(max(limits.body_timeout_s / 4, 0.05), 1.0)
+        connection.timer = self._loop.call_later(period, self._watch_body, connection, request)
 
     def _warn(self, message: str) -> None:
         if self._loop.time() - self._last_warning >= REFUSAL_LOG_S:
@@ -288,30 +355,50 @@ class ConnectionGuard:
         return self._open.get(request.transport) if request.transport is not None else None
 
     def request_started(self, request: web.BaseRequest) -> Connection | None:
+        """Headers complete: the body's clock starts. Not yet admitted, the connection stays a candidate for room
+        (an unproven one stays where it was among them, oldest first)."""
         connection = self.connection_of(request)
         if connection is None:
             return None
         self._cancel_timer(connection)
-        connection.state, connection.request = "request", request
-        self._unproven.pop(connection, None)
-        self._idle.pop(connection, None)
+        connection.state, connection.request, connection.in_admitted = "request", request, False
         if not request.content.is_eof():
-            connection.last_data = self._loop.time()
+            now = self._loop.time()
+            connection.last_data = connection.checked_at = now
+            connection.received, connection.body_s = 0, 0.0
             self._watch_body(connection, request)
         return connection
+
+    def request_admitted(self, connection: Connection) -> None:
+        """The request passed the gates (and a credential, where the server has one): its connection is an
+        authorised client's, and not closed for room while this request lasts."""
+        connection.admitted = connection.in_admitted = True
+        self._unproven.pop(connection, None)
+        self._idle.pop(connection, None)
 
     def request_ended(self, connection: Connection) -> None:
         if connection.transport not in self._open:
             return
         self._cancel_timer(connection)
-        connection.state, connection.request = "idle", None
-        (self._idle if connection.admitted else self._unproven)[connection] = None
+        connection.state, connection.request, connection.in_admitted = "idle", None, False
+        if connection.admitted:
+            self._unproven.pop(connection, None)
+            self._idle.pop(connection, None)
+            self._idle[connection] = None  # the most recently used: the last of them to go
+        else:
+            self._unproven.setdefault(connection, None)
+
+
+def mark_credential_checked(request: web.BaseRequest) -> None:
+    """Called by a gate that compared a credential the request carries and found it right: only then does a
+    request to a server with a credential admit its connection."""
+    request[CREDENTIAL_CHECKED] = True
 
 
 @web.middleware
 async def request_seen(request: web.Request, handler: Any) -> web.StreamResponse:
     """Outermost: the request's headers are complete (its header deadline ends, its body's begins); once it is
-    answered, a connection none of whose requests passed the gates is closed rather than kept alive."""
+    answered, a connection none of whose requests was admitted is closed rather than kept alive."""
     guard = request.config_dict.get(CONNECTION_GUARD)
     connection = guard.request_started(request) if guard is not None else None
     if connection is None:
@@ -325,17 +412,21 @@ async def request_seen(request: web.Request, handler: Any) -> web.StreamResponse
         guard.request_ended(connection)
 
 
-@web.middleware
-async def request_admitted(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Inside the gates: reaching here, and being answered with neither 401 nor 403, makes the connection an
-    admitted one (kept alive, and the last to be closed for room)."""
-    response = await handler(request)
-    if response.status not in (401, 403):
-        guard = request.config_dict.get(CONNECTION_GUARD)
-        connection = guard.connection_of(request) if guard is not None else None
-        if connection is not None:
-            connection.admitted = True
-    return response
+def request_admitted(credentialed: bool) -> Any:
+    """Inside the gates, before the handler: the request is admitted (its connection an authorised client's, even
+    if the handler then answers 400) if a gate checked its credential, or if the server has none
+    (`credentialed` False: a token-less loopback server, where passing the browser checks is all there is)."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        if not credentialed or request.get(CREDENTIAL_CHECKED):
+            guard = request.config_dict.get(CONNECTION_GUARD)
+            connection = guard.connection_of(request) if guard is not None else None
+            if connection is not None:
+                guard.request_admitted(connection)
+        return await handler(request)
+
+    return middleware
 
 
 class GuardedProtocol(asyncio.Protocol):
@@ -359,7 +450,7 @@ class GuardedProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._inner is not None:
             assert self._connection is not None
-            self._guard.data(self._connection)
+            self._guard.data(self._connection, len(data))
             self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
@@ -373,8 +464,12 @@ class GuardedProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self._inner is not None:
+            assert self._connection is not None
+            self._guard.writing_paused(self._connection, True)
             self._inner.pause_writing()
 
     def resume_writing(self) -> None:
         if self._inner is not None:
+            assert self._connection is not None
+            self._guard.writing_paused(self._connection, False)
             self._inner.resume_writing()

@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 # Top-level names that merged-/usr hosts make links into /usr (Debian: bin, sbin, lib, lib64). A link is
@@ -57,16 +59,34 @@ NOBODY = 65534
 SANDBOX_OWN = frozenset({"usr", "etc", "proc", "dev", "sys", "tmp", *MERGED_USR})
 
 
-def usr_args(root: Path = Path("/")) -> list[str]:
-    """bwrap arguments that show `root`'s /usr and its merged-/usr entries, read-only, as `root` has them."""
-    argv = ["--ro-bind", str(root / "usr"), "/usr"]
-    for name in MERGED_USR:
+@dataclass(frozen=True)
+class ReadOnly:
+    """One thing a sandbox sees read-only: the host's `source` bound at `target`, or (`link`) a link at `target`
+    whose text is `source`. bwrap's arguments and the workdir check (bwrap.unmountable_in) are both made from
+    these, so that they cannot disagree."""
+
+    target: str
+    source: str
+    link: bool = False
+
+    def args(self) -> list[str]:
+        return ["--symlink" if self.link else "--ro-bind", self.source, self.target]
+
+
+def top_level(root: Path, names: Iterable[str]) -> Iterator[ReadOnly]:
+    """Each of `names` in the directory `root` as the sandbox sees it at its own root: a link recreated as the
+    same link (merged-/usr: /bin -> usr/bin), a directory bound read-only, anything else (or nothing) left out."""
+    for name in names:
         path = root / name
         if path.is_symlink():
-            argv += ["--symlink", os.readlink(path), "/" + name]
+            yield ReadOnly("/" + name, os.readlink(path), link=True)
         elif path.is_dir():
-            argv += ["--ro-bind", str(path), "/" + name]
-    return argv
+            yield ReadOnly("/" + name, str(path))
+
+
+def usr_view(root: Path = Path("/")) -> list[ReadOnly]:
+    """`root`'s /usr and its merged-/usr entries, as `root` has them."""
+    return list(top_level(root, ("usr", *MERGED_USR)))
 
 
 def build_etc(target: Path, host_etc: Path = Path("/etc")) -> None:
@@ -131,22 +151,27 @@ def write_identity(folder: Path, uid: int, gid: int, home: str) -> tuple[Path, P
     return files
 
 
-def check_host_path(path: Path, state_dir: Path) -> None:
+def check_host_path(path: Path, state_dir: Path) -> Path:
     """Refuse, with a message naming `--host-path`, what cannot be shown to sandboxes: a relative or missing
     path, one that would hide a part of the sandbox of its own (or that every sandbox sees already), and one that
-    would show the state dir (every sandbox's workspace) or lies in it."""
+    would show the state dir (every sandbox's workspace) or lies in it. The rules hold for the path as named and
+    as resolved (a link /opt/x -> /etc would show the host's /etc). Returns the resolved path: what is bound
+    (at the named path), so that a link changed after start-up cannot redirect it."""
     if not path.is_absolute() or ".." in path.parts:
         raise ValueError(f"--host-path {str(path)!r} is not an absolute path without '..'")
-    if not os.path.lexists(path):
-        raise ValueError(f"--host-path {path} does not exist")
-    if path == Path("/") or path.parts[1] in SANDBOX_OWN:
-        raise ValueError(
-            f"--host-path {path} lies in a directory that sandboxes see already or have their own of "
-            f"({', '.join('/' + n for n in sorted(SANDBOX_OWN))})"
-        )
+    if not os.path.exists(path):
+        raise ValueError(f"--host-path {path} does not exist (or is a link to nothing)")
     real, state = Path(os.path.realpath(path)), Path(os.path.realpath(state_dir))
+    for shown in (path, real):
+        if shown == Path("/") or shown.parts[1] in SANDBOX_OWN:
+            resolved = "" if shown == path else f" (a link to {real})"
+            raise ValueError(
+                f"--host-path {path}{resolved} lies in a directory that sandboxes see already or have their own of "
+                f"({', '.join('/' + n for n in sorted(SANDBOX_OWN))})"
+            )
     if real == state or state in real.parents or real in state.parents:
         raise ValueError(f"--host-path {path} holds or lies in the state dir {state_dir}: the sandboxes' workspaces")
+    return real
 
 
 def _world_readable(path: Path) -> bool:

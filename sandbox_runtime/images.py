@@ -173,6 +173,12 @@ async def _run(argv: list[str], what: str, cwd: Path | None = None) -> tuple[int
     return proc.returncode or 0, output.decode("utf-8", errors="replace")[-2000:]
 
 
+def free_floor(info: os.statvfs_result) -> int:
+    """What is kept free on the state disk (`info`, its statvfs): unpacks stop short of it, and a sandbox whose
+    file system could reach into it is not created (workspace_fs.admit)."""
+    return min(FREE_FLOOR_BYTES, int(info.f_blocks * info.f_frsize * FREE_FLOOR_SHARE))
+
+
 class ImageStore:
     """Finds images under the image directories and unpacks them into a content-addressed cache."""
 
@@ -383,7 +389,7 @@ class ImageStore:
         could never stay), and in all no more than leaves the state disk its floor of free space (concurrent
         unpacks each check the disk as they start; the tools' own ENOSPC is the last resort)."""
         info = os.statvfs(self.cache_dir)
-        floor = min(FREE_FLOOR_BYTES, int(info.f_blocks * info.f_frsize * FREE_FLOOR_SHARE))
+        floor = free_floor(info)
         free = info.f_bavail * info.f_frsize
         why = f"{free} bytes are free on the state disk, and unpacks leave {floor} free"
         return UnpackBudget(self.max_bytes, max(free - floor, 0), why)
@@ -401,8 +407,14 @@ class ImageStore:
         try:
             assert proc.stdout is not None
             async with asyncio.timeout(UNPACK_TIMEOUT_S):
-                async for line in proc.stdout:
-                    budget.spend(squashfs_entry_bytes(line), image.name)
+                try:
+                    async for line in proc.stdout:
+                        budget.spend(squashfs_entry_bytes(line), image.name)
+                except ValueError:  # a line past the stream's limit (64 KiB): no path a root could hold is that long
+                    raise ImageError(
+                        f"image {image.name} lists an entry over 64 KiB long (unsquashfs -lln): it cannot be unpacked",
+                        400,
+                    ) from None
                 await proc.wait()
         finally:
             if proc.returncode is None:

@@ -124,6 +124,7 @@ class SandboxManager:
         self._sandboxes: dict[str, Sandbox] = {}
         self._preparing = 0  # creations awaiting their image
         self._deleted: OrderedDict[str, None] = OrderedDict()  # recent ids, so DELETE stays idempotent
+        self._bounding: dict[str, asyncio.Future[None]] = {}  # `_bound` under way, which `delete` waits for
         self._backends: dict[str, Backend] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._memory_watch: asyncio.Task[None] | None = None
@@ -304,7 +305,9 @@ class SandboxManager:
             if self.memory_cgroups is not None and spec.limits.memory_mb is not None:
                 box.cgroup = self.memory_cgroups.path(sandbox_id)  # recorded before it is made: a crash leaks none
             box.write_record()
-            await asyncio.to_thread(self._bound, box)
+            if self._owns_disk(box):  # no await since its registration: concurrent creations count each other
+                self._admit(box)
+            await self._bind_limits(box)
             await box.seed()  # after the registration: the copy awaits, and the image must stay cached meanwhile
             await backend.create(dirs, spec)
             await box.session("default")
@@ -328,23 +331,60 @@ class SandboxManager:
             dirs.root.chmod(0o711)
         own_dirs(dirs)  # the sandbox's own uid owns what it may write
 
+    def _owns_disk(self, box: Sandbox) -> bool:
+        limits = box.spec.limits
+        return self.own_disks and limits.disk_mb is not None and limits.inodes is not None
+
+    def _disk_size(self, box: Sandbox) -> int:
+        limits = box.spec.limits
+        assert limits.disk_mb is not None and limits.inodes is not None
+        return workspace_fs.full_size(limits.disk_mb << 20, limits.inodes)
+
+    def _admit(self, box: Sandbox) -> None:
+        """Refuse (507) a sandbox whose file system the state disk may not have room for, once the live ones have
+        written all they may (workspace_fs.admit). A stat per live sandbox, on the event loop: microseconds each,
+        and nothing may await between this count and the creation's registration."""
+        promised = sum(
+            workspace_fs.unwritten(other.dirs.root / workspace_fs.IMAGE, self._disk_size(other))
+            for other in self._sandboxes.values()
+            if other is not box and self._owns_disk(other)
+        )
+        workspace_fs.admit(self.boxes_dir, self._disk_size(box), promised)
+
+    async def _bind_limits(self, box: Sandbox) -> None:
+        """`_bound` in a thread, run to its end even when the creation is cancelled (a mount or cgroup made after
+        the clean-up would outlive the sandbox); a concurrent `delete` waits for it before it undoes it."""
+        bounding = asyncio.ensure_future(asyncio.to_thread(self._bound, box))
+        self._bounding[box.id] = bounding
+        try:
+            await asyncio.shield(bounding)  # as sandbox.to_the_end, with the future kept where `delete` finds it
+        except asyncio.CancelledError:
+            await asyncio.gather(bounding, return_exceptions=True)
+            raise
+        finally:
+            self._bounding.pop(box.id, None)
+        if box.closing:  # deleted meanwhile: that delete has undone what this made
+            raise SandboxNotFound(f"sandbox {box.id} was deleted while it was being created")
+
     def _bound(self, box: Sandbox) -> None:
         """Give the sandbox what bounds it as a whole, before anything of it runs: a file system of its own for
         the workspace and /tmp, and a memory cgroup."""
         limits, dirs = box.spec.limits, box.dirs
-        if self.own_disks and limits.disk_mb is not None and limits.inodes is not None:
+        if self._owns_disk(box):
+            assert limits.disk_mb is not None and limits.inodes is not None
             templates = self.state_dir / "disk-templates"
             workspace_fs.make(dirs.root, dirs.workspace, dirs.tmp, limits.disk_mb << 20, limits.inodes, templates)
             own_dirs(dirs)  # the new file system's directories, which now lie over the old ones
         if self.memory_cgroups is not None and box.cgroup is not None and limits.memory_mb is not None:
             self.memory_cgroups.create(box.id, limits.memory_mb << 20)
 
-    @staticmethod
-    def _unbound(dirs: SandboxDirs, cgroup: Path | None) -> None:
-        """Undo `_bound` once nothing of the sandbox runs: its cgroup removed, its file system unmounted."""
+    def _unbound(self, dirs: SandboxDirs, cgroup: Path | None) -> None:
+        """Undo `_bound` once nothing of the sandbox runs: its cgroup removed, its file system unmounted (only by a
+        server that mounts them: another could not, and would log each refusal)."""
         if cgroup is not None:
             cgroups.remove(cgroup)
-        workspace_fs.unmount(dirs.workspace, dirs.tmp)
+        if self.own_disks:
+            workspace_fs.unmount(dirs.workspace, dirs.tmp)
 
     def _limits(self, asked: Limits) -> Limits:
         """What the spec asked for, each at most the server's maximum, the rest the server's defaults."""
@@ -386,6 +426,9 @@ class SandboxManager:
         finally:
             del self._sandboxes[sandbox_id]
             self._remember_deleted(sandbox_id)
+            bounding = self._bounding.get(sandbox_id)
+            if bounding is not None:  # its creation is mounting or making its cgroup: undone once that is done
+                await asyncio.gather(bounding, return_exceptions=True)
             await asyncio.to_thread(self._unbound, box.dirs, box.cgroup)
             await asyncio.to_thread(remove_tree, box.dirs.root)
             await self._release_uid(box.dirs.uid)

@@ -11,6 +11,11 @@ What it does not hold, and a cgroup does: a process that allocates faster than o
 (RLIMIT_AS still bounds each process to `memory_mb`), pages shared between processes are counted once per process
 (so the bound errs on the side of killing), and memory that is not resident in a process (tmpfs, page cache)
 is not counted.
+
+What it kills is known by more than a pid: a pid read from /proc may be freed and reused by another process before
+the kill, and the server never kills a process it does not own by a stale identity. So each process is held by a
+pidfd first, then its start time is read again and compared with the scan's; the signal goes through the pidfd,
+which can only ever reach the process it was opened on.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ import signal
 from collections import defaultdict
 from pathlib import Path
 
+from . import procs
+
 WATCH_INTERVAL_S = 0.25
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def process_table() -> dict[int, tuple[int, int]]:
-    """pid -> (parent pid, resident bytes) of every process that can be read now."""
+def process_table() -> dict[int, tuple[int, int, int]]:
+    """pid -> (parent pid, resident bytes, start time in clock ticks) of every process that can be read now."""
     table = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -35,7 +42,7 @@ def process_table() -> dict[int, tuple[int, int]]:
             with open(f"/proc/{name}/stat", "rb") as handle:
                 text = handle.read()
             fields = text[text.rindex(b")") + 2 :].split()  # after the command name, which may hold anything
-            table[int(name)] = (int(fields[1]), int(fields[21]) * _PAGE)
+            table[int(name)] = (int(fields[1]), int(fields[21]) * _PAGE, int(fields[19]))
     return table
 
 
@@ -49,12 +56,15 @@ def sandbox_of(pid: int, boxes_dir: Path) -> str | None:
     return None
 
 
-def over_limit(server_pid: int, boxes_dir: Path, limits: dict[str, int]) -> dict[str, tuple[int, list[int]]]:
-    """Sandbox id -> (resident bytes, its pids, deepest first) for each sandbox in `limits` (id -> bytes) whose
-    processes together hold more than its limit."""
+Process = tuple[int, int]  # pid, start time: who the scan saw
+
+
+def over_limit(server_pid: int, boxes_dir: Path, limits: dict[str, int]) -> dict[str, tuple[int, list[Process]]]:
+    """Sandbox id -> (resident bytes, its processes, deepest first) for each sandbox in `limits` (id -> bytes)
+    whose processes together hold more than its limit."""
     table = process_table()
     children: dict[int, list[int]] = defaultdict(list)
-    for pid, (parent, _) in table.items():
+    for pid, (parent, _, _) in table.items():
         children[parent].append(pid)
     members: dict[str, list[int]] = defaultdict(list)
     for launcher in children.get(server_pid, []):
@@ -71,11 +81,23 @@ def over_limit(server_pid: int, boxes_dir: Path, limits: dict[str, int]) -> dict
     for sandbox, pids in members.items():
         held = sum(table[pid][1] for pid in pids)
         if held > limits[sandbox]:
-            found[sandbox] = (held, pids[::-1])
+            found[sandbox] = (held, [(pid, table[pid][2]) for pid in pids[::-1]])
     return found
 
 
-def kill(pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+def kill(processes: list[Process]) -> int:
+    """SIGKILL each process that is still the one the scan saw (see the module's docstring); how many."""
+    killed = 0
+    for pid, started in processes:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:  # gone (ESRCH), or not ours to signal
+            continue
+        try:
+            if procs.start_time(pid) == started:  # the pidfd holds the scanned process, not a successor
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    killed += 1
+        finally:
+            os.close(pidfd)
+    return killed

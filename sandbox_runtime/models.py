@@ -499,3 +499,8 @@ class RuntimeHeartbeat(_Strict):
     version: str = Field(max_length=64)
     interval_s: float = Field(gt=0, le=3600, description="seconds until the next heartbeat")
     leaving: bool = False
+    token: str | None = Field(
+        None,
+        max_length=512,
+        description="the runtime's own API token, which the services call it with (never the registration token)",
+    )

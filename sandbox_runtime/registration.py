@@ -9,9 +9,10 @@ them heard, so reaching one of them is enough; the heartbeat still goes to each,
 they share.
 
 Registering needs the services' registration token (`token`), whatever else they require: whatever registers is
-sent episodes' files and believed about their rewards. It is also the one token a service calls a registered
-runtime with, so a runtime that requires a token of its own is started with the registration token as that token
-(its default: `prorl-sandbox serve --token T --register URL` presents T).
+sent episodes' files and believed about their rewards. It is presented only to register: every registered runtime
+holds it. Each heartbeat carries the runtime's own API token (`api_token`: its --token, or a random one made at
+start-up), and a service calls the runtime with that token alone, so no registered runtime can open another's
+sandboxes. A service keeps a name bound to the URL it registered with until it leaves or lapses (409 otherwise).
 
 The runtime knows nothing about RL: this is one periodic HTTP call, and the service owns what it means.
 """
@@ -39,6 +40,7 @@ class RegistrationConfig:
     url: str  # where the services reach it
     token: str | None = None  # the services' registration token (not their API token)
     interval_s: float = 2.0
+    api_token: str | None = None  # this runtime's own token, which the services call it with
 
 
 def advertised_url(host: str, port: int) -> str:
@@ -70,6 +72,7 @@ class Registration:
             version=self._version,
             interval_s=self.config.interval_s,
             leaving=leaving,
+            token=self.config.api_token,
         )
 
     async def start(self) -> None:

@@ -419,7 +419,9 @@ def create_app(config: ServerConfig, port: int | None = None) -> web.Application
             return
         url = config.advertise_url or advertised_url(config.host, port or config.port)
         name = config.name or f"{socket.gethostname()}-{port or config.port}"
-        settings = RegistrationConfig(config.register, name, url, config.register_token, config.heartbeat_s)
+        settings = RegistrationConfig(
+            config.register, name, url, config.register_token, config.heartbeat_s, api_token=config.token
+        )
         beats = Registration(
             settings, lambda: (config.max_sandboxes, len(manager)), manager.default_backend, __version__
         )

@@ -14,9 +14,11 @@ What every child gets:
   close-on-exec (PEP 446), these pipes and terminals included, and only the three the file actions make are not.
   What the server inherited is another matter: whoever started it may have left descriptors open without
   close-on-exec (a shell's `exec 7<file`, a `pass_fds`), and posix_spawn passes those on to bwrap, which passes
-  them into the sandbox. The first spawn marks every such descriptor close-on-exec (`seal_inherited`); once is
-  enough, since nothing of the server's opens an inheritable one later. (Python's posix_spawn has no closefrom
-  action, and a close action per descriptor at every spawn would cost a scan of them all each time.)
+  them into the sandbox. The server marks every such descriptor close-on-exec at start-up, before anything else
+  runs (`seal_once`, from cli.main), and the first spawn does it again where no start-up did (code that embeds the
+  runtime); once is enough, since nothing of the server's opens an inheritable one later. (Python's posix_spawn
+  has no closefrom action, and a close action per descriptor at every spawn would cost a scan of them all each
+  time.)
 - signals at their default dispositions and none blocked. Ignored dispositions survive exec: Python ignores
   SIGPIPE and SIGXFSZ (`yes | head -n1` would run forever in a sandbox, a file-size limit would give EFBIG
   instead of killing the writer), and `nohup` ignores SIGHUP.
@@ -54,11 +56,17 @@ def seal_inherited() -> list[int]:
     return marked
 
 
-def _spawn(argv: list[str], env: dict[str, str], file_actions: list[tuple]) -> int:
+def seal_once() -> None:
+    """`seal_inherited`, the first time only: at start-up, and as a guard at each spawn. Both run on the event
+    loop's thread (or before it), so the flag needs no lock."""
     global _sealed
     if not _sealed:
         seal_inherited()
         _sealed = True
+
+
+def _spawn(argv: list[str], env: dict[str, str], file_actions: list[tuple]) -> int:
+    seal_once()
     program = shutil.which(argv[0], path=env.get("PATH", os.defpath))
     if program is None:
         raise FileNotFoundError(f"{argv[0]}: not found on the launcher's PATH")

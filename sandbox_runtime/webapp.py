@@ -20,7 +20,14 @@ from prometheus_client import Counter
 from pydantic import BaseModel, ValidationError
 
 from .config import is_loopback
-from .connections import CONNECTION_GUARD, ConnectionGuard, ConnectionLimits, request_admitted, request_seen
+from .connections import (
+    CONNECTION_GUARD,
+    ConnectionGuard,
+    ConnectionLimits,
+    mark_credential_checked,
+    request_admitted,
+    request_seen,
+)
 from .openapi import API, ErrorBody, describe_validation
 
 log = logging.getLogger(__name__)
@@ -78,17 +85,21 @@ def errors_as_json(max_body_bytes: int) -> Middleware:
 
 def bearer_auth(token: str | None, open_paths: frozenset[str]) -> Middleware:
     """The token on every path but the open ones, which may hold parameters (`/gateway/{key}/v1/models`):
-    matched against the request's path itself, so a wrong method on an open path is its 405, not a 401."""
+    matched against the request's path itself, so a wrong method on an open path is its 405, not a 401. A right
+    token, on any path, is a checked credential (connections.py: it admits the connection); an open path answered
+    without one admits nothing."""
     expected = f"Bearer {token}".encode()
     templates = (re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(path)) for path in sorted(open_paths))
     open_path = re.compile("|".join(f"(?:{t})" for t in templates) or "(?!)")
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if token and not open_path.fullmatch(request.path):
+        if token:
             # aiohttp decodes header bytes as UTF-8 with surrogateescape: encode them back the same way.
             sent = request.headers.get("Authorization", "").encode("utf-8", errors="surrogateescape")
-            if not hmac.compare_digest(sent, expected):
+            if hmac.compare_digest(sent, expected):
+                mark_credential_checked(request)
+            elif not open_path.fullmatch(request.path):
                 return error_response(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
         return await handler(request)
 
@@ -150,19 +161,22 @@ def json_api(
     requests: Counter,
     gates: Sequence[Middleware] = (),
     own_auth_paths: frozenset[str] = frozenset(),
+    credentialed: bool | None = None,
 ) -> web.Application:
     """The application serving `api` (and its OpenAPI document) with both servers' middlewares, outermost
     first: the connection guard's view of the request (`connections`), errors as JSON (and the body bound),
     browsers refused where there is no token, the bearer token (but on `api`'s public paths and on
-    `own_auth_paths`, whose handlers check a credential of their own), the application's own `gates`, the
-    guard's mark of an admitted request, and every request counted in `requests`."""
+    `own_auth_paths`, whose gates check a credential of their own), the application's own `gates`, the
+    guard's mark of an admitted request, and every request counted in `requests`. `credentialed` (default:
+    whether there is a token) says whether a request is admitted only once a gate checked a credential
+    (`connections.mark_credential_checked`)."""
     middlewares = [
         request_seen,
         errors_as_json(max_body_bytes),
         refuse_browsers(token),
         bearer_auth(token, api.public_paths | own_auth_paths),
         *gates,
-        request_admitted,
+        request_admitted(token is not None if credentialed is None else credentialed),
         count_requests(requests),
     ]
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
@@ -181,22 +195,26 @@ class Site:
     sock: socket.socket | None = None
 
 
-async def serve_sites(sites: list[Site], limits: ConnectionLimits | None = None) -> None:
-    """Run the applications until SIGTERM or SIGINT, then shut them down cleanly (their cleanup contexts run,
-    the last started first). Each is set up in order, so an application's start-up may prepare the next one.
+async def serve_sites(
+    sites: list[Site], limits: ConnectionLimits | None = None, stop: asyncio.Event | None = None
+) -> None:
+    """Run the applications until SIGTERM or SIGINT (or until `stop` is set, where given: no signal handlers
+    then), then shut them down cleanly (their cleanup contexts run, the last started first). Each is set up in
+    order, so an application's start-up may prepare the next one.
 
-    Every connection to any of them goes through one `ConnectionGuard` with `limits` (the process's descriptors
-    are what the caps protect): aiohttp's server is the protocol the guard wraps, on a listener made here.
-    The listen backlog is large: at hundreds of concurrent clients, the default 128 costs 1 s SYN retries.
+    Each site's connections go through a `ConnectionGuard` of its own with `limits`, resolved for that many
+    sites (the process's descriptors are what the caps protect; they are shared out): a flood of one listener
+    (the gateway, which sandboxes reach) takes no connection of another (the API the trainer calls). aiohttp's
+    server is the protocol the guard wraps, on a listener made here. The listen backlog is large: at hundreds of
+    concurrent clients, the default 128 costs 1 s SYN retries.
     """
-    limits = (limits or ConnectionLimits()).resolve()
-    guard = ConnectionGuard(limits)
+    limits = (limits or ConnectionLimits()).resolve(len(sites))
     loop = asyncio.get_running_loop()
     runners: list[web.AppRunner] = []
     listeners: list[asyncio.AbstractServer] = []
     try:
         for site in sites:
-            site.app[CONNECTION_GUARD] = guard
+            guard = site.app[CONNECTION_GUARD] = ConnectionGuard(limits)
             # A request line may carry a query parameter of up to 4096 characters (a file path), percent-encoded:
             # far more than aiohttp's default 8190 bytes, whose refusal is a plain-text 400 below the middlewares.
             runner = web.AppRunner(
@@ -213,9 +231,10 @@ async def serve_sites(sites: list[Site], limits: ConnectionLimits | None = None)
             listeners.append(listener)
             port = listener.sockets[0].getsockname()[1]
             log.info("%s listening on http://%s:%d", site.name, site.host, port)
-        stop = asyncio.Event()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
+        if stop is None:
+            stop = asyncio.Event()
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(signum, stop.set)
         await stop.wait()
     finally:
         for listener in listeners:

@@ -16,8 +16,12 @@ Why ext4 in a sparse file rather than tmpfs (`size=`, `nr_inodes=`), measured he
   and mount(2) (`attached_loop`), it takes ~4-6 ms. It costs disk only for what is written: the image is sparse,
   no journal (a crashed server's sandboxes are reaped, never recovered), inode tables left uninitialised and not
   zeroed in the background (`lazy_itable_init`, `noinit_itable`: a fresh sparse file reads as zeros already).
-The images are sparse, so the state disk is not reserved: the sum of the sandboxes' limits may exceed it, and the
-manager refuses a creation (507) when the state disk's free space is below one sandbox's limit.
+The images are sparse, so nothing reserves the state disk: each image takes space as its sandbox writes, up to its
+full size. Were the sum of the live sandboxes' sizes above the disk, a full disk would fail writes in innocent
+sandboxes (EIO from the loop device, not their own ENOSPC). So a creation is admitted (`admit`) only where the
+state disk's free space, less what the live images may still take (each one's full size less what it holds now:
+a stat, no walk), leaves room for the new image and the floor that the image cache keeps free
+(images.free_floor); else it is a 507 that says so.
 
 An unprivileged server cannot mount (no loop device, no FUSE for it on the hosts measured here): there the disk
 limit holds per file only (`limits.file_size_mb`), and GET /v1/info says so.
@@ -32,6 +36,7 @@ import fcntl
 import logging
 import os
 import shutil
+import stat
 import struct
 import subprocess
 import tempfile
@@ -39,6 +44,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .cgroups import unescape
+from .images import free_floor
 from .models import MIN_INODES
 
 log = logging.getLogger(__name__)
@@ -48,6 +54,7 @@ INODE_BYTES = 256  # ext4's default inode size (128 would lose nanosecond times 
 BLOCK_BYTES = 4096
 MKFS_TIMEOUT_S = 60.0
 MAX_TEMPLATES = 16
+LOOP_MAJOR = 7  # linux/major.h
 _MS_BIND = 4096
 _MOUNT_FLAGS = 2 | 4 | 1024  # MS_NOSUID | MS_NODEV | MS_NOATIME
 _MNT_DETACH = 2
@@ -80,6 +87,40 @@ def inode_count(disk_bytes: int, inodes: int) -> int:
     block (4 KiB), so a small disk caps the count; never fewer than MIN_INODES, for which the image's fixed margin
     (`image_bytes`) has room."""
     return max(min(inodes, disk_bytes // BLOCK_BYTES), MIN_INODES)
+
+
+def full_size(disk_bytes: int, inodes: int) -> int:
+    """How much of the state disk a sandbox's image may take at most: its size, for `limits.disk_mb` (in bytes)
+    and `limits.inodes`."""
+    return image_bytes(disk_bytes, inode_count(disk_bytes, inodes))
+
+
+def unwritten(image: Path, size: int) -> int:
+    """What the image of `size` bytes (full_size) may still take of the state disk: its size less the blocks it
+    holds; all of it while it is not made yet. A file deleted in the sandbox frees no block of the image (there is
+    no discard), but the file system reuses those, so this is an upper bound that only shrinks."""
+    try:
+        held = os.stat(image).st_blocks * 512
+    except FileNotFoundError:
+        return size
+    return max(size - held, 0)
+
+
+def admit(state_dir: Path, size: int, promised: int) -> None:
+    """Refuse (DiskError, 507) a new image of `size` bytes where the state disk's free space, less `promised` (what
+    the live sandboxes' images may still take, `unwritten`), would leave less than `size` and the image cache's
+    floor (images.free_floor). The caller counts every live image, those being made too, with no await between
+    the count and the registration of the new sandbox, so that concurrent creations cannot both take the room."""
+    info = os.statvfs(state_dir)
+    free, floor = info.f_bavail * info.f_frsize, free_floor(info)
+    if free - promised - floor < size:
+        raise DiskError(
+            f"no space on the server's state disk for another sandbox: its file system may take {size} bytes "
+            f"(limits.disk_mb and limits.inodes), {free} bytes are free, the live sandboxes' file systems may still "
+            f"take {promised} of them, and {floor} stay free for the image cache; delete sandboxes or ask for a "
+            "smaller limits.disk_mb",
+            507,
+        )
 
 
 def make(root: Path, workspace: Path, tmp: Path, disk_bytes: int, inodes: int, templates: Path) -> None:
@@ -153,8 +194,11 @@ def template(templates: Path, disk_bytes: int, inodes: int) -> Path:
 
 
 def copy_sparse(source: Path, target: Path) -> None:
-    """Copy `source` into a new file `target`, its holes kept as holes: only the extents with data are copied."""
-    with open(source, "rb") as src, open(target, "xb") as dst:
+    """Copy `source` into a new file `target`, its holes kept as holes: only the extents with data are copied.
+    `target` is made 0600, whatever the umask: the image holds the sandbox's workspace, and its folder is
+    traversable by every sandbox uid (0711)."""
+    fd = os.open(target, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    with open(source, "rb") as src, open(fd, "wb") as dst:
         size = os.fstat(src.fileno()).st_size
         dst.truncate(size)
         offset = 0
@@ -183,7 +227,7 @@ def attached_loop(image: Path) -> Iterator[str]:
     backing = os.open(image, os.O_RDWR | os.O_CLOEXEC)
     try:
         for _ in range(64):
-            device = f"/dev/loop{fcntl.ioctl(control, _LOOP_CTL_GET_FREE)}"
+            device = loop_node(fcntl.ioctl(control, _LOOP_CTL_GET_FREE))
             loop = os.open(device, os.O_RDWR | os.O_CLOEXEC)
             try:
                 fcntl.ioctl(loop, _LOOP_CONFIGURE, _LOOP_CONFIG.pack(backing, 0, _LO_FLAGS_AUTOCLEAR))
@@ -201,6 +245,24 @@ def attached_loop(image: Path) -> Iterator[str]:
     finally:
         os.close(backing)
         os.close(control)
+
+
+def loop_node(number: int, dev: Path = Path("/dev")) -> str:
+    """The path of loop device `number`, its node made where it is missing: the kernel makes the device, but a
+    static /dev (a container's) has nodes only for the loop devices that existed when it was made. OSError, naming
+    the node, where it cannot be made (no CAP_MKNOD, a read-only /dev): then the probe says why the disk limit is
+    not held."""
+    path = dev / f"loop{number}"
+    if not os.path.exists(path):
+        try:
+            os.mknod(path, stat.S_IFBLK | 0o660, os.makedev(LOOP_MAJOR, number))
+        except FileExistsError:  # another process made it meanwhile
+            pass
+        except OSError as exc:
+            raise OSError(
+                exc.errno, f"loop device {number} has no node {path} and it cannot be made: {exc.strerror}"
+            ) from None
+    return str(path)
 
 
 def unmount(*targets: Path) -> None:

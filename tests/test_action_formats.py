@@ -30,6 +30,12 @@ hermes = FORMATS["hermes"]
         # a block inside a block's text is its text: the closing fence must start a line
         ("```bash\necho '```'\n```", "bash", {"command": "echo '```'"}),
         ("```bash\nfor i in 1 2; do\n  echo $i\ndone\n```", "bash", {"command": "for i in 1 2; do\n  echo $i\ndone"}),
+        # backticks inside a line open nothing
+        ("Wrap code in ``` fences.\n```bash\nls\n```", "bash", {"command": "ls"}),
+        # a shorter fence inside a longer one is the block's text, as in Markdown
+        ("````bash\ncat <<'EOF'\n```py\nx\n```\nEOF\n````", "bash", {"command": "cat <<'EOF'\n```py\nx\n```\nEOF"}),
+        # an indented fence, and a closing fence with trailing spaces
+        ("  ```python\nprint(1)\n  ```  \nDone.", "python", {"code": "print(1)"}),
     ],
 )
 def test_the_last_fenced_block_is_the_action(text, name, arguments):
@@ -42,6 +48,7 @@ def test_the_last_fenced_block_is_the_action(text, name, arguments):
     ("text", "fragment"),
     [
         ("```bash\nls", "never closed"),
+        ("```bash\nls\n```\nAnd then:\n```bash\npwd", "never closed"),
         ("```ruby\nputs 1\n```", "```ruby"),
         ("```\nls\n```", "no language"),
     ],

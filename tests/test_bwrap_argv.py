@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from sandbox_runtime.backends.base import BackendError, SandboxDirs, ulimit_args
-from sandbox_runtime.backends.bwrap import BwrapBackend, unmountable_in
+from sandbox_runtime.backends.bwrap import SHM_BYTES, BwrapBackend, unmountable_in
 from sandbox_runtime.host_view import MERGED_USR
 from sandbox_runtime.models import Limits, SandboxSpec
 
@@ -25,7 +25,7 @@ def test_default_sandbox_is_isolated_and_read_only(dirs):
     assert ("/usr", "/usr") in pairs(argv, "--ro-bind")
     assert (str(dirs.workspace), "/workspace") in pairs(argv, "--bind")
     assert (str(dirs.tmp), "/tmp") in pairs(argv, "--bind")
-    assert argv[argv.index("--remount-ro") + 1] == "/"
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--remount-ro"] == ["/dev", "/"]
     assert argv[argv.index("--") + 1 :] == ["bash", "--norc", "--noprofile", "--noediting", "-i"]
 
 
@@ -41,7 +41,8 @@ def test_without_an_image_only_usr_its_links_and_a_minimal_etc_come_from_the_hos
     for source, target in pairs(argv, "--symlink"):  # links stay links: /bin -> usr/bin
         assert target.lstrip("/") in MERGED_USR and os.readlink(target) == source
     assert "/etc/resolv.conf" not in argv  # no network, no resolver: its /etc has an empty one
-    assert "/sys" not in argv and not pairs(argv, "--tmpfs")  # the state dir is not there to hide
+    tmpfs = [argv[i + 1] for i, a in enumerate(argv) if a == "--tmpfs"]
+    assert "/sys" not in argv and tmpfs == ["/dev/shm"]  # the state dir is not there to hide
 
 
 def test_a_sandbox_with_the_network_gets_the_hosts_resolver_and_named_host_paths_read_only(dirs):
@@ -51,6 +52,27 @@ def test_a_sandbox_with_the_network_gets_the_hosts_resolver_and_named_host_paths
     binds = [pair for pair in pairs(argv, "--ro-bind") if pair[0].startswith("/opt")]
     assert binds == [("/opt/a", "/opt/a"), ("/opt/a/x", "/opt/a/x"), ("/opt/b", "/opt/b")]  # parents first
     assert argv.index("--ro-bind-try") < argv.index(str(dirs.workspace))  # the workspace goes on top
+
+
+def test_a_host_path_that_is_a_link_is_bound_from_where_it_resolves(dirs, tmp_path):
+    real = tmp_path / "agent-v3"
+    (real / "bin").mkdir(parents=True)
+    (tmp_path / "agent").symlink_to(real)
+    backend = BwrapBackend(dirs.root.parent, host_paths=[tmp_path / "agent"])
+    assert (str(real), str(tmp_path / "agent")) in pairs(backend.argv(dirs, SandboxSpec()), "--ro-bind")
+    # The workdir check reads the same binds: what exists in the resolved directory is there.
+    assert unmountable_in(backend.read_only(dirs), f"{tmp_path}/agent/bin/x") == str(tmp_path / "agent")
+    assert unmountable_in(backend.read_only(dirs), f"{tmp_path}/agent/bin") is None
+
+
+def test_dev_is_read_only_and_dev_shm_a_small_tmpfs_of_its_own(dirs):
+    argv = BwrapBackend(Path("/var/lib/prorl")).argv(dirs, SandboxSpec())
+    size = argv.index("--size")
+    assert argv[size + 1 : size + 4] == [str(SHM_BYTES), "--tmpfs", "/dev/shm"]  # --size applies to the next op
+    assert argv.index("--dev") < size  # made inside bwrap's /dev, then /dev remounted read-only after it
+    assert argv.index("--remount-ro") > size and argv[argv.index("--remount-ro") + 1] == "/dev"
+    small = BwrapBackend(Path("/var/lib/prorl")).argv(dirs, SandboxSpec(limits=Limits(memory_mb=32)))
+    assert small[small.index("--size") + 1] == str(32 << 20)  # never more than its memory limit
 
 
 def test_network_on_request_and_custom_workdir(dirs):
@@ -68,7 +90,7 @@ def test_a_workdir_inside_a_read_only_host_path_must_exist_there(dirs, tmp_path,
     agent = tmp_path / "agent"
     (agent / "present").mkdir(parents=True)
     backend = BwrapBackend(dirs.root.parent, host_paths=[agent])
-    where = unmountable_in(*backend.read_only(dirs), workdir.format(agent=agent))
+    where = unmountable_in(backend.read_only(dirs), workdir.format(agent=agent))
     assert where == (blocked and blocked.format(agent=agent))
 
 

@@ -1,6 +1,8 @@
 """The sandboxes' /etc (host_view.build_etc) from a host /etc made here, and the start-up rule for --host-path."""
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -90,3 +92,24 @@ def test_a_host_path_that_cannot_be_shown_is_refused(path, message):
 
 def test_a_path_beside_the_state_dir_is_accepted():
     check_host_path(Path("/var/lib"), Path("/srv/prorl-state"))
+
+
+def test_a_host_path_is_judged_where_it_resolves_and_bound_from_there(tmp_path):
+    place = Path(tempfile.mkdtemp(prefix="prorl-test-links-", dir="/var/tmp"))  # not under /tmp: its own rules
+    try:
+        (place / "agent-v3").mkdir()
+        for name, target in (("etc", "/etc"), ("usr-bin", "/usr/bin"), ("agent", place / "agent-v3")):
+            (place / name).symlink_to(target)
+        for name in ("etc", "usr-bin"):  # /var/tmp/x -> /etc would show the host's /etc
+            with pytest.raises(ValueError, match=r"a link to .*see already or have their own of"):
+                check_host_path(place / name, tmp_path / "state")
+        (place / "state-dir").mkdir()
+        (place / "state").symlink_to(place / "state-dir")
+        with pytest.raises(ValueError, match="state dir"):  # a link to the state dir
+            check_host_path(place / "state", place / "state-dir")
+        (place / "nothing").symlink_to(place / "gone")
+        with pytest.raises(ValueError, match="does not exist"):
+            check_host_path(place / "nothing", tmp_path)
+        assert check_host_path(place / "agent", tmp_path / "state") == place / "agent-v3"
+    finally:
+        shutil.rmtree(place)

@@ -578,3 +578,25 @@ async def test_an_image_expanding_beyond_the_cache_bound_is_refused_before_it_is
     assert [p.name for p in cache.iterdir() if p.name != "digests.json"] == []  # no partial directory stays
     # The bound is on what an image unpacks to, not its file: an image within it still unpacks.
     assert (await images_store.prepare(images_store.find("tiny.oci"))).root is not None
+
+
+async def test_a_sif_listing_line_over_64_kib_is_refused_as_the_images_fault(tmp_path, monkeypatch):
+    """unsquashfs lists each entry on a line; a line over the stream's 64 KiB limit raised ValueError (a 500)."""
+    from sandbox_runtime import images as images_module
+    from sandbox_runtime.image_formats import UnpackBudget
+    from sandbox_runtime.images import Image
+
+    real_exec = asyncio.create_subprocess_exec
+
+    async def long_listing(*argv, **kwargs):  # stands in for unsquashfs -lln on a crafted image
+        return await real_exec(
+            sys.executable, "-c", "print('-rw-r--r-- 0/0 1 2024-01-01 00:00 /' + 'a' * 70000)", **kwargs
+        )
+
+    monkeypatch.setattr(images_module, "sif_root_partition", lambda path: (0, 0))
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", long_listing)
+    store = ImageStore([tmp_path], tmp_path / "cache", 1 << 30)
+    image = Image("crafted.sif", tmp_path / "crafted.sif", "sif")
+    with pytest.raises(ImageError, match="over 64 KiB") as refused:
+        await store._spend_sif(image, UnpackBudget(None, 1 << 30, "room"))
+    assert refused.value.status == 400

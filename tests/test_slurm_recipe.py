@@ -90,14 +90,16 @@ def test_a_service_replica_is_what_prorl_rollout_serve_accepts():
 
 def test_a_runtime_is_what_prorl_sandbox_serve_accepts_and_registers_with_every_replica():
     r = recipe(runtime_args=("--max-sandboxes", "64"))
-    args = parse(sandbox_cli.build_parser, slurm_recipe.runtime_args(r, "cpu-2", "cpu-0", "77"), token_env())
+    # The runtime step unsets the other tokens: a runtime keeps the registration token only.
+    env = {"PRORL_REGISTRATION_TOKEN": TOKEN}
+    args = parse(sandbox_cli.build_parser, slurm_recipe.runtime_args(r, "cpu-2", "cpu-0", "77"), env)
     assert (args.command, args.host, args.port) == ("serve", "0.0.0.0", 8765)
     assert (args.backend, args.image_dir) == ("apptainer", [Path("/shared/sif")])
     assert args.advertise_url == "http://cpu-2:8765"
     assert args.register == ["http://cpu-0:8766", "http://cpu-0:8767"] == slurm_recipe.service_urls(r, "cpu-0")
     assert args.state_dir == Path("/tmp/prorl-sandbox-77")
     assert args.max_sandboxes == 64
-    assert (args.token, args.register_token) == (TOKEN, TOKEN)  # from the environment
+    assert (args.token, args.register_token) == (None, TOKEN)  # its own token it makes; R from the environment
 
 
 def test_no_command_carries_the_api_token():
@@ -352,7 +354,7 @@ def test_the_script_runs_with_stand_ins(stand_in_run):
     for node, args in runtimes.items():
         assert args.advertise_url == f"http://{node}:8765"
         assert args.register == service_urls  # every runtime with every replica
-        assert (args.token, args.register_token) == (token, token)
+        assert (args.token, args.register_token) == (None, token)  # its own token it makes
         assert args.state_dir == Path("/scratch/local/prorl-sandbox-42")
 
     (srun,) = calls["srun"]

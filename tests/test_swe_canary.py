@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from prorl_plugins.tasks.swe import graded_own_row
+from prorl_plugins.tasks.swe import graded_outcome, graded_own_row
 from prorl_plugins.tasks.swe_canary import plant, tampering, without_canaries
 from prorl_plugins.tasks.swe_grading import (
     DIFF_FILE_BYTES,
     AgentChanges,
     agent_changes,
+    bounded_patch,
     parse_test_log,
     unified_patch,
 )
@@ -127,6 +128,7 @@ def test_a_canary_missing_from_the_log_is_tampering() -> None:
     planted = plant({"test_calc.py": PYTESTS}, [], "pytest")
     assert "missing" in tampering({"test_calc.py::test_add": "PASSED"}, planted)
     statuses = {f"test_calc.py::{c.name}": "PASSED" if c.must_pass else "FAILED" for c in planted.canaries}
+    statuses |= {"test_calc.py::test_add": "PASSED", "test_calc.py::test_add_zero": "PASSED"}
     assert tampering(statuses, planted) is None
     must_fail = next(c for c in planted.canaries if not c.must_pass)
     assert "must fail" in tampering({**statuses, f"test_calc.py::{must_fail.name}": "PASSED"}, planted)
@@ -220,3 +222,176 @@ def test_a_tab_indented_test_file_gets_canaries_that_run(tmp_path: Path) -> None
     (tmp_path / "test_calc.py").write_bytes(planted.files["test_calc.py"])
     run = subprocess.run(COMMANDS["unittest"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert tampering(parse_test_log(run.stdout + run.stderr, "unittest"), planted) is None
+
+
+# -- review of issue 47 (items 1-5): holes a policy could use, and false alarms on honest runs ----------------------
+def own_row(
+    tmp_path: Path, calc: str, tests: dict[str, str], argv: list[str], named: list[str] = (), framework: str = ""
+) -> tuple[float, dict[str, str], object]:
+    """An own row graded end to end in this process, as `SweTask.evaluate` grades it: (outcome, artifacts, graded)."""
+    framework = framework or ("pytest" if "pytest" in argv else "unittest")
+    instance = {"files": {"calc.py": BUGGY}, "test_files": tests, "test_command": " ".join(argv[1:])}
+    graded = graded_own_row(tar_gz({"calc.py": calc, **tests}), instance, list(named), framework)
+    with tarfile.open(fileobj=io.BytesIO(graded.tree), mode="r:gz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    run = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    outcome, artifacts = graded_outcome(graded, run.stdout + run.stderr, run.returncode, list(named), framework)
+    return outcome, artifacts, graded
+
+
+# Turns a failure into a pass only in a test that called into the package; reports every other test truthfully.
+SELECTIVE_UNITTEST = (
+    "\nimport unittest\n\n_called = [False]\n_add = add\n\n\ndef add(a, b):\n    _called[0] = True\n"
+    "    return _add(a, b)\n\n\n_run = unittest.TestCase.run\n\n\ndef _forging_run(self, result=None):\n"
+    "    _called[0] = False\n    probe = unittest.TestResult()\n    _run(self, probe)\n"
+    "    if (probe.failures or probe.errors) and _called[0]:\n"
+    "        result.startTest(self)\n        result.addSuccess(self)\n        result.stopTest(self)\n"
+    "    else:\n        _run(self, result)\n\n\nunittest.TestCase.run = _forging_run\n"
+)
+SELECTIVE_PYTEST = (
+    "\nimport _pytest.reports\n\n_called = [False]\n_add = add\n\n\ndef add(a, b):\n    _called[0] = True\n"
+    "    return _add(a, b)\n\n\n_init = _pytest.reports.TestReport.__init__\n\n\n"
+    "def _forging(self, *args, **kwargs):\n    _init(self, *args, **kwargs)\n"
+    "    if self.when == 'setup':\n        _called[0] = False\n"
+    "    elif self.when == 'call' and self.outcome == 'failed' and _called[0]:\n"
+    "        self.outcome, self.longrepr = 'passed', None\n\n\n_pytest.reports.TestReport.__init__ = _forging\n"
+)
+
+
+@pytest.mark.parametrize("named", [[], ["test_add (test_calc.TestAdd)"]], ids=["unnamed", "named"])
+@pytest.mark.parametrize(("runner", "hack"), [("unittest", SELECTIVE_UNITTEST), ("pytest", SELECTIVE_PYTEST)])
+def test_a_runner_that_forges_only_tests_calling_the_package_is_caught(tmp_path, runner, hack, named) -> None:
+    tests = {"test_calc.py": PYTESTS if runner == "pytest" else UNITTESTS}
+    named = ["test_calc.py::test_add"] if named and runner == "pytest" else named
+    outcome, artifacts, graded = own_row(tmp_path, BUGGY + hack, tests, COMMANDS[runner], named)
+    assert outcome == 0.0 and "must fail" in artifacts.get("tampered", ""), artifacts
+    assert all(canary.original in ("test_add", "test_add_zero") for canary in graded.planted.canaries)
+    with tarfile.open(fileobj=io.BytesIO(graded.tree), mode="r:gz") as tar:
+        source = tar.extractfile("test_calc.py").read().decode()
+    assert "a + b ==" not in source  # no fixed body that gives the expected outcome away
+
+
+def test_a_must_fail_copy_fails_under_python_O(tmp_path: Path) -> None:
+    outcome, artifacts, _ = own_row(
+        tmp_path, FIXED, {"test_calc.py": UNITTESTS}, [sys.executable, "-O", *COMMANDS["unittest"][1:]]
+    )
+    assert "tampered" not in artifacts and outcome == 1.0, artifacts
+
+
+# The package ends the run (exit status 0) when the one test that would fail calls it, after the others reported.
+EXITS_ON_THE_FAILING_INPUT = (
+    "import os\n\n\ndef add(a, b):\n    if (a, b) == (2, 3):\n        os._exit(0)\n    return a + b\n"
+)
+LAST_CLASS_TESTS = (
+    "import unittest\nfrom calc import add\n\n\nclass TestAdd(unittest.TestCase):\n"
+    "    def test_add_zero(self):\n        self.assertEqual(add(0, 0), 0)\n\n\n"
+    "@(lambda cls: cls)\nclass TestZ(unittest.TestCase):\n"
+    "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n"
+)
+
+
+def test_a_row_without_names_needs_every_test_reported(tmp_path: Path) -> None:
+    outcome, artifacts, _ = own_row(
+        tmp_path, EXITS_ON_THE_FAILING_INPUT, {"test_calc.py": LAST_CLASS_TESTS}, COMMANDS["unittest"]
+    )
+    assert outcome == 0.0 and "TestZ::test_add: missing" in artifacts["test_failures"], artifacts
+    assert own_row(tmp_path / "fixed", FIXED, {"test_calc.py": LAST_CLASS_TESTS}, COMMANDS["unittest"])[0] == 1.0
+
+
+ABSTRACT_BASE = (
+    "import unittest\nfrom calc import add\n\n\nclass AddBase(unittest.TestCase):\n    def setUp(self):\n"
+    "        if type(self) is AddBase:\n            self.skipTest('abstract')\n\n"
+    "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n\n\nclass TestAddInts(AddBase):\n    pass\n"
+)
+CLASS_PARAMETRIZED = (
+    "import pytest\nfrom calc import add\n\n\n@pytest.mark.parametrize('n', [0, 1])\nclass TestAdd:\n"
+    "    def test_add(self, n):\n        assert add(n, 3) == n + 3\n"
+)
+
+
+DOCSTRINGS = UNITTESTS.replace("def test_add(self):\n", 'def test_add(self):\n        """Adds."""\n').replace(
+    "def test_add_zero(self):\n", 'def test_add_zero(self):\n        """Adds zeros."""\n'
+)  # `unittest -v` keys a result by a docstring's first line too: a copy would share it
+
+
+@pytest.mark.parametrize(
+    ("tests", "runner"),
+    [(ABSTRACT_BASE, "unittest"), (CLASS_PARAMETRIZED, "pytest"), (DOCSTRINGS, "unittest")],
+    ids=["abstract-base", "class-mark", "docstrings"],
+)
+def test_an_honest_run_of_skipped_or_decorated_classes_is_not_tampered(tmp_path, tests, runner) -> None:
+    for attempt in range(3):  # the layout was chosen at random
+        outcome, artifacts, _ = own_row(tmp_path / str(attempt), FIXED, {"test_calc.py": tests}, COMMANDS[runner])
+        assert "tampered" not in artifacts and outcome == 1.0, artifacts
+
+
+def test_canaries_go_only_to_the_class_a_named_test_names() -> None:
+    tests = UNITTESTS + "\n\nclass Helper:\n    def test_add(self):\n        raise RuntimeError('never collected')\n"
+    for _ in range(10):
+        planted = plant({"test_calc.py": tests}, ["test_add (test_calc.TestAdd)"], "unittest")
+        source = planted.files["test_calc.py"].decode()
+        assert source.endswith(tests[tests.index("\n\nclass Helper") :])  # nothing added to Helper
+        assert {canary.container for canary in planted.canaries} == {"TestAdd"}
+
+
+@pytest.mark.parametrize(
+    ("command", "config"),
+    [
+        ("python3 -m pytest -x -rA", {}),
+        ("python3 -m pytest -rA --maxfail=1", {}),
+        ("python3 -m pytest --sw", {}),
+        ("python3 -m pytest -rA", {"setup.cfg": "[tool:pytest]\naddopts = -rA\n    --maxfail 1\n"}),
+        ("python3 -m pytest -rA test_calc.py::test_add", {}),
+        ("python3 -m unittest -v -f", {}),
+        ("python3 -m unittest -fv", {}),
+        ("python3 -m unittest -v test_calc.TestAdd", {}),
+    ],
+)
+def test_a_row_whose_command_stops_early_or_selects_tests_is_refused(command: str, config: dict) -> None:
+    from prorl_adapter.tasks import TaskConfigError
+    from prorl_plugins.tasks.swe import check_row
+
+    row = {"problem_statement": "p", "files": {"calc.py": BUGGY, **config}, "test_files": {"test_calc.py": PYTESTS}}
+    with pytest.raises(TaskConfigError, match=r"stops at the first failure|selects tests by name"):
+        check_row({**row, "test_command": command})
+    check_row({**row, "files": {"calc.py": BUGGY}, "test_command": "python3 -m pytest -rA -p no:cacheprovider"})
+
+
+def test_canaries_go_only_to_the_files_the_command_runs(tmp_path: Path) -> None:
+    tests = {"test_calc.py": PYTESTS, "test_other.py": "def test_other():\n    assert 1 + 1 == 2\n"}
+    argv = [*COMMANDS["pytest"], "test_calc.py"]
+    for attempt in range(3):
+        outcome, artifacts, graded = own_row(tmp_path / str(attempt), FIXED, tests, argv)
+        assert "tampered" not in artifacts and outcome == 1.0, artifacts
+        assert set(graded.planted.files) == {"test_calc.py"}
+
+
+# -- a bounded patch that names what it leaves out (item 5) ---------------------------------------------------------
+def test_a_small_change_in_a_file_over_the_bound_is_shown(tmp_path: Path) -> None:
+    before = "".join(f"line {i}\n" for i in range(200_000))
+    assert len(before) > DIFF_FILE_BYTES
+    after = before.replace("line 150000\n", "hack()\n")
+    patch, truncated = bounded_patch(agent_changes(tar_gz({"f.txt": after}), {"f.txt": before}), {"f.txt": before})
+    assert "-line 150000\n+hack()\n" in patch and truncated == []
+    (tmp_path / "f.txt").write_text(before)
+    (tmp_path / "p.diff").write_text(patch)
+    subprocess.run(["git", "apply", "p.diff"], cwd=tmp_path, check=True, capture_output=True)
+    assert (tmp_path / "f.txt").read_text() == after
+
+
+def test_a_change_after_padding_that_spends_the_budget_is_named() -> None:
+    padding = {f"a{i}.txt": (f"{i}" * 63 + "\n") * 16_384 for i in range(8)}  # 1 MiB each: the 8 MiB budget
+    changes = AgentChanges(
+        written={**{p: (t.encode(), 0o644) for p, t in padding.items()}, "calc.py": (FIXED.encode(), 0o644)}
+    )
+    patch, truncated = bounded_patch(changes, {"calc.py": BUGGY})
+    assert "calc.py" in truncated and "Binary files a/calc.py and b/calc.py differ" in patch
+
+
+def test_an_own_row_names_the_files_its_patch_leaves_out() -> None:
+    instance = {"files": {"calc.py": BUGGY}, "test_files": {"test_calc.py": UNITTESTS}, "test_command": "x"}
+    big = "x = 1\n" * 400_000
+    graded = graded_own_row(
+        tar_gz({"calc.py": FIXED, "test_calc.py": UNITTESTS, "big.py": big}), instance, [], "unittest"
+    )
+    assert graded.truncated == ("big.py",) and "-    return a - b\n+    return a + b\n" in graded.patch

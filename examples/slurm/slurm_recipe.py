@@ -42,7 +42,7 @@ SHELL_REFS = (HEAD, HEAD_IP, NODE, JOB_ID, JOB_DIR, REDIS_PASSWORD, TOKEN, SANDB
 
 # The environment variables through which the API token reaches the CLIs (their --token, --sandbox-token and
 # --register-token defaults, and so the replicas' registration token), so that it never appears on a command line.
-TOKEN_ENV = ("PRORL_ROLLOUT_TOKEN", "PRORL_SANDBOX_TOKEN")
+TOKEN_ENV = ("PRORL_ROLLOUT_TOKEN", "PRORL_SANDBOX_TOKEN", "PRORL_REGISTRATION_TOKEN")
 BUFFER_ENV = "PRORL_BUFFER_URL"  # the Redis URL, password and all, for the service replicas
 # What the training job finds in rollout.env.
 HANDOFF_KEYS = ("PRORL_SERVICE_URL", "PRORL_SERVICE_URLS", "PRORL_SANDBOX_URLS", "PRORL_TOKEN", "PRORL_ROLLOUT_JOB")
@@ -264,7 +264,7 @@ umask 077
 mkdir -p "$PRORL_JOB_DIR" && chmod 700 "$PRORL_JOB_DIR"
 PRORL_TOKEN=${PRORL_TOKEN:-$(random_secret)}
 PRORL_REDIS_PASSWORD=$(random_secret)
-export PRORL_ROLLOUT_TOKEN=$PRORL_TOKEN PRORL_SANDBOX_TOKEN=$PRORL_TOKEN
+export PRORL_ROLLOUT_TOKEN=$PRORL_TOKEN PRORL_SANDBOX_TOKEN=$PRORL_TOKEN PRORL_REGISTRATION_TOKEN=$PRORL_TOKEN
 """
 
 
@@ -303,7 +303,11 @@ def _service_block(recipe: Recipe) -> list[str]:
 
 def _runtime_block(recipe: Recipe) -> list[str]:
     """One srun step for all runtimes; each task's command is expanded on its own node ($SLURMD_NODENAME)."""
-    task = "exec " + shell_line([*recipe.sandbox_command, *runtime_args(recipe, NODE, HEAD, JOB_ID)])
+    # A runtime keeps only the registration token: its own API token is one it makes (sent to the replicas in
+    # its heartbeats), so no runtime holds another's, nor the service's API token.
+    task = "unset PRORL_ROLLOUT_TOKEN PRORL_SANDBOX_TOKEN; exec " + shell_line(
+        [*recipe.sandbox_command, *runtime_args(recipe, NODE, HEAD, JOB_ID)]
+    )
     return [
         "# -- a sandbox runtime on every node; each registers itself with every replica",
         f"srun {shell_line(runtime_srun_args(recipe))} bash -c {shlex.quote(task)} &",

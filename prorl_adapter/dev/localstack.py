@@ -31,8 +31,8 @@ VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 # no host path but /usr unless its runtime names it (--host-path): a runtime for agent programs is given this one.
 AGENT_ENV = Path(os.environ.get("PRORL_AGENT_ENV", "/opt/prorl-agent"))
 # The registration token of every rollout service and sandbox runtime this process starts (a runtime registers
-# only with it): made here, handed over in the environment, never on a command line. A runtime of a token of its
-# own that registers must be given that token as its --register-token, and the service as its --registration-token.
+# only with it): made here, handed over in the environment, never on a command line. A runtime that registers
+# presents it only to register; its own API token is its --token (which must differ), or one it makes.
 REGISTRATION_TOKEN = secrets.token_urlsafe(32)
 REGISTRATION_ENV = {"PRORL_REGISTRATION_TOKEN": REGISTRATION_TOKEN}
 

@@ -67,13 +67,19 @@ def redis_config(token: str) -> str:
 
 def service_env(token: str, buffer_url: str) -> dict[str, str]:
     """A replica's secrets, read by its CLI from the environment: its token, the runtimes', the Redis URL."""
-    return {"PRORL_ROLLOUT_TOKEN": token, "PRORL_SANDBOX_TOKEN": token, "PRORL_BUFFER_URL": buffer_url}
+    return {
+        "PRORL_ROLLOUT_TOKEN": token,
+        "PRORL_SANDBOX_TOKEN": token,
+        "PRORL_REGISTRATION_TOKEN": token,
+        "PRORL_BUFFER_URL": buffer_url,
+    }
 
 
 def runtime_env(token: str) -> dict[str, str]:
-    """A runtime's secret: its own token, which is also the services' registration token (their sandbox token),
-    so it registers with it by default. It is given no API token of the services: it needs none."""
-    return {"PRORL_SANDBOX_TOKEN": token}
+    """A runtime's secret: the services' registration token, presented only to register. Its own API token is
+    one it makes at start-up and sends the services in its heartbeats, so no runtime holds another's; it is given
+    no API token of the services either: it needs none."""
+    return {"PRORL_REGISTRATION_TOKEN": token}
 
 
 def listen_args(ip: str, port: int, listen_fd: int | None) -> list[str]:

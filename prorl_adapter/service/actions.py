@@ -53,8 +53,11 @@ class HermesFormat(ActionFormat):
         return parse_tool_calls(text)
 
 
-# ```lang\n body ``` with the closing fence at the start of a line; the body may be empty.
-_BLOCK = re.compile(r"```([A-Za-z0-9_+-]*)[^\n]*\n(.*?)^[ \t]*```", re.DOTALL | re.MULTILINE)
+# A fenced block as Markdown (CommonMark) writes one: the opening fence, three or more backticks and the
+# language, starts a line; the closing fence stands on a line of its own and is at least as long. So backticks
+# inside a line ("wrap code in ``` fences") or a shorter fence inside the block's text neither open nor close one.
+_BLOCK = re.compile(r"^[ \t]*(`{3,})([A-Za-z0-9_+-]*)[^\n]*\n(.*?)^[ \t]*\1`*[ \t]*$", re.DOTALL | re.MULTILINE)
+_OPENING = re.compile(r"^[ \t]*`{3,}", re.MULTILINE)
 # Other names models give the languages of the built-in tools' blocks.
 ALIASES = {"sh": "bash", "shell": "bash", "console": "bash", "py": "python", "python3": "python"}
 
@@ -77,12 +80,13 @@ class FencedFormat(ActionFormat):
         )
 
     def parse(self, text: str, tools: dict[str, Tool]) -> ParsedCalls:
-        blocks = _BLOCK.findall(text)
+        blocks = list(_BLOCK.finditer(text))
+        rest = text[blocks[-1].end() :] if blocks else text
+        if _OPENING.search(rest):  # the last block is still open: the turn was cut, or the model never closed it
+            return ParsedCalls([], ["a code block was opened with ``` but never closed"])
         if not blocks:
-            if text.count("```") % 2 == 1:
-                return ParsedCalls([], ["a code block was opened with ``` but never closed"])
             return ParsedCalls([], [])
-        language, body = blocks[-1]
+        _, language, body = blocks[-1].groups()
         name = ALIASES.get(language.lower(), language.lower())
         tool = tools.get(name)
         if tool is None:

@@ -48,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--registration-token",
         default=os.environ.get("PRORL_REGISTRATION_TOKEN"),
-        help="what a runtime started with --register must present, and the only token it is then sent (env "
-        "PRORL_REGISTRATION_TOKEN; default: the sandbox token; with neither, no runtime may register)",
+        help="what a runtime started with --register must present (env PRORL_REGISTRATION_TOKEN; default: the "
+        "sandbox token; with neither, no runtime may register); a registered runtime is called with its own token",
     )
     serve.add_argument("--timeout", type=float, default=1800.0, help="default time budget of a job, in seconds")
     serve.add_argument("--max-init-workers", type=int, default=32)
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config.plugin_config = read_plugin_config(args.plugin_config)
         config.check()
-        config.connections = config.connections.resolve()
+        config.connections = config.connections.resolve(sites=2)  # the API and the gateway
     except ValueError as exc:
         print(f"prorl-rollout: {exc}")
         return 2

@@ -52,15 +52,15 @@ class RolloutConfig:
     listen_socket: socket.socket | None = None
     # The front door of both the API and the gateway: header and body deadlines, connection caps.
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
-    # What a runtime presents to register (PUT /v1/runtimes/{name}), and the one token this service then sends
-    # it; None: the sandbox token, and with neither, registration is refused (see `registration_credential`).
+    # What a runtime presents to register (PUT /v1/runtimes/{name}); None: the sandbox token, and with neither,
+    # registration is refused (see `registration_credential`). A registered runtime is called with its own token.
     registration_token: str | None = None
 
     @property
     def registration_credential(self) -> str | None:
-        """The token a registering runtime must present: --registration-token, else --sandbox-token (runtimes
-        launched with that token as their own present it by default). A registered runtime is sent this token and
-        no other: it is the one it proved to hold, while --sandbox-token may open runtimes given by URL."""
+        """The token a registering runtime must present: --registration-token, else --sandbox-token. A registered
+        runtime is never sent it (every registered runtime holds it), nor --sandbox-token (it may open runtimes
+        given by URL): it is called with the token of its own its heartbeats carry."""
         return self.registration_token or self.sandbox_token
 
     @property

@@ -30,6 +30,7 @@ from aiohttp import web
 from jinja2 import TemplateError
 from prometheus_client import Counter
 
+from sandbox_runtime.connections import mark_credential_checked
 from sandbox_runtime.openapi import API, Operation, Reply
 from sandbox_runtime.webapp import json_api, json_response
 
@@ -60,6 +61,9 @@ from .token_history import CallLog, ChatKey, Sampled, canonical, tools_key
 
 SANDBOX_PORT = 8766  # where the gateway is on a sandbox's own loopback
 CALLS_IN_FLIGHT = 4  # per episode; more wait for a slot
+# Requests of one key in flight at most, counted from before the body is read: more are refused (429), so a
+# sandbox cannot hold the gateway's connections in requests (a body trickled in, say) with the key it was given.
+REQUESTS_PER_KEY = 2 * CALLS_IN_FLIGHT
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a call's body: messages of a long context, far from the service's 16 MiB
 
 
@@ -79,6 +83,7 @@ class GatewayEpisode:
     log: CallLog = field(default_factory=CallLog)
     pin: Pin = field(default_factory=Pin)
     calls_started: int = 0
+    requests_open: int = 0  # requests with this key being read or answered (`_known_key`)
     open: bool = True
     slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(CALLS_IN_FLIGHT))
 
@@ -345,6 +350,7 @@ def _completion_chunks(answer: Completion, include_usage: bool) -> list[dict]:
 KEY = {"key": {"type": "string", "description": "the episode's key, as OPENAI_API_KEY gives it", "maxLength": 128}}
 REFUSED = {
     404: "no running episode has this key",
+    429: f"this key has {REQUESTS_PER_KEY} requests in flight already",
     400: "the turn limit or the context is used up, or the LLM server refused it",
 }
 _STREAM = "JSON; with `stream: true`, text/event-stream chunks as OpenAI sends them, ending with `data: [DONE]`"
@@ -404,18 +410,28 @@ GATEWAY_API = API(
 def create_gateway_app(requests: Counter) -> web.Application:
     """The gateway's application: its paths only. `app[GATEWAY]` is set by the service once its pipeline runs,
     before this application starts. A key no running episode holds is refused before the body is read, so a
-    caller without one costs nothing but the request line."""
-    return json_api(GATEWAY_API, None, MAX_BODY_BYTES, requests, gates=[_known_key])
+    caller without one costs nothing but the request line. The key is the credential: only a request whose key
+    was checked admits its connection (connections.py), not one for the OpenAPI document."""
+    return json_api(GATEWAY_API, None, MAX_BODY_BYTES, requests, gates=[_known_key], credentialed=True)
 
 
 @web.middleware
 async def _known_key(request: web.Request, handler) -> web.StreamResponse:
     """What refuses a call whatever its body says, decided before the body is read (up to MAX_BODY_BYTES of it,
     parsed): a key no running episode holds (404; a finished episode's key is forgotten when its run ends), and
-    a generation beyond the episode's turn limit (400). The connection of a refused call is not kept alive."""
+    a generation beyond the episode's turn limit (400), and a request beyond the key's REQUESTS_PER_KEY in flight
+    (429). The connection of a refused call is not kept alive."""
     key = request.match_info.get("key")
-    if key is not None:
-        episode = request.app[GATEWAY].episode(key)  # 404 for any other
-        if request.method == "POST":  # the generating calls
-            refuse_spent(episode)
-    return await handler(request)
+    if key is None:
+        return await handler(request)
+    episode = request.app[GATEWAY].episode(key)  # 404 for any other
+    if request.method == "POST":  # the generating calls
+        refuse_spent(episode)
+    if episode.requests_open >= REQUESTS_PER_KEY:
+        raise GatewayError(429, f"this episode's key has {REQUESTS_PER_KEY} requests in flight already")
+    mark_credential_checked(request)
+    episode.requests_open += 1
+    try:
+        return await handler(request)
+    finally:
+        episode.requests_open -= 1

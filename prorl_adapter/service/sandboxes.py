@@ -68,6 +68,7 @@ class RuntimeServer:
     created: set[str] = field(default_factory=set)  # ids of this incarnation's sandboxes on it
     swept: bool = True  # a registered one: no sandbox goes there before an earlier run's leftovers are gone
     gate: CreateGate = field(default_factory=CreateGate)  # its creations in flight from this replica
+    token: str | None = None  # a registered one's own, as its heartbeats carry it
 
     def free(self) -> int:
         return self.capacity - max(self.reported, self.active)
@@ -79,15 +80,13 @@ class SandboxPool:
         urls: list[str],
         token: str | None = None,
         owner: str = "prorl-rollout",
-        registered_token: str | None = None,
         coordination: Coordination | None = None,
         wait_for_runtime_s: float = WAIT_FOR_RUNTIME_S,
         warm: WarmConfig | None = None,
         max_concurrent_creates: int = 0,
     ) -> None:
         self.owner = owner
-        self._token = token  # for the runtimes given by URL only
-        self._registered_token = registered_token  # the credential registered runtimes presented: all they get
+        self._token = token  # for the runtimes given by URL only; a registered one is called with its own
         self.coordination = coordination or LocalCoordination(owner)
         self.wait_for_runtime_s = wait_for_runtime_s
         self.max_concurrent_creates = max_concurrent_creates
@@ -105,14 +104,14 @@ class SandboxPool:
         self._creations: set[asyncio.Future[SandboxInfo]] = set()  # awaited at close: their sandboxes are deleted
         self._refresh_lock = asyncio.Lock()
 
-    def _server(self, name: str, url: str, static: bool, swept: bool = True) -> RuntimeServer:
-        """A runtime and its client. A registered one is sent only the token it registered with, never the
-        runtimes' token given for the static ones: whatever registers (at whatever URL it names) must not learn a
-        credential that opens other runtimes."""
+    def _server(self, name: str, url: str, static: bool, swept: bool = True, token: str | None = None) -> RuntimeServer:
+        """A runtime and its client. A registered one is sent only its own token, the one its (authenticated)
+        heartbeats carry: never the runtimes' token given for the static ones, nor the registration token, which
+        every registered runtime holds. Whatever registers (at whatever URL it names) learns no credential that
+        opens another runtime."""
         gate = CreateGate(self.max_concurrent_creates or None)
-        token = self._token if static else self._registered_token
-        client = SandboxClient(url, token=token, timeout=120)
-        return RuntimeServer(name, url, client, static=static, swept=swept, gate=gate)
+        client = SandboxClient(url, token=self._token if static else token, timeout=120)
+        return RuntimeServer(name, url, client, static=static, swept=swept, gate=gate, token=token)
 
     # -- the runtimes -----------------------------------------------------------------------------------
     async def refresh(self) -> None:
@@ -129,9 +128,13 @@ class SandboxPool:
             for url, record in heard.items():
                 server = self.servers.get(url)
                 if server is None:
-                    server = self._server(record.name, url, static=False, swept=False)
+                    server = self._server(record.name, url, static=False, swept=False, token=record.heartbeat.token)
                     self.servers[url] = server
                     self._in_background(self._delete_leftovers_on(server), self._sweeps)
+                elif not server.static and server.token != record.heartbeat.token:  # restarted with a new token
+                    old, server.token = server.client, record.heartbeat.token
+                    server.client = SandboxClient(url, token=server.token, timeout=120)
+                    self._in_background(old.aclose())
                 if not server.static:
                     server.capacity, server.reported = record.heartbeat.capacity, record.heartbeat.sandboxes
                     server.seen_at, server.alive = record.seen_at, record.alive(now)

@@ -17,6 +17,7 @@ import hmac
 from aiohttp import web
 
 from sandbox_runtime.config import RUNTIME_NAME
+from sandbox_runtime.connections import mark_credential_checked
 from sandbox_runtime.models import RuntimeHeartbeat
 from sandbox_runtime.openapi import API, Link, Operation, Reply, metrics_operation, operations_under
 from sandbox_runtime.webapp import (
@@ -87,6 +88,7 @@ BOARD = web.AppKey("board", JobBoard)
 REPLICA = web.AppKey("replica", Replica)
 METRICS = web.AppKey("metrics", RolloutMetrics)
 GATEWAY_APP = web.AppKey("gateway_app", web.Application)
+REGISTRATION_CREDENTIAL = web.AppKey("registration_credential", str)
 MAX_WAIT_S = 3600.0
 DECOUPLED_FIGURES = (
     "upcoming",
@@ -105,6 +107,10 @@ DECOUPLED_FIGURES = (
 
 class BadRequest(ValueError):
     status = 400
+
+
+class Conflict(ValueError):
+    status = 409
 
 
 # -- handlers -------------------------------------------------------------------------------------------
@@ -176,11 +182,26 @@ async def service_status(request: web.Request) -> web.Response:
 
 
 async def runtime_heartbeat(request: web.Request, body: RuntimeHeartbeat) -> web.Response:
-    """A sandbox runtime registering itself (`prorl-sandbox serve --register`): recorded for every replica."""
+    """A sandbox runtime registering itself (`prorl-sandbox serve --register`): recorded for every replica. A name
+    stays bound to the URL it was registered with while that runtime is alive (until it leaves, or misses three
+    heartbeats): another URL under a live name is refused (409), so no registered node takes another's name, and
+    with it the traffic and the token the service calls it with. The token a runtime sends is its own; the
+    registration token is refused as one (every registered runtime holds it)."""
     name = request.match_info["name"]
     if not RUNTIME_NAME.fullmatch(name):
         raise BadRequest(f"runtime name {name[:200]!r}: 1-128 of letters, digits and . _ : -")
-    await request.app[COORDINATION].runtime_heard(name, body)
+    credential = request.app[REGISTRATION_CREDENTIAL]
+    if body.token is not None and credential is not None and hmac.compare_digest(body.token, credential):
+        raise BadRequest("the runtime's own token must not be the registration token: give it a --token of its own")
+    coordination = request.app[COORDINATION]
+    now, records = await coordination.runtimes()
+    bound = next((r for r in records if r.name == name and r.alive(now)), None)
+    if bound is not None and bound.heartbeat.url.rstrip("/") != body.url.rstrip("/"):
+        raise Conflict(
+            f"runtime name {name!r} is registered with another URL; it stays so until that runtime leaves or "
+            "misses three heartbeats"
+        )
+    await coordination.runtime_heard(name, body)
     return json_response(RuntimeRegistered(name=name, alive=not body.leaving))
 
 
@@ -290,6 +311,7 @@ def registration_gate(credential: str | None) -> Middleware:
                 "registering a runtime needs the registration token (Authorization: Bearer <token>; the runtime's "
                 "--register-token, env PRORL_REGISTRATION_TOKEN)",
             )
+        mark_credential_checked(request)
         return await handler(request)
 
     return middleware
@@ -343,13 +365,16 @@ ROLLOUT_API = API(
             path_parameters={"name": {"type": "string", "pattern": f"^{RUNTIME_NAME.pattern}$"}},
             tag="runtimes",
             errors={
+                400: "the body is not valid, or its `token` is the registration token",
                 401: "no registration token, or a wrong one (Authorization: Bearer <registration token>)",
                 403: "this service takes no registrations (started without a registration or sandbox token)",
+                409: "the name is registered with another URL by a runtime still alive",
             },
             description="Sent by `prorl-sandbox serve --register URL` every few seconds; a runtime not heard from "
             "for three of its intervals gets no new sandboxes. Needs the registration token (not the API token), "
-            "whether or not the service has one; the service then calls the runtime with that token only. See "
-            "docs/scale-out.md.",
+            "whether or not the service has one; the service then calls the runtime with the `token` of its "
+            "heartbeat (the runtime's own), never with the registration token. A name stays bound to its URL "
+            "until its runtime leaves or lapses. See docs/scale-out.md.",
         ),
         Operation(
             "GET",
@@ -509,6 +534,7 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
         ROLLOUT_API, config.token, config.max_body_bytes, app_metrics.requests, gates, frozenset({REGISTRATION_PATH})
     )
     app[METRICS] = app_metrics
+    app[REGISTRATION_CREDENTIAL] = config.registration_credential  # type: ignore[assignment]
     app[GATEWAY_APP] = gateway.create_gateway_app(app_metrics.requests)
 
     async def plugins(app: web.Application):
@@ -538,7 +564,6 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
         app[SANDBOXES] = SandboxPool(
             config.sandbox_urls,
             token=config.sandbox_token,
-            registered_token=config.registration_credential,
             owner=config.sandbox_owner,
             coordination=app[COORDINATION],
             warm=config.warm,

@@ -8,9 +8,17 @@ directory (the workspace) first on sys.path, and `python3 script.py` the script'
 would be what `import json` runs; and the user site directory lies in the workspace too (HOME), where a planted
 `.pth` file runs at every start. CHECK_ENV turns both off for every Python 3.11 or newer the check starts
 (PYTHONSAFEPATH is new in 3.11: an image with an older Python still imports from the working directory).
+
+The sandbox's HOME is the workspace too, and the tools a check uses read their configuration from there: a planted
+~/.gitconfig runs code (`core.fsmonitor` runs a command at `git status`), ~/.npmrc, ~/.bashrc for a nested shell,
+~/.config. So a check runs with a HOME of its own, new and empty under /tmp, with XDG_CONFIG_HOME and the caches
+below it, and git reads no global or system configuration (GIT_CONFIG_GLOBAL=/dev/null, GIT_CONFIG_NOSYSTEM=1). A
+repository's own .git/config in the workspace is still the agent's: a check should not run git in one it left.
 """
 
 from __future__ import annotations
+
+import uuid
 
 from prorl_adapter.tasks import Environment
 from sandbox_runtime.models import RunResult
@@ -19,9 +27,23 @@ CHECK_ENV = {
     "PYTHONSAFEPATH": "1",  # no working directory or script directory on sys.path
     "PYTHONNOUSERSITE": "1",  # no ~/.local site-packages (HOME is the workspace)
     "PYTHONDONTWRITEBYTECODE": "1",  # the check leaves no __pycache__ in the workspace it reads
+    "GIT_CONFIG_GLOBAL": "/dev/null",  # no ~/.gitconfig (core.fsmonitor, aliases, hooksPath)
+    "GIT_CONFIG_NOSYSTEM": "1",
 }
 
 
+def check_env() -> dict[str, str]:
+    """CHECK_ENV with a fresh HOME under /tmp (its name unguessable, made by the script before the check runs)."""
+    home = f"/tmp/check-home-{uuid.uuid4().hex}"
+    return {
+        **CHECK_ENV,
+        "HOME": home,
+        "XDG_CONFIG_HOME": f"{home}/.config",
+        "XDG_CACHE_HOME": f"{home}/.cache",
+        "XDG_DATA_HOME": f"{home}/.local/share",
+    }
+
+
 async def run_check(env: Environment, script: str, timeout: float = 60.0) -> RunResult:
-    """`script` run by bash as a one-shot process in the workspace, with CHECK_ENV: what a check should use."""
-    return await env.run(script=script, env=CHECK_ENV, timeout=timeout)
+    """`script` run by bash as a one-shot process in the workspace, with `check_env()`: what a check should use."""
+    return await env.run(script=f'mkdir -p -m 700 -- "$HOME" || exit 1\n{script}', env=check_env(), timeout=timeout)

@@ -18,8 +18,11 @@ Eval trusts nothing the agent could have planted (swe_grading.py has the rules):
 4. the test command runs as a one-shot process whose exit status comes from the kernel, and the log is read: a
    canary that reports the wrong outcome, or none, scores 0 as tampered; where the instance names the tests that
    must pass, each must appear as passed in the log (an early `exit 0` passes nothing); where it names none, no
-   real test may read as failed (the exit status is 1: the canaries that must fail failed). A row whose test
-   files hold no Python test gets no canaries, and its exit status is the verdict, as before.
+   real test may read as failed (the exit status is 1: the canaries that must fail failed), and every test the
+   command's test files define, as the runner collects them, must appear as passed or skipped (an `os._exit(0)`
+   on a failing test's input passes nothing). A row whose test files hold no Python test gets no canaries, and its
+   exit status is the verdict, as before. A row whose command stops at the first failure or selects tests by name
+   is refused when loaded (`swe_canary.command_problem`).
 
 The patch and the graded tree are computed on a worker thread: seconds of CPU for a big tree never stall the
 service's event loop (and `unified_patch` bounds its own work).
@@ -43,8 +46,20 @@ from sandbox_runtime.client import SandboxAPIError
 
 from . import swe_bench
 from .swe_bench import named_tests
-from .swe_canary import TAMPERED, Planted, plant, tampering, without_canaries
-from .swe_grading import PASSED, SKIPPED, agent_changes, graded_tree, parse_test_log, tests_verdict, unified_patch
+from .swe_canary import (
+    TAMPERED,
+    CollectedTest,
+    Planted,
+    collected_tests,
+    command_problem,
+    files_run,
+    missing_tests,
+    plant,
+    ran_count,
+    tampering,
+    without_canaries,
+)
+from .swe_grading import PASSED, SKIPPED, agent_changes, bounded_patch, graded_tree, parse_test_log, tests_verdict
 from .swe_protected import outside
 
 REPO = "repo"
@@ -130,6 +145,8 @@ class SweTask(TaskHandler):
         except (SandboxAPIError, ValueError):  # no readable repository (replaced by a link, too large): no patch
             return {"outcome": 0.0}
         state.artifacts["git_patch"] = graded.patch
+        if graded.truncated:  # the files the patch shows only as changed, for size: what it cannot show is named
+            state.artifacts["patch_truncated"] = "\n".join(graded.truncated)
         await env.wipe()
         try:  # the runtime refuses a patch whose links lead out of the repository: such a patch scores nothing
             await env.upload_archive(repo, graded.tree)
@@ -142,23 +159,33 @@ class SweTask(TaskHandler):
         )
         if result.status != "completed":
             return {"outcome": 0.0}
-        if not graded.planted.canaries:  # no Python test to put canaries beside: the command's word, as it was
-            if not must_pass:
-                return {"outcome": 1.0 if result.exit_code == 0 else 0.0}
-            passed, _ = tests_verdict(parse_test_log(result.output, framework), must_pass, framework)
-            return {"outcome": 1.0 if passed else 0.0}
-        statuses = parse_test_log(result.output, framework)
-        if tampered := tampering(statuses, graded.planted):
-            state.artifacts[TAMPERED] = tampered
-            return {"outcome": 0.0}
-        real = without_canaries(statuses, graded.planted)
-        if must_pass:
-            passed, failures = tests_verdict(real, must_pass, framework)
-        else:  # the canaries that must fail make the exit status 1: every test the log reports must not fail
-            failures = [f"{name}: {status}" for name, status in real.items() if status not in (PASSED, SKIPPED)]
-            passed = not failures
-        state.artifacts["test_failures"] = "\n".join(failures)
-        return {"outcome": 1.0 if passed else 0.0}
+        outcome, artifacts = graded_outcome(graded, result.output, result.exit_code, must_pass, framework)
+        state.artifacts.update(artifacts)
+        return {"outcome": outcome}
+
+
+def graded_outcome(
+    graded: GradedRow, log: str, exit_code: int | None, must_pass: list[str], framework: str
+) -> tuple[float, dict[str, str]]:
+    """An own row's outcome from its graded run's log and exit status, and the artifacts that say why
+    (`tampered`, `test_failures`)."""
+    if not graded.planted.canaries:  # no Python test to put canaries beside: the command's word, as it was
+        if not must_pass:
+            return (1.0 if exit_code == 0 else 0.0), {}
+        passed, _ = tests_verdict(parse_test_log(log, framework), must_pass, framework)
+        return (1.0 if passed else 0.0), {}
+    statuses = parse_test_log(log, framework)
+    if tampered := tampering(statuses, graded.planted):
+        return 0.0, {TAMPERED: tampered}
+    real = without_canaries(statuses, graded.planted)
+    if must_pass:
+        passed, failures = tests_verdict(real, must_pass, framework)
+    else:  # the canaries that must fail make the exit status 1: every test the log reports must not fail, and
+        # every test the command runs must be reported
+        failures = [f"{name}: {status}" for name, status in real.items() if status not in (PASSED, SKIPPED)]
+        failures += unreported(real, graded.expected, graded.planted, log, framework)
+        passed = not failures
+    return (1.0 if passed else 0.0), {"test_failures": "\n".join(failures)}
 
 
 @dataclass(frozen=True)
@@ -168,6 +195,21 @@ class GradedRow:
     patch: str  # the agent's changes, for people and trainers (`git_patch`)
     tree: bytes  # the tar.gz the tests run on
     planted: Planted  # the canaries in its test files
+    expected: tuple[CollectedTest, ...] = ()  # a row that names no tests: every test its command runs
+    truncated: tuple[str, ...] = ()  # the text files `patch` leaves out for size
+
+
+def unreported(
+    real: dict[str, str], expected: tuple[CollectedTest, ...], planted: Planted, log: str, framework: str
+) -> list[str]:
+    """For a row that names no tests, why the log does not show every test the command runs: each missing by name
+    (a run the code under test ended with os._exit(0) after the tests that passed); in a quiet log, which names only
+    what failed, the run's own count short of the tests and canaries (none of which may then be missing)."""
+    if any(status == PASSED for status in real.values()):
+        return missing_tests(real, expected)
+    ran = ran_count(log, framework)
+    wanted = len(expected) + len(planted.canaries)
+    return [] if ran is not None and ran >= wanted else [f"the run reports {ran} tests of at least {wanted}: missing"]
 
 
 def graded_own_row(archive: bytes, instance: dict[str, Any], must_pass: list[str], framework: str) -> GradedRow:
@@ -177,9 +219,12 @@ def graded_own_row(archive: bytes, instance: dict[str, Any], must_pass: list[str
     original = {**instance["files"], **test_files}
     changes = agent_changes(archive, original)
     kept = outside(changes, test_files, original, instance["test_command"])
-    planted = plant(test_files, must_pass, framework)
+    runs = files_run(instance["test_command"], framework, test_files, original)
+    planted = plant(test_files, must_pass, framework, passing=named_tests(instance, "PASS_TO_PASS"), runs=runs)
+    expected = () if must_pass else tuple(collected_tests(test_files, framework, runs))
     tree = graded_tree(original, {**test_files, **planted.files}, kept)
-    return GradedRow(unified_patch(changes, original), tree, planted)
+    patch, truncated = bounded_patch(changes, original)
+    return GradedRow(patch, tree, planted, expected, tuple(truncated))
 
 
 def check_row(instance: dict[str, Any]) -> None:
@@ -195,3 +240,6 @@ def check_row(instance: dict[str, Any]) -> None:
         if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
             raise TaskConfigError(f"{name!r} must map each path to its content (strings)")
     named_tests(instance, "FAIL_TO_PASS"), named_tests(instance, "PASS_TO_PASS")
+    framework = instance.get("test_framework") or ("pytest" if "pytest" in instance["test_command"] else "unittest")
+    if problem := command_problem(instance["test_command"], framework, {**instance["files"], **instance["test_files"]}):
+        raise TaskConfigError(problem)

@@ -84,7 +84,7 @@ from sandbox_runtime.client import SandboxAPIError
 from sandbox_runtime.models import SandboxSpec
 
 from .swe_canary import TAMPERED, Planted, plant, tampering
-from .swe_grading import AgentChanges, agent_changes, graded_tree, repository_tree, unified_patch
+from .swe_grading import AgentChanges, agent_changes, bounded_patch, graded_tree, repository_tree
 from .swe_protected import outside
 
 REPO_PATH = "/testbed"
@@ -545,6 +545,8 @@ async def evaluate(env: Environment, row: BenchRow, state: EpisodeState) -> dict
     except ValueError:  # an unreadable or oversized tree: no patch
         return {"outcome": 0.0}
     state.artifacts["git_patch"] = graded.patch
+    if graded.truncated:  # the files the patch shows only as changed, for size: what it cannot show is named
+        state.artifacts["patch_truncated"] = "\n".join(graded.truncated)
     # 3. The test patch on the fresh copy, then the agent's changes outside the test machinery, then the canaries.
     patch = f"/tmp/test-patch-{uuid.uuid4().hex}.diff"
     await env.write_file(patch, row.test_patch)
@@ -586,6 +588,7 @@ async def evaluate(env: Environment, row: BenchRow, state: EpisodeState) -> dict
 class GradedChanges:
     patch: str  # all the agent's changes, for people and trainers (`git_patch`)
     kept: AgentChanges  # those that `outside` keeps: what is applied
+    truncated: tuple[str, ...] = ()  # the text files `patch` leaves out for size
 
 
 def graded_changes(row: BenchRow, original_archive: bytes, agent_tree: bytes) -> GradedChanges:
@@ -598,7 +601,8 @@ def graded_changes(row: BenchRow, original_archive: bytes, agent_tree: bytes) ->
     contents = {path: content for path, (content, _) in original.items()}
     changes = _unchanged_dropped(agent_changes(agent_tree, contents, TREE_BYTES), original, original_links)
     kept = outside(changes, row.test_paths, original.keys() | original_links.keys(), graded_command(row))
-    return GradedChanges(unified_patch(changes, contents), kept)
+    patch, truncated = bounded_patch(changes, contents)
+    return GradedChanges(patch, kept, tuple(truncated))
 
 
 async def plant_canaries(env: Environment, row: BenchRow) -> Planted:
@@ -612,7 +616,7 @@ async def plant_canaries(env: Environment, row: BenchRow) -> Planted:
             except SandboxAPIError as exc:  # a test file the patch deletes
                 if exc.status >= 500:
                     raise
-    planted = plant(test_files, [*row.fail_to_pass, *row.pass_to_pass])
+    planted = plant(test_files, [*row.fail_to_pass, *row.pass_to_pass], passing=row.pass_to_pass)
     for path, content in planted.files.items():
         await env.write_file(f"{row.repo_path}/{path}", content)
     return planted

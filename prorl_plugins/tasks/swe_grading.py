@@ -131,12 +131,20 @@ _CONTEXT = 3  # lines of context around a change, as git and difflib write them
 
 
 def unified_patch(changes: AgentChanges, original: Mapping[str, str | bytes]) -> str:
+    """`bounded_patch`'s patch alone."""
+    return bounded_patch(changes, original)[0]
+
+
+def bounded_patch(changes: AgentChanges, original: Mapping[str, str | bytes]) -> tuple[str, list[str]]:
     """The agent's changes as a git-style unified diff (what ProRL's clients read as `git_patch`): text files line
-    by line, a binary file as `Binary files ... differ`, a symlink as its target. For a person or a trainer to read;
-    grading never applies it (it writes `changes` itself). Text over DIFF_FILE_BYTES, or beyond DIFF_TOTAL_BYTES in
-    all, is shown as a binary change."""
+    by line, a binary file as `Binary files ... differ`, a symlink as its target, and the text files left out for
+    size (the `patch_truncated` artifact): what hides there is named. For a person or a trainer to read; grading
+    never applies it (it writes `changes` itself). A text file's changed lines (between its common first and last
+    lines, both sides) over DIFF_FILE_BYTES, or beyond DIFF_TOTAL_BYTES in all, are left out, shown as a binary
+    change: a one-line fix in a big file is shown, and a big file put first cannot spend the budget on nothing."""
     originals = {path: _as_bytes(content) for path, content in original.items()}
     parts: list[str] = []
+    truncated: list[str] = []
     budget, exact = DIFF_TOTAL_BYTES, [DIFF_EXACT_BYTES]
     for path in sorted({*changes.written, *changes.symlinks, *changes.deleted}):
         before = originals.get(path)
@@ -157,23 +165,74 @@ def unified_patch(changes: AgentChanges, original: Mapping[str, str | bytes]) ->
             header += ["old mode 100644", f"new mode {mode}"]
         old_name = "/dev/null" if before is None else f"a/{path}"
         new_name = "/dev/null" if after is None else f"b/{path}"
-        size = len(before or b"") + len(after or b"")
-        if max(len(before or b""), len(after or b"")) > DIFF_FILE_BYTES or size > budget:
-            parts.append("\n".join([*header, f"Binary files {old_name} and {new_name} differ"]) + "\n")
+        binary = "\n".join([*header, f"Binary files {old_name} and {new_name} differ"]) + "\n"
+        before, after_bytes = before or b"", after or b""
+        start, tail = _common_ends(before, after_bytes)
+        old_changed, new_changed = before[start : len(before) - tail], after_bytes[start : len(after_bytes) - tail]
+        if b"\0" in old_changed or b"\0" in new_changed:
+            parts.append(binary)  # what git takes for binary: a NUL in the changed part
+            continue
+        size = len(old_changed) + len(new_changed)
+        if max(len(old_changed), len(new_changed)) > DIFF_FILE_BYTES or size > budget:
+            parts.append(binary)
+            truncated.append(path)
             continue
         budget -= size
+        # Only the changed lines and their context are split into lines: a one-line fix in a 60 MB file is cheap.
+        first = start
+        for _ in range(_CONTEXT):
+            first = before.rfind(b"\n", 0, max(0, first - 1)) + 1 if first else 0
+        common_tail = before[len(before) - tail :] if tail else b""
+        extra = 0
+        for _ in range(_CONTEXT + 1):
+            found = common_tail.find(b"\n", extra)
+            extra = len(common_tail) if found < 0 else found + 1
         try:
-            old_lines = (before or b"").decode().splitlines(keepends=True)
-            new_lines = (after or b"").decode().splitlines(keepends=True)
+            old_lines = before[first : len(before) - tail + extra].decode().splitlines(keepends=True)
+            new_lines = after_bytes[first : len(after_bytes) - tail + extra].decode().splitlines(keepends=True)
         except UnicodeDecodeError:
-            parts.append("\n".join([*header, f"Binary files {old_name} and {new_name} differ"]) + "\n")
+            parts.append(binary)
             continue
-        body = "".join(_ended(line) for line in _unified_diff(old_lines, new_lines, old_name, new_name, exact))
+        offset = before.count(b"\n", 0, first)
+        diff = _unified_diff(old_lines, new_lines, old_name, new_name, exact, offset)
+        body = "".join(_ended(line) for line in diff)
         parts.append("\n".join(header) + "\n" + body)
-    return "".join(parts)
+    return "".join(parts), truncated
 
 
-def _unified_diff(old: list[str], new: list[str], old_name: str, new_name: str, exact: list[int]) -> list[str]:
+def _common_ends(before: bytes, after: bytes) -> tuple[int, int]:
+    """The byte where both sides' first difference's line starts, and how many bytes both end with (not reaching
+    back past that line's start): what lies between is what a diff shows, less its context. Linear time."""
+    limit = min(len(before), len(after))
+    start = 0
+    step = 1 << 16
+    while start < limit:  # in blocks, then byte by byte in the block that differs
+        end = min(start + step, limit)
+        if before[start:end] == after[start:end]:
+            start = end
+            continue
+        while before[start] == after[start]:
+            start += 1
+        break
+    start = before.rfind(b"\n", 0, start) + 1  # back to the start of the line
+    tail = 0
+    while tail < limit - start:
+        size = min(step, limit - start - tail)
+        if (
+            before[len(before) - tail - size : len(before) - tail]
+            == after[len(after) - tail - size : len(after) - tail]
+        ):
+            tail += size
+            continue
+        while before[len(before) - tail - 1] == after[len(after) - tail - 1]:
+            tail += 1
+        break
+    return start, tail
+
+
+def _unified_diff(
+    old: list[str], new: list[str], old_name: str, new_name: str, exact: list[int], offset: int = 0
+) -> list[str]:
     """difflib's unified diff of two texts' lines, computed on what lies between their common first and last lines
     (a fix in a big file is a small change), and matched line by line only while `exact[0]` bytes of such changed
     text are left; else the changed lines as one hunk."""
@@ -195,9 +254,9 @@ def _unified_diff(old: list[str], new: list[str], old_name: str, new_name: str, 
     if changed <= exact[0]:
         exact[0] -= changed
         lines = list(difflib.unified_diff(old_window, new_window, old_name, new_name))
-        return header + [_shifted(line, start) if line.startswith("@@") else line for line in lines[2:]]
+        return header + [_shifted(line, start + offset) if line.startswith("@@") else line for line in lines[2:]]
     lead, trail = prefix - start, len(old_window) - (len(old) - suffix - start)
-    hunk = f"@@ -{_range(start, len(old_window))} +{_range(start, len(new_window))} @@\n"
+    hunk = f"@@ -{_range(start + offset, len(old_window))} +{_range(start + offset, len(new_window))} @@\n"
     return [
         *header,
         hunk,

@@ -43,7 +43,9 @@ def outside(
       of pytest itself, and pytest puts a test's directory first on sys.path, so `pytest.py` or `re.py` there
       would replace the test runner. `original` holds the original files' paths: what is there already stays.
     """
-    runners = runner_paths(command, original)
+    # A test file the command names (`pytest test_calc.py`) is protected as a test, not as a runner whose neighbours
+    # (the code under test, for a test at the root) it imports.
+    runners = runner_paths(command, original) - frozenset(protected)
     runner_dirs = {path.rpartition("/")[0] for path in runners}
     protected = frozenset(protected) | runners
     directories = {"/".join(path.split("/")[:depth]) for path in protected for depth in range(1, path.count("/") + 1)}
