@@ -109,7 +109,8 @@ async def test_a_decoupled_batch_survives_a_dead_node_and_a_dead_replica(vllm, t
             survivor = next(p for p in parts if p["part"] == "runtime" and p["name"] != victim_runtime["name"])
             # The dead replica's sandboxes are deleted by the replica that took over, and the survivor's own
             # were deleted as its episodes ended: nothing is left on the runtime that lives on.
-            wait_for(lambda: sandboxes_on(survivor["url"], token) == [], 60, "no sandbox left on the survivor")
+            left = lambda: sandboxes_on(stack.service_urls[0], token, survivor["url"])  # noqa: E731
+            wait_for(lambda: left() == 0, 60, "no sandbox left on the survivor")
             status = await first.status()
             await first.aclose()
             await second.aclose()
@@ -134,7 +135,9 @@ def running_on(url: str, token: str) -> int:
     return sum(reply.json()["active"].values())
 
 
-def sandboxes_on(url: str, token: str) -> list:
-    reply = httpx.get(f"{url}/v1/sandboxes", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+def sandboxes_on(service_url: str, token: str, runtime_url: str) -> int | None:
+    """How many sandboxes the runtime at `runtime_url` holds, as its last heartbeat told the replica at
+    `service_url` (a registered runtime's API token is its own: the stack's token does not open it)."""
+    reply = httpx.get(f"{service_url}/v1/runtimes", headers={"Authorization": f"Bearer {token}"}, timeout=10)
     reply.raise_for_status()
-    return reply.json()["sandboxes"]
+    return next((r["sandboxes"] for r in reply.json()["runtimes"] if r["url"] == runtime_url), None)

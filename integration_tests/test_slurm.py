@@ -283,10 +283,14 @@ def test_the_recipe_runs_on_a_real_single_node_slurm(cluster):
     headers = {"Authorization": f"Bearer {handoff['PRORL_TOKEN']}"}
     for url in (handoff["PRORL_SERVICE_URL"], handoff["PRORL_SANDBOX_URLS"]):
         assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200, details()
+    # The runtime holds a token of its own (sent in its registration), not the job's: the job's does not open it.
     runtime_info = httpx.get(f"{handoff['PRORL_SANDBOX_URLS']}/v1/info", headers=headers, timeout=10)
-    assert runtime_info.status_code == 200, runtime_info.text  # the token reached the runtime through srun's env
+    assert runtime_info.status_code == 401, runtime_info.text
     service_status = httpx.get(f"{handoff['PRORL_SERVICE_URL']}/v1/status", headers=headers, timeout=10)
     assert service_status.status_code == 200, service_status.text
+    # The registration token reached the runtime through srun's environment: it registered with the replica.
+    runtimes = httpx.get(f"{handoff['PRORL_SERVICE_URL']}/v1/runtimes", headers=headers, timeout=10).json()
+    assert [r["url"] for r in runtimes["runtimes"] if r["alive"]] == [handoff["PRORL_SANDBOX_URLS"]], runtimes
     assert processes_of(cluster, job)
     (training,) = re.findall(r"Submitted batch job (\d+)", output.read_text())
     cluster.jobs.append(training)
