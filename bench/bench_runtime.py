@@ -73,9 +73,6 @@ TARGET_CMDS_PER_S = 3000
 TARGET_CREATE_P50_S = 0.015
 TARGET_CREATE_VS_BARE = 1.2  # creation p50 against bare bwrap+bash's, measured beside it
 TARGET_IDLE_SANDBOXES = 1000
-# Each sandbox's disk limit is reserved on the state disk (sandbox_runtime/workspace_fs.py): 1,000 idle sandboxes of
-# the default 1 GiB would need a terabyte free. Theirs is small; the file system is made and mounted all the same.
-BENCH_SPEC = {"limits": {"disk_mb": 64}}
 TARGET_IDLE_BYTES = 1.5 * GiB
 
 SHELL = ["bash", "--norc", "--noprofile", "--noediting", "-i"]
@@ -376,7 +373,7 @@ class Runtime:
 
     async def create(self) -> tuple[str, float]:
         t0 = time.perf_counter()
-        async with self.http.post(f"{self.base}/v1/sandboxes", json=BENCH_SPEC) as resp:
+        async with self.http.post(f"{self.base}/v1/sandboxes", json={}) as resp:
             body = await resp.read()
         elapsed = time.perf_counter() - t0
         if resp.status != 201:

@@ -245,20 +245,29 @@ async def test_a_sandbox_on_a_full_state_disk_is_a_507(tmp_path, deployment):
             stop_server(server)
 
 
-async def test_sandboxes_are_admitted_only_while_the_state_disk_holds_all_their_limits(tmp_path):
+@pytest.mark.parametrize("reserve", [True, False], ids=["reserve-disk", "overcommit"])
+async def test_sandboxes_are_admitted_only_while_the_state_disk_holds_all_their_limits(tmp_path, reserve):
     """The images are sparse: were more admitted than the disk holds, one sandbox filling its own would fail the
-    writes of the others (EIO). A 144 MB state disk (8 MB of it kept free for the image cache): a sandbox of 64 MB
-    may take ~74 MB (its inode tables and metadata on top), so a second one does not fit beside it, a 32 MB one
-    does, and the 64 MB one again once the first is deleted."""
+    writes of the others (EIO). With --reserve-disk, on a 144 MB state disk (8 MB of it kept free for the image
+    cache): a sandbox of 64 MB may take ~74 MB (its inode tables and metadata on top), so a second one does not fit
+    beside it, a 32 MB one does, and the 64 MB one again once the first is deleted. Without it (the default), the
+    second one is admitted: the disk holds it now."""
     if not os.path.exists("/dev/loop-control"):
         pytest.skip("this host has no loop devices")
     with small_state_disk(tmp_path / "state", 144) as state:
-        server = start_deployment("root", state, "bwrap")
+        server = start_deployment("root", state, "bwrap", *(["--reserve-disk"] if reserve else []))
         try:
             if (await enforcement(server)).disk != "filesystem":
                 pytest.skip("this host gives sandboxes no file system of their own")
             async with server.client() as client:
                 first = (await client.create_sandbox(limits={"disk_mb": 64})).id
+                if not reserve:
+                    second = (await client.create_sandbox(limits={"disk_mb": 64})).id
+                    assert "overcommitted" in (await enforcement(server)).detail
+                    for sandbox in (first, second):
+                        await client.delete_sandbox(sandbox)
+                    return
+                assert "reserved on the state disk" in (await enforcement(server)).detail
                 with pytest.raises(SandboxAPIError) as refused:
                     await client.create_sandbox(limits={"disk_mb": 64})
                 assert refused.value.status == 507, refused.value.message

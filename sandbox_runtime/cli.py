@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
         "sandbox sees only /usr, its own minimal /etc, /dev, /proc, its workspace and /tmp",
     )
     serve.add_argument(
+        "--reserve-disk",
+        action="store_true",
+        help="reserve each sandbox's whole disk_mb on the state disk (a root server): a full state disk never "
+        "fails a sandbox's writes, but it holds only as many sandboxes as their limits add up to",
+    )
+    serve.add_argument(
         "--image-cache-gb",
         type=float,
         default=100.0,
@@ -167,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         image_dirs=args.image_dir,
         host_paths=args.host_path,
         image_cache_gb=args.image_cache_gb,
+        reserve_disk=args.reserve_disk,
         allow_local=args.allow_local or args.backend == "local",
         sandbox_uids=args.sandbox_uids,
         register=args.register,

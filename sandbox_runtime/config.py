@@ -60,9 +60,7 @@ class ServerConfig:
             cpu_seconds=3600,
             file_size_mb=1024,
             open_files=4096,
-            # 1 GiB: a repository and its build; each sandbox's is reserved on the state disk (workspace_fs), so
-            # the default sets how many a disk holds (about one per GiB free).
-            disk_mb=1024,
+            disk_mb=4096,
             inodes=1 << 18,
         )
     )
@@ -86,6 +84,11 @@ class ServerConfig:
     # Unpacked images kept in <state dir>/images at most; beyond it the least recently used that no sandbox
     # runs are removed (a directory of SWE-bench images unpacks to terabytes).
     image_cache_gb: float = 100.0
+    # Whether a root server reserves each sandbox's whole disk limit on the state disk (workspace_fs.admit): a full
+    # state disk then never fails a sandbox's writes, at the price of holding only as many sandboxes as the limits
+    # add up to. Off, the sparse images are overcommitted, as container runtimes do, and a creation needs only room
+    # for its own limit now.
+    reserve_disk: bool = False
     allow_local: bool = False  # the `local` backend isolates nothing: only when the operator says so
     sandbox_uids: range = DEFAULT_SANDBOX_UIDS  # used when the server runs as root
     default_timeout_s: float = 60.0

@@ -190,6 +190,13 @@ class SandboxManager:
             memory_why += "; a watchdog sums the resident memory of each sandbox's processes every "
             memory_why += f"{memory_watch.WATCH_INTERVAL_S:g} s and ends them all above limits.memory_mb"
         disk = "filesystem" if self.own_disks else "per file"
+        if self.own_disks:
+            disk_why += (
+                "; each sandbox's whole limit is reserved on the state disk (--reserve-disk)"
+                if self.config.reserve_disk
+                else "; the images are overcommitted: were the state disk full, writes would fail in any sandbox "
+                "(--reserve-disk reserves each limit)"
+            )
         self.enforcement = LimitEnforcement(
             memory=memory,
             disk=disk,
@@ -341,13 +348,13 @@ class SandboxManager:
         return workspace_fs.full_size(limits.disk_mb << 20, limits.inodes)
 
     def _admit(self, box: Sandbox) -> None:
-        """Refuse (507) a sandbox whose file system the state disk may not have room for, once the live ones have
-        written all they may (workspace_fs.admit). A stat per live sandbox, on the event loop: microseconds each,
-        and nothing may await between this count and the creation's registration."""
+        """Refuse (507) a sandbox whose file system the state disk has no room for now, or with --reserve-disk once
+        the live ones have written all they may (workspace_fs.admit). A stat per live sandbox, on the event loop:
+        microseconds each, and nothing may await between this count and the creation's registration."""
         promised = sum(
             workspace_fs.unwritten(other.dirs.root / workspace_fs.IMAGE, self._disk_size(other))
             for other in self._sandboxes.values()
-            if other is not box and self._owns_disk(other)
+            if self.config.reserve_disk and other is not box and self._owns_disk(other)
         )
         workspace_fs.admit(self.boxes_dir, self._disk_size(box), promised)
 

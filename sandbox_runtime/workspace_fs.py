@@ -18,10 +18,12 @@ Why ext4 in a sparse file rather than tmpfs (`size=`, `nr_inodes=`), measured he
   zeroed in the background (`lazy_itable_init`, `noinit_itable`: a fresh sparse file reads as zeros already).
 The images are sparse, so nothing reserves the state disk: each image takes space as its sandbox writes, up to its
 full size. Were the sum of the live sandboxes' sizes above the disk, a full disk would fail writes in innocent
-sandboxes (EIO from the loop device, not their own ENOSPC). So a creation is admitted (`admit`) only where the
-state disk's free space, less what the live images may still take (each one's full size less what it holds now:
-a stat, no walk), leaves room for the new image and the floor that the image cache keeps free
-(images.free_floor); else it is a 507 that says so.
+sandboxes (EIO from the loop device, not their own ENOSPC). A creation is admitted (`admit`) only where the state
+disk's free space leaves room for the new image and the floor that the image cache keeps free
+(images.free_floor); with --reserve-disk, also less what the live images may still take (each one's full size
+less what it holds now: a stat, no walk), so that the limits never add up past the disk; else it is a 507 that
+says so. Reserving is not the default: it holds as many sandboxes as their limits add up to (a disk of 70 GB free,
+about 16 of the default 4 GiB), where container runtimes overcommit.
 
 An unprivileged server cannot mount (no loop device, no FUSE for it on the hosts measured here): there the disk
 limit holds per file only (`limits.file_size_mb`), and GET /v1/info says so.

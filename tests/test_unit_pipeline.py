@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from prorl_plugins.tasks.clean_check import check_script
 from tests.fakes import (
     CHECK,
     HANG,
@@ -50,7 +51,7 @@ async def test_a_job_goes_init_run_eval_and_its_trajectory_holds_what_was_sample
     check_exit, reward
 ):
     async with rollout_stack(script=[bash_call("echo hi"), finish_call("42")]) as stack:
-        stack.sandbox.exit_codes[CHECK] = check_exit
+        stack.sandbox.exit_codes[check_script(CHECK)] = check_exit  # what the shell task runs (clean_check)
         trajectory = await stack.client.run(shell_job(labels={"group": "g1"}), wait=60)
 
     first, second = stack.llm.sampled
@@ -79,7 +80,7 @@ async def test_a_job_goes_init_run_eval_and_its_trajectory_holds_what_was_sample
     [box] = stack.sandbox.created
     assert stack.sandbox.ops(box.id) == ["create", "exec", "kill", "run", "delete"]
     assert ("exec", box.id, "default: echo hi") in stack.sandbox.log
-    assert ("run", box.id, CHECK) in stack.sandbox.log
+    assert ("run", box.id, check_script(CHECK)) in stack.sandbox.log
     assert stack.sandbox.boxes == {}
     assert box.labels["job_id"] == trajectory.job_id and box.labels["prorl_service"] == "unit-tests"
     assert box.ttl_s is not None  # the runtime reaps it even if the service dies with the job

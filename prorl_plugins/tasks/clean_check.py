@@ -44,6 +44,11 @@ def check_env() -> dict[str, str]:
     }
 
 
+def check_script(script: str) -> str:
+    """What bash runs for a check: the check's HOME made first (the run fails if it cannot be), then `script`."""
+    return f'mkdir -p -m 700 -- "$HOME" || exit 1\n{script}'
+
+
 async def run_check(env: Environment, script: str, timeout: float = 60.0) -> RunResult:
     """`script` run by bash as a one-shot process in the workspace, with `check_env()`: what a check should use."""
-    return await env.run(script=f'mkdir -p -m 700 -- "$HOME" || exit 1\n{script}', env=check_env(), timeout=timeout)
+    return await env.run(script=check_script(script), env=check_env(), timeout=timeout)
