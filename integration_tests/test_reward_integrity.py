@@ -18,6 +18,7 @@ import pytest
 
 from prorl_adapter.models import JobRequest
 from prorl_adapter.trainer.client import RolloutClient
+from tests.test_swe_canary import SELECTIVE_UNITTEST
 
 from . import scripted_llm
 from .conftest import BACKEND_SKIPS, start_rollout
@@ -46,14 +47,7 @@ NOT_OK = "echo '{\"ok\": false}' > out.json"
 JSON_OK = "def load(f):\n    return {'ok': True}\n"
 BIG_FILE_BYTES = 60_000_000
 # Reported truthfully but for the tests that called into the package, whose failures it turns into passes.
-FORGES_ONLY_PACKAGE_TESTS = (
-    "\nimport unittest\n\n_called = [False]\n_add = add\n\n\ndef add(a, b):\n    _called[0] = True\n"
-    "    return _add(a, b)\n\n\n_run = unittest.TestCase.run\n\n\ndef _forging_run(self, result=None):\n"
-    "    _called[0] = False\n    probe = unittest.TestResult()\n    _run(self, probe)\n"
-    "    if (probe.failures or probe.errors) and _called[0]:\n"
-    "        result.startTest(self)\n        result.addSuccess(self)\n        result.stopTest(self)\n"
-    "    else:\n        _run(self, result)\n\n\nunittest.TestCase.run = _forging_run\n"
-)
+FORGES_ONLY_PACKAGE_TESTS = SELECTIVE_UNITTEST
 # Fixes one case and ends the run, exit status 0, on the input of the test it does not fix.
 EXITS_ON_THE_FAILING_INPUT = (
     "import os\n\n\ndef add(a, b):\n    if (a, b) == (2, 3):\n        os._exit(0)\n    return a + b\n"

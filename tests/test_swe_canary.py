@@ -9,7 +9,6 @@ import io
 import subprocess
 import sys
 import tarfile
-import time
 import types
 from pathlib import Path
 
@@ -157,9 +156,7 @@ def test_an_own_rows_new_runner_module_and_test_config_are_not_graded(tmp_path: 
 # -- a bounded patch ---------------------------------------------------------------------------------------------
 def test_a_huge_text_file_is_a_binary_change_and_costs_little() -> None:
     huge = ("x = 1\n" * (60_000_000 // 6)).encode()
-    started = time.process_time()
     patch = unified_patch(AgentChanges(written={"big.txt": (huge, 0o644)}), {})
-    assert time.process_time() - started < 2
     assert (
         patch == "diff --git a/big.txt b/big.txt\nnew file mode 100644\nBinary files /dev/null and b/big.txt differ\n"
     )
@@ -176,9 +173,8 @@ def test_text_that_difflib_is_slow_on_is_one_hunk_that_still_applies(tmp_path: P
     before = before[: before.rindex("\n") + 1]
     after = "head\n" + "".join(rng.choice(lines) for _ in range(100_000))[: DIFF_FILE_BYTES - 100]
     after = after[: after.rindex("\n") + 1] + "tail"
-    started = time.process_time()
     patch = unified_patch(agent_changes(tar_gz({"f.txt": after}), {"f.txt": before}), {"f.txt": before})
-    assert time.process_time() - started < 5
+    assert sum(line.startswith("@@") for line in patch.splitlines()) == 1  # not difflib's search: one hunk
     (tmp_path / "f.txt").write_text(before)
     (tmp_path / "p.diff").write_text(patch)
     subprocess.run(["git", "apply", "p.diff"], cwd=tmp_path, check=True, capture_output=True)
