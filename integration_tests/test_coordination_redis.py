@@ -5,6 +5,7 @@ come back, and the runtimes heard by one replica are seen by all."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from types import SimpleNamespace
 
@@ -46,20 +47,27 @@ async def replicas(url: str, *ids: str) -> list[RedisCoordination]:
     return started
 
 
+async def lapse(observer: RedisCoordination, replica_id: str, silent_s: float) -> None:
+    """Until Redis's clock says `replica_id` has been silent for `silent_s`."""
+    while True:
+        now, records = await observer.replicas()
+        if now - next(r for r in records if r.id == replica_id).seen_at > silent_s:
+            return
+
+
 async def test_a_dead_replica_is_handed_to_exactly_one_survivor(redis):
     dead, a, b = await replicas(redis.url, "dead", "a", "b")
     try:
         await dead.beat("http://dead", {}, interval_s=0.05)
         await a.beat("http://a", {}, interval_s=10)
         await b.beat("http://b", {}, interval_s=10)
-        assert await a.claim_dead() == [] and await b.claim_dead() == []  # all alive
-        while True:  # until Redis's clock says its three intervals of 0.05 s have passed
-            now, records = await a.replicas()
-            if not next(r for r in records if r.id == "dead").alive(now):
-                break
-        claims = await asyncio.gather(a.claim_dead(), b.claim_dead())
+        assert await a.claim_dead(hold_s=60) == [] and await b.claim_dead(hold_s=60) == []  # all alive
+        await lapse(a, "dead", 0.15)  # its three intervals of 0.05 s
+        claims = await asyncio.gather(a.claim_dead(hold_s=60), b.claim_dead(hold_s=60))
         assert sorted(claims, key=len) == [[], ["dead"]]
-        assert await a.claim_dead() == [] and await b.claim_dead() == []  # taken over: not handed out again
+        # The takeover is under way: however long the dead one has been silent, nobody claims it again.
+        await lapse(a, "dead", 0.5)
+        assert await a.claim_dead(hold_s=60) == [] and await b.claim_dead(hold_s=60) == []
         _, records = await a.replicas()
         assert {r.id for r in records} == {"dead", "a", "b"}  # until the survivor forgets it
         await a.forget_replica("dead")
@@ -68,6 +76,36 @@ async def test_a_dead_replica_is_handed_to_exactly_one_survivor(redis):
     finally:
         for replica in (dead, a, b):
             await replica.close()
+
+
+async def test_a_claim_given_up_or_run_out_hands_the_dead_replica_out_again(redis):
+    """A takeover that failed releases its claim (only its own: another's release changes nothing), and one
+    that never ends loses it once the hold passes: either way a survivor claims the dead replica again."""
+    dead, a, b = await replicas(redis.url, "dead", "a", "b")
+    try:
+        await dead.beat("http://dead", {}, interval_s=0.05)
+        await a.beat("http://a", {}, interval_s=10)
+        await b.beat("http://b", {}, interval_s=10)
+        await lapse(a, "dead", 0.15)
+        first = await a.claim_dead(hold_s=60) or await b.claim_dead(hold_s=60)
+        assert first == ["dead"]
+        holder, other = (a, b) if await _holds(a) else (b, a)
+        await other.release_claim("dead")  # not its claim
+        assert await other.claim_dead(hold_s=60) == []
+        await holder.release_claim("dead")
+        assert await other.claim_dead(hold_s=0.2) == ["dead"]  # a short hold this time...
+        assert await holder.claim_dead(hold_s=60) == []
+        while await holder.claim_dead(hold_s=60) == []:  # ...which runs out (Redis's clock) with no takeover done
+            await asyncio.sleep(0.02)
+    finally:
+        for replica in (dead, a, b):
+            await replica.close()
+
+
+async def _holds(replica: RedisCoordination) -> bool:
+    """Whether `replica` holds the claim on "dead" (read from the shared record)."""
+    raw = await replica.redis.hget("t:replicas", "dead")
+    return raw is not None and json.loads(raw).get("taken_by") == replica.replica_id
 
 
 async def test_the_policy_version_is_shared_and_every_replica_hears_of_a_change(redis):
@@ -181,16 +219,13 @@ async def test_a_replica_taken_for_dead_learns_it_from_its_next_beat_and_a_cut_o
     try:
         assert await slow.beat("http://slow", {}, interval_s=0.05) is False
         assert await survivor.beat("http://survivor", {}, interval_s=0.05) is False
-        while True:  # until Redis's clock says twice the slow one's three intervals have passed
-            now, records = await survivor.replicas()
-            if now - next(r for r in records if r.id == "slow").seen_at > 0.3:
-                break
+        await lapse(survivor, "slow", 0.3)  # twice the slow one's three intervals
         # The survivor was silent as long: back from a gap of its own, it judges nobody on this beat...
         await survivor.beat("http://survivor", {}, interval_s=0.05)
-        assert await survivor.claim_dead() == []
+        assert await survivor.claim_dead(hold_s=60) == []
         # ...and on the next one, beating in time again, it does.
         await survivor.beat("http://survivor", {}, interval_s=10)
-        assert await survivor.claim_dead() == ["slow"]
+        assert await survivor.claim_dead(hold_s=60) == ["slow"]
         assert await slow.beat("http://slow", {}, interval_s=0.05) is True  # taken over: its work is not its own
         assert await slow.beat("http://slow", {}, interval_s=0.05) is False
         await survivor.forget_replica("slow")  # the slow one beat since: its record is its own, and stays

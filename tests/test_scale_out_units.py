@@ -160,7 +160,7 @@ async def test_the_local_coordination_sets_versions_as_asked_and_tells_its_liste
     assert await coordination.set_policy_version(5, raise_only=False) == 5
     assert await coordination.set_policy_version(3, raise_only=True) == 5
     assert await coordination.set_policy_version(2, raise_only=False) == 2
-    assert heard == [5, 2] and await coordination.claim_dead() == []
+    assert heard == [5, 2] and await coordination.claim_dead(hold_s=60) == []
 
 
 async def test_when_every_runtime_is_full_an_init_waits_for_room_then_tries_one_all_the_same():

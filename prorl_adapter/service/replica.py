@@ -9,9 +9,10 @@ coordination for replicas whose beats lapsed; each dead one is handed to exactly
 3. deletes its sandboxes on every live runtime (they carry its id as their owner label),
 
 and then forgets it. Beating and taking over run apart (a takeover that waits on a dead runtime must not make
-the survivor miss its own beats), and each takeover is bounded: one that fails is claimed again later, by
-whoever sees the dead replica's record lapse once more. A replica that learns from its beat that it was taken
-for dead (it was only slow, or cut off) drops what it held: its jobs and prompts run elsewhere now.
+the survivor miss its own beats), and each takeover is bounded: while one is under way nobody claims the dead
+replica again (the claim holds for the bound), and one that fails gives its claim up, to be claimed again.
+A replica that learns from its beat that it was taken for dead (it was only slow, or cut off) drops what it
+held: its jobs and prompts run elsewhere now.
 With `memory://` the replica is alone and nothing of this happens.
 """
 
@@ -30,7 +31,7 @@ from .storage.buffer import ExperienceBufferError
 from .storage.coordination import Coordination
 
 log = logging.getLogger(__name__)
-TAKEOVER_S = 120.0  # a takeover that takes longer is given up, to be claimed again
+TAKEOVER_S = 120.0  # a takeover that takes longer is given up, to be claimed again; the claim holds as long
 
 
 class Replica:
@@ -99,7 +100,7 @@ class Replica:
     async def _watch_forever(self) -> None:
         while True:
             try:
-                for dead in await self.coordination.claim_dead():
+                for dead in await self.coordination.claim_dead(hold_s=TAKEOVER_S):
                     self._spawn(self._take_over_bounded(dead))
             except Exception as exc:
                 log.warning("replica %s cannot look for dead replicas: %s", self.id, exc)
@@ -118,8 +119,10 @@ class Replica:
         try:
             async with asyncio.timeout(TAKEOVER_S):
                 await self.take_over(dead)
-        except Exception as exc:  # claimed again once its record lapses again
+        except Exception as exc:  # given up: the next look, here or at another survivor, claims it again
             log.warning("replica %s: taking over %s failed (%s: %s)", self.id, dead, type(exc).__name__, exc)
+            with contextlib.suppress(Exception):  # Redis away: the claim runs out by itself after TAKEOVER_S
+                await self.coordination.release_claim(dead)
 
     async def take_over(self, dead: str) -> None:
         """Run again what `dead` held, and delete its sandboxes; then forget it."""

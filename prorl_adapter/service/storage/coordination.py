@@ -78,10 +78,16 @@ class Coordination(abc.ABC):
         """(now on the coordination's clock, every replica known, alive or not yet claimed)."""
 
     @abc.abstractmethod
-    async def claim_dead(self) -> list[str]:
-        """The replicas whose heartbeat lapsed, each returned to exactly one caller, once: that caller takes
-        over their work. Never the caller itself: a replica takes back its own earlier incarnation's work when it
-        starts. A caller that was cut off itself (its own beats lapsed) claims nobody until it beats again."""
+    async def claim_dead(self, hold_s: float) -> list[str]:
+        """The replicas whose heartbeat lapsed, each returned to exactly one caller: that caller takes over
+        their work. The claim holds for `hold_s` (as long as a takeover may take); once it passes, or is
+        released, the dead replica is handed out again. Never the caller itself: a replica takes back its own
+        earlier incarnation's work when it starts. A caller that was cut off itself (its own beats lapsed)
+        claims nobody until it beats again."""
+
+    async def release_claim(self, replica_id: str) -> None:
+        """A takeover of `replica_id` failed: give the claim up, so that it is handed out again at once."""
+        return None
 
     async def forget_replica(self, replica_id: str) -> None:
         """A dead replica's work is taken over: its record goes (only the one that took it over removes it)."""
@@ -159,7 +165,7 @@ class LocalCoordination(Coordination):
     async def replicas(self) -> tuple[float, list[ReplicaRecord]]:
         return self._clock(), [self._me]
 
-    async def claim_dead(self) -> list[str]:
+    async def claim_dead(self, hold_s: float) -> list[str]:
         return []
 
     async def runtime_heard(self, name: str, heartbeat: RuntimeHeartbeat) -> None:

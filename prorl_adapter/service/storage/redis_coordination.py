@@ -79,9 +79,10 @@ return out
 _CLAIM_DEAD = (
     _NOW
     + """
--- KEYS: replicas hash; ARGV: this replica's id, missed beats. Each lapsed replica is marked as taken over by
--- this one (alive again for as long as the takeover may take); its id is returned to this caller only. A caller
--- whose own last two beats were further apart than that (it was cut off itself) claims nobody this time.
+-- KEYS: replicas hash; ARGV: this replica's id, missed beats, how long a claim holds (s). Each lapsed replica
+-- that nobody holds a claim on is claimed by this one until now + that hold (the takeover's own bound: a
+-- takeover still under way must not be handed out again); its id is returned to this caller only. A caller
+-- whose own last two beats were further apart than the missed beats (it was cut off itself) claims nobody.
 local out = {}
 local mine = redis.call('HGET', KEYS[1], ARGV[1])
 if not mine then return out end
@@ -90,8 +91,10 @@ if not mine['since'] or mine['seen_at'] - mine['since'] > tonumber(ARGV[2]) * mi
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all, 2 do
   local record = cjson.decode(all[i + 1])
-  if all[i] ~= ARGV[1] and now - record['seen_at'] > tonumber(ARGV[2]) * record['interval_s'] then
-    record['seen_at'] = now
+  local lapsed = now - record['seen_at'] > tonumber(ARGV[2]) * record['interval_s']
+  local held = record['claimed_until'] and now <= record['claimed_until']
+  if all[i] ~= ARGV[1] and lapsed and not held then
+    record['claimed_until'] = now + tonumber(ARGV[3])
     record['taken_by'] = ARGV[1]
     redis.call('HSET', KEYS[1], all[i], cjson.encode(record))
     out[#out + 1] = all[i]
@@ -100,6 +103,18 @@ end
 return out
 """
 )
+
+_RELEASE = """
+-- KEYS: replicas hash; ARGV: the replica claimed, the claimer. A takeover that failed gives its claim up, so
+-- that the next look (its own or another survivor's) claims the dead replica again.
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return 0 end
+local record = cjson.decode(raw)
+if record['taken_by'] ~= ARGV[2] then return 0 end
+record['claimed_until'] = nil
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(record))
+return 1
+"""
 
 _RUNTIME = (
     _NOW
@@ -155,6 +170,7 @@ class RedisCoordination(Coordination):
         self._runtime = redis.register_script(_RUNTIME)
         self._set_version = redis.register_script(_SET_VERSION)
         self._forget = redis.register_script(_FORGET)
+        self._release = redis.register_script(_RELEASE)
         self._beaten = False
         # Polled every 5 ms while another replica holds it (redis-py's default, 100 ms, would idle admission).
         self._lock = redis.lock(f"{prefix}:admission", timeout=ADMISSION_LOCK_S, sleep=0.005, blocking_timeout=None)
@@ -191,9 +207,14 @@ class RedisCoordination(Coordination):
         ]
         return now, replicas
 
-    async def claim_dead(self) -> list[str]:
+    async def claim_dead(self, hold_s: float) -> list[str]:
         with self.errors(f"looking for dead replicas in {self._replicas_key}"):
-            return list(await self._claim_dead(keys=[self._replicas_key], args=[self.replica_id, MISSED_BEATS]))
+            args = [self.replica_id, MISSED_BEATS, hold_s]
+            return list(await self._claim_dead(keys=[self._replicas_key], args=args))
+
+    async def release_claim(self, replica_id: str) -> None:
+        with self.errors(f"giving up the claim on replica {replica_id} in {self._replicas_key}"):
+            await self._release(keys=[self._replicas_key], args=[replica_id, self.replica_id])
 
     async def forget_replica(self, replica_id: str) -> None:
         with self.errors(f"forgetting replica {replica_id} in {self._replicas_key}"):
