@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 # Slurm's daemons and munge: integration_tests/test_slurm.py runs the Slurm recipe on a real one-node cluster.
 SYSTEM_PACKAGES := bwrap:bubblewrap redis-server:redis-server slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge mmdebstrap:mmdebstrap mksquashfs:squashfs-tools siftool:siftool umoci:umoci
 
-.PHONY: demo rollout-demo runtime-demo agent-demo test lint system-packages llm agent-env test-images bench openapi
+.PHONY: demo demo-real rollout-demo runtime-demo agent-demo test lint system-packages llm agent-env test-images bench openapi
 
 # torch first, pinned: it is the CPU build on disk here, and nothing later may pull a CUDA build instead.
 # verl brings torchcodec, built for another torch: it breaks transformers' model imports, so it goes.
@@ -31,6 +31,9 @@ llm:  # idempotent: each step checks a marker of its own
 
 demo: system-packages $(VENV)/.installed llm
 	$(VENV)/bin/prorl-train-cpu --out runs/cpu-grpo
+
+demo-real: system-packages $(VENV)/.installed llm  # GRPO of the real SmolLM2-135M-Instruct on arithmetic (CPU)
+	$(VENV)/bin/prorl-train-cpu --workload arithmetic --out runs/cpu-grpo-real
 
 rollout-demo: system-packages $(VENV)/.installed llm
 	$(PY) examples/quickstart/run_rollouts.py

@@ -2,8 +2,9 @@
 """End-to-end rollout benchmark: the same episodes scheduled in lock-step (the way in-trainer loops do it)
 and through the rollout service, against a real vLLM server and real sandboxed tools.
 
-    python bench/bench_rollout.py [--episodes 128] [--quick] [--rounds 2] [--topology both]
+    python bench/bench_rollout.py [--model tiny] [--episodes 128] [--quick] [--rounds 2] [--topology both]
                                   [--workload both] [--warm-sandboxes 64] [--out docs/benchmarks.md]
+    python bench/bench_rollout.py --model real [--rounds 2] [--out docs/benchmarks.md]
 
 The episode: the built-in `shell` task. Each instance's set-up writes an executable `step` into the sandbox's
 workspace, and the list of its turns' tool latencies beside it; turn n's `./step` sleeps the n-th latency
@@ -49,6 +50,16 @@ episode (p50, p99); and CPU time per turn of the orchestrating process (the roll
 for (b) to (d), this process for (a)). Nothing is asserted: the machine is shared and noisy, so the ratios
 against (a) from the same run are the figures to compare across runs. `--vllm-url` reuses a running server
 (scripts/serve-vllm.sh, dev mode on) to save its start-up.
+
+`--model real` runs the same modes with the real pretrained model (SmolLM2-135M-Instruct, `localstack.REAL_MODEL`,
+built offline by scripts/build_real_model.py) on a workload that fits it: the *arithmetic* workload, the built-in
+`arithmetic` task (the questions the CPU GRPO's real-model run trains on), its actions read as text in the `fenced`
+action format (the last ```python block of a turn runs, ```finish gives the answer), no regex or grammar: the model
+writes every token, and a turn without a parsable action is a parse error or the episode's end, as the loop's rules
+say. It reports what the tiny model's run reports, and per turn the time split into LLM, tools, orchestration and
+(in lock-step) waiting for the batch, and the share of turns that carried a parsable action. Its defaults are sized
+for this 2-core CPU (32 episodes, 1 round, shared cores, modes (a) and (b)); the flags scale them. Its results go to
+a section of their own in `--out` (next to the tiny model's, which it leaves as it is), and no target row.
 """
 
 from __future__ import annotations
@@ -74,6 +85,7 @@ from typing import Any
 
 import httpx
 from common import (
+    CPUS_GIVEN,
     TargetResult,
     busy_cpu_seconds,
     command_line,
@@ -184,6 +196,67 @@ def make_requests(workload: Workload, tag: str) -> list[Any]:
     return requests
 
 
+# The real model's episodes: the `arithmetic` task (what the CPU GRPO's real-model learning curve trains on), its
+# actions read as text (no regex or grammar: the model writes every token).
+REAL_MAX_TOKENS = 160  # a turn of prose and one code block; the untrained model's turns run 30-160 tokens and more
+REAL_MAX_TURNS = 3  # a ```python block, its output read, then ```finish (a spare turn for a parse error)
+REAL_MAX_CONTEXT = 2048  # the described actions and the question take ~200 tokens; three turns and outputs fit
+REAL_TEMPERATURE = 1.0  # as RL rollouts sample
+
+
+@dataclass(frozen=True)
+class RealWorkload:
+    """The real model's *arithmetic* workload: `arithmetic` task instances ({"id", "question", "answer"})."""
+
+    name: str
+    instances: list[dict[str, Any]]
+
+    def summary(self, seed: int) -> str:
+        return (
+            f"*{self.name}* workload, {len(self.instances)} instances (seed {seed}): the `arithmetic` task "
+            "(prorl_plugins/tasks/arithmetic.py, the questions the CPU GRPO's real-model run trains on: two "
+            "operators over numbers of 2-3 digits; the user prompt asks for a ```python block, then a ```finish "
+            f'block with the number), e.g. "{self.instances[0]["question"]}"; `fenced` action format, no regex, '
+            f"max_tokens {REAL_MAX_TOKENS}, temperature {REAL_TEMPERATURE}, at most {REAL_MAX_TURNS} turns, context "
+            f"{REAL_MAX_CONTEXT} tokens"
+        )
+
+
+def arithmetic_workload(n: int, seed: int) -> RealWorkload:
+    from prorl_plugins.tasks.arithmetic import arithmetic_instances
+
+    return RealWorkload("arithmetic", arithmetic_instances(n, seed))
+
+
+REAL_WORKLOADS = {"arithmetic": arithmetic_workload}
+
+
+def make_real_requests(workload: RealWorkload, tag: str) -> list[Any]:
+    """The real model's jobs: fenced actions (the model's chat template has no tools: the service describes the
+    actions in the system prompt), no regex or grammar, no seed (see make_requests)."""
+    from prorl_adapter.models import JobRequest, SamplingParams
+
+    sampling = SamplingParams(max_tokens=REAL_MAX_TOKENS, temperature=REAL_TEMPERATURE)
+    return [
+        JobRequest(
+            job_id=f"{tag}-{i}",
+            task="arithmetic",
+            instance=instance,
+            sampling=sampling,
+            max_turns=REAL_MAX_TURNS,
+            max_context_tokens=REAL_MAX_CONTEXT,
+            action_format="fenced",
+        )
+        for i, instance in enumerate(workload.instances)
+    ]
+
+
+def requests_for(workload: Workload | RealWorkload, tag: str) -> list[Any]:
+    if isinstance(workload, RealWorkload):
+        return make_real_requests(workload, tag)
+    return make_requests(workload, tag)
+
+
 # -- where the processes run ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Topology:
@@ -256,6 +329,61 @@ class EpisodeResult:
     tools_s: list[float]  # per turn that ran tools
     response_tokens: int
     init_s: float  # sandbox and set-up (the init stage; for (a) the same steps, timed around them)
+    # Per turn, from its Turn record: its generated tokens and what it carried (`turn_kind`).
+    turn_tokens: list[int] = field(default_factory=list)
+    turn_kinds: list[str] = field(default_factory=list)
+    parse_errors: list[str] = field(default_factory=list)  # the first error of each turn whose action was unreadable
+    cut_turns: int = 0  # turns that ran into max_tokens
+    # The run stage: its wall time, what of it was the LLM and the tools (every turn's), and for (a) the part spent
+    # waiting for the rest of the batch; the remainder is orchestration (`ModeResult.turn_split`).
+    run_s: float = float("nan")
+    llm_s: float = 0.0
+    all_tools_s: float = 0.0
+    wait_s: float = 0.0
+    finish_reason: str = ""
+
+
+NO_BLOCK, PARSE_ERROR = "no block", "parse error"
+
+
+def turn_kind(turn: Any) -> str:
+    """What a turn carried: the name of its (first) action, PARSE_ERROR where it wrote one the format could not read
+    (an unclosed block, a language that names no action), NO_BLOCK where it wrote none (the episode ended there)."""
+    if turn.tool_calls:
+        return turn.tool_calls[0].name
+    return PARSE_ERROR if turn.tool_call_errors else NO_BLOCK
+
+
+def episode_result(
+    turns: list[Any],
+    reward: float,
+    error: str | None,
+    init_s: float,
+    run_s: float,
+    wait_s: float = 0.0,
+    finish_reason: str = "",
+    response_tokens: int | None = None,
+) -> EpisodeResult:
+    """An episode's figures from its Turn records; its generated tokens are every turn's, with an action or not."""
+    tokens = [t.response_tokens for t in turns]
+    return EpisodeResult(
+        turns=len(turns),
+        reward=reward,
+        error=error,
+        generate_s=[t.generate_s for t in turns],
+        tools_s=[t.tools_s for t in turns if t.tool_calls],
+        response_tokens=sum(tokens) if response_tokens is None else response_tokens,
+        init_s=init_s,
+        turn_tokens=tokens,
+        turn_kinds=[turn_kind(t) for t in turns],
+        parse_errors=[t.tool_call_errors[0] for t in turns if t.tool_call_errors and not t.tool_calls],
+        cut_turns=sum(1 for t in turns if t.finish_reason == "length"),
+        run_s=run_s,
+        llm_s=sum(t.generate_s for t in turns),
+        all_tools_s=sum(t.tools_s for t in turns),
+        wait_s=wait_s,
+        finish_reason=finish_reason,
+    )
 
 
 @dataclass
@@ -318,6 +446,40 @@ class ModeResult:
     def solved(self) -> int:
         return sum(1 for e in self.episodes if e.reward == 1.0)
 
+    def turn_split(self) -> dict[str, float]:
+        """Mean seconds per turn of the run stage: the LLM (waiting for the turn's generation), the tools, waiting
+        for the batch (lock-step only: a phase lasts as long as its slowest member) and orchestration (the rest:
+        tokenising, parsing, the event loop, HTTP to the sandboxes beyond the tool call itself)."""
+        turns = max(self.turns, 1)
+        run = sum(e.run_s for e in self.episodes)
+        llm = sum(e.llm_s for e in self.episodes)
+        tools = sum(e.all_tools_s for e in self.episodes)
+        wait = sum(e.wait_s for e in self.episodes)
+        return {
+            "turn": run / turns,
+            "llm": llm / turns,
+            "tools": tools / turns,
+            "wait": wait / turns,
+            "orchestration": (run - llm - tools - wait) / turns,
+        }
+
+    def kinds(self) -> dict[str, int]:
+        """Turns by what they carried (`turn_kind`)."""
+        counts: dict[str, int] = {}
+        for e in self.episodes:
+            for kind in e.turn_kinds:
+                counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
+    def action_share(self) -> float:
+        """The share of turns that carried a parsable action."""
+        counts = self.kinds()
+        total = sum(counts.values())
+        return (total - counts.get(NO_BLOCK, 0) - counts.get(PARSE_ERROR, 0)) / total if total else float("nan")
+
+    def tokens_per_turn(self) -> float:
+        return mean([t for e in self.episodes for t in e.turn_tokens])
+
     def failed(self) -> int:
         return sum(1 for e in self.episodes if e.error)
 
@@ -332,6 +494,10 @@ def quantile(ordered: list[float], q: float) -> float:
 
 
 # -- CPU accounting from /proc ----------------------------------------------------------------------------
+WHOLE_MACHINE = "whole machine (all tenants)"  # every CPU's busy time, /proc/stat: other tenants' work shows here
+VLLM_ENGINE = "vLLM engine core + worker"
+
+
 class CpuMeter:
     """Deltas of CPU seconds per component over one measured run."""
 
@@ -429,6 +595,8 @@ class CoupledEpisode:
     error: str | None = None
     reward: float = 0.0
     pending: Any = None  # the sampled turn (agent.PolicyTurn), between the generation and the tool phase
+    run_s: float = 0.0  # the phases it took part in, whole
+    own_s: float = 0.0  # its own calls in them (policy_turn, tool_turn): the rest of run_s waited for the batch
 
 
 async def run_coupled(
@@ -466,20 +634,26 @@ async def run_coupled(
     phases.append(("init (sandboxes + set-up)", time.monotonic() - started))
 
     async def generate(ep: CoupledEpisode, index: int) -> None:
+        own_started = time.monotonic()
         try:
             ep.pending = await policy_turn(ep.episode, ep.request, llm, chat, ep.pin, 0, index, ep.tools)
         except Exception as exc:
             fail(ep, "run", exc)
             return
+        finally:
+            ep.own_s += time.monotonic() - own_started
         ep.done = ep.pending is None
 
     async def act(ep: CoupledEpisode, index: int) -> None:
         pending, ep.pending = ep.pending, None
         limit, last = ep.request.max_context_tokens, index == ep.request.max_turns - 1
+        own_started = time.monotonic()
         try:
             ep.done = not await tool_turn(ep.episode, pending, ep.tools, ep.env, chat, limit, last)
         except Exception as exc:
             fail(ep, "run", exc)
+        finally:
+            ep.own_s += time.monotonic() - own_started
 
     for index in range(max(r.max_turns for r in requests)):
         active = [ep for ep in eps if not ep.done and index < ep.request.max_turns]
@@ -487,11 +661,17 @@ async def run_coupled(
             break
         phase_started = time.monotonic()
         await asyncio.gather(*(generate(ep, index) for ep in active))
-        phases.append((f"turn {index + 1}: generate ({len(active)} requests)", time.monotonic() - phase_started))
+        phase_s = time.monotonic() - phase_started
+        phases.append((f"turn {index + 1}: generate ({len(active)} requests)", phase_s))
+        for ep in active:
+            ep.run_s += phase_s
         acting = [ep for ep in active if ep.pending is not None]
         phase_started = time.monotonic()
         await asyncio.gather(*(act(ep, index) for ep in acting))
-        phases.append((f"turn {index + 1}: tools ({len(acting)} episodes)", time.monotonic() - phase_started))
+        phase_s = time.monotonic() - phase_started
+        phases.append((f"turn {index + 1}: tools ({len(acting)} episodes)", phase_s))
+        for ep in acting:
+            ep.run_s += phase_s
 
     eval_slots = asyncio.Semaphore(EVAL_WORKERS)
     phase_started = time.monotonic()
@@ -512,14 +692,15 @@ async def run_coupled(
     await asyncio.gather(*(evaluate(ep) for ep in eps))
     phases.append(("eval + release", time.monotonic() - phase_started))
     results = [
-        EpisodeResult(
-            turns=len(ep.episode.turns),
-            reward=ep.reward,
-            error=ep.error,
-            generate_s=[t.generate_s for t in ep.episode.turns],
-            tools_s=[t.tools_s for t in ep.episode.turns if t.tool_calls],
+        episode_result(
+            ep.episode.turns,
+            ep.reward,
+            ep.error,
+            ep.init_s,
+            run_s=ep.run_s,
+            wait_s=ep.run_s - ep.own_s,
+            finish_reason=ep.episode.finish_reason,
             response_tokens=ep.episode.state.response_tokens,
-            init_s=ep.init_s,
         )
         for ep in eps
     ]
@@ -531,11 +712,16 @@ async def coupled_mode(requests: list[Any], env: Environment) -> tuple[list[Epis
     from prorl_adapter.service.sandboxes import SandboxPool
     from prorl_plugins.tasks.shell import ShellTask
 
+    handler: Any = ShellTask()
+    if requests[0].task == "arithmetic":  # the real model's workload
+        from prorl_plugins.tasks.arithmetic import ArithmeticTask
+
+        handler = ArithmeticTask()
     llm = LLMPool([env.vllm_url], plugins=PluginSet.load(objects=[env.coupled_requests], entry_points=False))
     sandboxes = SandboxPool([env.sandbox_url])
     await llm.start()
     try:
-        results, phases = await run_coupled(requests, ShellTask(), env.chat, llm, sandboxes, env.init_workers)
+        results, phases = await run_coupled(requests, handler, env.chat, llm, sandboxes, env.init_workers)
     finally:
         await llm.close()
         await sandboxes.close()
@@ -549,14 +735,14 @@ async def pipeline_mode(requests: list[Any], url: str) -> tuple[list[EpisodeResu
     async with RolloutClient(url, timeout=60) as client:
         trajectories = await client.run_many(requests, wait=3600)
     results = [
-        EpisodeResult(
-            turns=t.num_turns,
-            reward=t.reward,
-            error=f"{t.error.error_class}: {t.error.message}" if t.error else None,
-            generate_s=[turn.generate_s for turn in t.turns],
-            tools_s=[turn.tools_s for turn in t.turns if turn.tool_calls],
+        episode_result(
+            t.turns,
+            t.reward,
+            f"{t.error.error_class}: {t.error.message}" if t.error else None,
+            t.timings.init_s,
+            run_s=t.timings.run_s,
+            finish_reason=t.finish_reason,
             response_tokens=sum(t.response_mask),
-            init_s=t.timings.init_s,
         )
         for t in trajectories
     ]
@@ -599,6 +785,7 @@ class Services:
         self.vllm: localstack.Service | None = None
         self.sandbox: localstack.Service | None = None
         self.rollouts: dict[str, localstack.Service] = {}
+        self.model = localstack.REAL_MODEL if args.model == "real" else localstack.TINY_MODEL
 
     def _start_rollout(self, mode: str, vllm_url: str, *extra: str) -> RolloutService:
         # The request log as a plugin of the service, with its section of the plugin configuration.
@@ -613,6 +800,7 @@ class Services:
             str(self.args.max_init_workers),
             *("--plugin", "bench_rollout:LLMRequestLog", "--plugin-config", str(plugin_config)),
             *extra,
+            tokenizer=self.model,
             log=self.log_dir / f"{mode}-service.log",
         )
         return RolloutService(service.url, service.process.pid, requests_path)
@@ -622,10 +810,13 @@ class Services:
 
         try:
             vllm_url = self.args.vllm_url
-            if vllm_url is None:
+            if self.args.model == "real":
+                localstack.build_real_model()  # the tokenizer too, even for a reused server
+            else:
                 localstack.build_tiny_model()
-                print("starting vLLM ...", flush=True)
-                self.vllm = localstack.start_vllm(log=self.log_dir / "vllm.log")
+            if vllm_url is None:
+                print(f"starting vLLM on {self.model.name} ...", flush=True)
+                self.vllm = localstack.start_vllm(self.model, log=self.log_dir / "vllm.log")
                 vllm_url = self.vllm.url
             self.sandbox = localstack.start_sandbox_runtime(
                 self.log_dir / "sandbox-state", "bwrap", "--max-sandboxes", "2048", log=self.log_dir / "sandbox.log"
@@ -638,7 +829,7 @@ class Services:
             if self.args.target_engine_batch:
                 adaptive = ("--target-engine-batch", str(self.args.target_engine_batch))
                 services["pipeline-adaptive"] = self._start_rollout("pipeline-adaptive", vllm_url, *adaptive)
-            chat = ChatTokenizer(str(localstack.TINY_MODEL))
+            chat = ChatTokenizer(str(self.model))
         except BaseException:
             self.__exit__()
             raise
@@ -716,15 +907,15 @@ def meter_for(env: Environment, mode: str) -> CpuMeter:
     }
     if env.vllm_pid is not None:
         components["vLLM API server"] = lambda: stat_cpu_seconds(env.vllm_pid)
-        components["vLLM engine core + worker"] = lambda: (
-            tree_cpu_seconds(env.vllm_pid) - stat_cpu_seconds(env.vllm_pid)
-        )
-    components["whole machine (all tenants)"] = busy_cpu_seconds
+        components[VLLM_ENGINE] = lambda: tree_cpu_seconds(env.vllm_pid) - stat_cpu_seconds(env.vllm_pid)
+    components[WHOLE_MACHINE] = busy_cpu_seconds
     return CpuMeter(components)
 
 
-def measure(mode: str, workload: Workload, env: Environment, tag: str, profile: Path | None = None) -> ModeResult:
-    requests = make_requests(workload, tag)
+def measure(
+    mode: str, workload: Workload | RealWorkload, env: Environment, tag: str, profile: Path | None = None
+) -> ModeResult:
+    requests = requests_for(workload, tag)
     reset_prefix_cache(env.vllm_url)
     wait_llm_idle(env.vllm_url)
     warm_before = None
@@ -805,7 +996,7 @@ Results = dict[str, list[ModeResult]]  # one setting's runs, by mode
 @dataclass
 class Setting:
     topology: Topology
-    workload: Workload
+    workload: Workload | RealWorkload
     results: Results = field(default_factory=dict)
     wake_cost_ms: float = float("nan")  # wake_cost_ms() on the cores of the orchestrating processes
     request_cost_ms: float = float("nan")  # request_cost_ms() there
@@ -831,30 +1022,43 @@ def letter(mode: str) -> str:
     return MODE_TITLES[mode][:3]
 
 
+def metric_row(results: Results, name: str, metric: Any, fmt: Any, with_ratio: bool = True) -> str:
+    """A table row: the metric's mean over rounds for each mode, then each mode's ratio to (a)."""
+    values = [agg(results[mode], metric) for mode in MODES if results.get(mode)]
+    ratios = [ratio(value, values[0]) if with_ratio else "—" for value in values[1:]]
+    return f"| {name} | {' | '.join(fmt(v) for v in values)} | {' | '.join(ratios)} |"
+
+
+def table_head(results: Results) -> list[str]:
+    modes = [mode for mode in MODES if results.get(mode)]
+    titles = [*(MODE_TITLES[m] for m in modes), *(f"{letter(m)} ÷ (a)" for m in modes[1:])]
+    return ["| Metric | " + " | ".join(titles) + " |", "|---" * (1 + len(titles)) + "|"]
+
+
+def solved_row(results: Results) -> str:
+    modes = [mode for mode in MODES if results.get(mode)]
+    solved = [agg(results[m], lambda r: r.solved()) for m in modes]
+    failed = [agg(results[m], lambda r: r.failed()) for m in modes]
+    cells = [f"{s:.0f} / {f:.0f}" for s, f in zip(solved, failed, strict=True)]
+    return f"| episodes solved (check passed) / failed | {' | '.join(cells)} |" + " — |" * (len(modes) - 1)
+
+
 def table(results: Results) -> str:
     """One setting: a column per mode, and each mode's ratio to (a)."""
-    modes = [mode for mode in MODES if results.get(mode)]
-    others = modes[1:]
 
     def row(name: str, metric: Any, fmt: Any, with_ratio: bool = True) -> str:
-        values = [agg(results[mode], metric) for mode in modes]
-        ratios = [ratio(value, values[0]) if with_ratio else "—" for value in values[1:]]
-        return f"| {name} | {' | '.join(fmt(v) for v in values)} | {' | '.join(ratios)} |"
-
-    def solved(mode: str) -> str:
-        return f"{agg(results[mode], lambda r: r.solved()):.0f} / {agg(results[mode], lambda r: r.failed()):.0f}"
+        return metric_row(results, name, metric, fmt, with_ratio)
 
     seconds = lambda v: f"{v:.2f} s"  # noqa: E731
     one = lambda v: f"{v:.1f}"  # noqa: E731
     lines = [
-        "| Metric | " + " | ".join([*(MODE_TITLES[m] for m in modes), *(f"{letter(m)} ÷ (a)" for m in others)]) + " |",
-        "|---" * (1 + len(modes) + len(others)) + "|",
+        *table_head(results),
         row("**episodes/s**", lambda r: r.episodes_per_s, lambda v: f"**{v:.2f}**"),
         row("wall time per batch", lambda r: r.wall_s, lambda v: f"{v:.1f} s"),
         row("**LLM busy fraction** (>= 1 request in flight, client-side)", lambda r: r.busy_exact, pct),
         row("vLLM engine busy fraction (running + waiting > 0, /metrics)", lambda r: r.busy_sampled, pct),
         row("mean turns per episode", lambda r: r.mean_turns, lambda v: f"{v:.2f}", with_ratio=False),
-        f"| episodes solved (check passed) / failed | {' | '.join(solved(m) for m in modes)} |" + " — |" * len(others),
+        solved_row(results),
         row("generated tokens/s", lambda r: r.tokens / r.wall_s, lambda v: f"{v:,.0f}"),
         row("mean generation latency per turn", lambda r: r.mean_generate_s(), seconds),
         row(
@@ -1096,6 +1300,15 @@ def placement(settings: list[Setting], env: Environment) -> str:
     return "; ".join(parts)
 
 
+def setting_sections(settings: list[Setting], args: argparse.Namespace, render_table: Any, render_details: Any) -> str:
+    """A section per setting: its table, then its details as a list."""
+    sections = []
+    for setting in settings:
+        bullets = "\n".join(f"- {line}" for line in render_details(setting, args))
+        sections.append(f"### {setting.name}\n\n{render_table(setting.results)}\n\nDetails:\n\n{bullets}\n\n")
+    return "".join(sections)
+
+
 def render_block(
     settings: list[Setting], args: argparse.Namespace, machine_text: str, where: str, discarded: list[ModeResult]
 ) -> str:
@@ -1109,12 +1322,8 @@ def render_block(
         "uses the same init and eval concurrency); a run in which episodes failed is listed under Details and run "
         f"again (at most {REPEATS_ON_FAILURE} times)"
     )
-    sections = []
-    for setting in settings:
-        bullets = "\n".join(f"- {line}" for line in details(setting, args))
-        sections.append(f"### {setting.name}\n\n{table(setting.results)}\n\nDetails:\n\n{bullets}\n")
     extra = "".join(f"- {line}\n" for line in discarded_lines(discarded))
-    body = "".join(section + "\n" for section in sections)
+    body = setting_sections(settings, args, table, details)
     return f"""{BLOCK_START}
 ## Rollout: coupled lock-step vs the pipeline — {utc_now()}
 
@@ -1130,22 +1339,201 @@ def render_block(
 """
 
 
+# -- the report of the real model ---------------------------------------------------------------------------
+REAL_BLOCK_START = "<!-- bench_rollout_real:start -->"
+REAL_BLOCK_END = "<!-- bench_rollout_real:end -->"
+
+
+def real_table(results: Results) -> str:
+    """The real model's setting: the tiny model's headline figures, the actions its turns carried, and each turn's
+    time split into LLM, tools, waiting for the batch and orchestration."""
+
+    def row(name: str, metric: Any, fmt: Any, with_ratio: bool = True) -> str:
+        return metric_row(results, name, metric, fmt, with_ratio)
+
+    def share(kind: str) -> Any:
+        return lambda r: r.kinds().get(kind, 0) / max(r.turns, 1)
+
+    seconds = lambda v: f"{v:.2f} s"  # noqa: E731
+    return "\n".join(
+        [
+            *table_head(results),
+            row("**episodes/s**", lambda r: r.episodes_per_s, lambda v: f"**{v:.3f}**"),
+            row("wall time per batch", lambda r: r.wall_s, lambda v: f"{v:.1f} s"),
+            row("**generated tokens/s**", lambda r: r.tokens / r.wall_s, lambda v: f"**{v:,.0f}**"),
+            row(
+                "generated tokens per CPU-second vLLM's engine got (what other tenants' load does not move)",
+                lambda r: r.tokens / r.cpu_by_component.get(VLLM_ENGINE, float("nan")),
+                lambda v: f"{v:.1f}",
+            ),
+            row("**LLM busy fraction** (>= 1 request in flight, client-side)", lambda r: r.busy_exact, pct),
+            row("vLLM engine busy fraction (running + waiting > 0, /metrics)", lambda r: r.busy_sampled, pct),
+            row("vLLM engine batch while busy (mean running requests)", lambda r: r.engine_batch, lambda v: f"{v:.1f}"),
+            row("mean turns per episode", lambda r: r.mean_turns, lambda v: f"{v:.2f}", with_ratio=False),
+            row("generated tokens per turn", lambda r: r.tokens_per_turn(), lambda v: f"{v:.0f}", with_ratio=False),
+            row("**turns with a parsable action**", lambda r: r.action_share(), pct, with_ratio=False),
+            row("… a ```python block", share("python"), pct, with_ratio=False),
+            row("… a ```finish answer", share("finish"), pct, with_ratio=False),
+            row("turns with an unreadable block (parse error, the episode goes on)", share(PARSE_ERROR), pct, False),
+            row("turns with no block (the episode ends)", share(NO_BLOCK), pct, with_ratio=False),
+            solved_row(results),
+            row("**time per turn** in the run stage", lambda r: r.turn_split()["turn"], seconds),
+            row("… LLM (the turn's generation, client-side)", lambda r: r.turn_split()["llm"], seconds),
+            row("… tools (the sandbox call, python3 included)", lambda r: r.turn_split()["tools"], seconds),
+            row("… waiting for the batch (lock-step's slowest member)", lambda r: r.turn_split()["wait"], seconds),
+            row("… orchestration (the rest)", lambda r: r.turn_split()["orchestration"], lambda v: f"{v:.3f} s"),
+            row("orchestration CPU per turn (user+sys)", lambda r: r.cpu_ms_per_turn, lambda v: f"{v:.2f} ms"),
+            row("init per episode, p50 (sandbox + set-up)", lambda r: r.init_quantile(0.5), seconds),
+        ]
+    )
+
+
+def real_details(setting: Setting, args: argparse.Namespace) -> list[str]:
+    """The tiny model's details, and per run the turns by what they carried and the episodes by how they ended."""
+    out = details(setting, args)
+    for mode in MODES:
+        for r in setting.results.get(mode, []):
+            kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(r.kinds().items()))
+            ends: dict[str, int] = {}
+            for e in r.episodes:
+                ends[e.finish_reason or "?"] = ends.get(e.finish_reason or "?", 0) + 1
+            endings = ", ".join(f"{reason} {count}" for reason, count in sorted(ends.items()))
+            errors: dict[str, int] = {}
+            for e in r.episodes:
+                for message in e.parse_errors:
+                    errors[message.split(";")[0]] = errors.get(message.split(";")[0], 0) + 1
+            why = "; ".join(f"{count}x {message!r}" for message, count in sorted(errors.items(), key=lambda m: -m[1]))
+            split = r.turn_split()
+            cut = sum(e.cut_turns for e in r.episodes)
+            whole = r.cpu_by_component.get(WHOLE_MACHINE, float("nan"))
+            ours = sum(seconds for name, seconds in r.cpu_by_component.items() if name != WHOLE_MACHINE)
+            capacity = CPUS_GIVEN * r.wall_s
+            out.append(
+                f"The machine during {r.name} round {r.round}: its {CPUS_GIVEN} CPUs busy {pct(whole / capacity)} of "
+                f"the time, this benchmark's processes (vLLM included) {pct(ours / capacity)}, other tenants the rest "
+                f"({max(whole - ours, 0):.0f} of {whole:.0f} core-seconds)."
+            )
+            out.append(
+                f"{r.name} round {r.round}: {r.turns} turns by what they carried: {kinds} ({pct(r.action_share())} "
+                f"with a parsable action; {cut} turns ran into max_tokens); the parse errors: {why or 'none'}; "
+                f"episodes by how they ended: {endings}; per turn {split['turn']:.2f} s = "
+                f"LLM {split['llm']:.2f} s + tools {split['tools']:.3f} s + waiting {split['wait']:.2f} s + "
+                f"orchestration {split['orchestration']:.3f} s."
+            )
+    return out
+
+
+HOW_TO_READ_REAL = """\
+**How to read this.** The same two schedulers as the tiny model's section above, (a) lock-step and (b) the rollout
+service, on the same episodes against one vLLM server and one sandbox runtime, minutes apart in one run with vLLM's
+prefix cache reset before each: the ratios to (a) are the figures to compare. The model is a real pretrained one
+(30 layers, hidden 576, a 49,152-token BPE vocabulary) and nothing forces its turns: it writes its reply as text,
+the loop reads the last fenced block as the action (`fenced` format: ```python runs the block in the sandbox,
+```finish ends the episode with its answer), and the service describes the actions in the system prompt (its chat
+template has no tools). An untrained model often writes no block (the episode ends: `no_tool_call`) or one that
+cannot be read (a parse error, counted by reward shaping's `format` component; the error goes back to the model and
+the episode goes on); those turns' tokens are generated all the same and count in generated tokens/s. So turns are
+of every length up to max_tokens, and the episodes end after one to three turns: the variation lock-step pays for,
+each phase lasting as long as its longest generation. **Time per turn** is the run stage's wall time divided by the
+turns: for (b) the trajectory's `run_s`, for (a) every phase the episode took part in, whole. It splits into the
+LLM (the turn's generation request at the client: vLLM's queue, prefill and decode, and HTTP), the tools (the
+sandbox call around `python3`, including bwrap's exec), for (a) the time its phase went on after its own call had
+returned (*waiting for the batch*), and orchestration, the rest (tokenising, parsing the turn, the event loop).
+*Orchestration CPU per turn* is the CPU the scheduling process spent per turn (the rollout service for (b), this
+benchmark's process for (a)). The LLM busy fraction is measured as in the tiny model's section. On this CPU the LLM
+is by far the slowest part: a turn's generation takes tens of seconds, a tool call tens of milliseconds, except a
+program that never ends (one waiting for input, a loop), which runs to the tool's 30 s timeout: in lock-step the
+whole batch waits for it (the phases in the details show it), in the pipeline only its own episode does. Sampling
+at temperature 1 draws other turns in each run, so such outliers fall unevenly between the runs.
+
+**Other tenants.** This machine's 2 cores are shared with other work (the *whole machine* CPU in the details): what
+they take from vLLM lengthens every generation, and it changes from one run to the next. *Generated tokens per
+CPU-second vLLM's engine got* is the work vLLM did with the CPU it had (a larger batch does more per CPU-second; its
+worker also spins for a second after each step, idle or not): where (a) and (b) differ in episodes/s but alike in
+it, the difference is in how much CPU vLLM got while the batch ran, from other tenants or, for (a), from idling
+while the batch waited. With 2 rounds in the order a b, b a the means weigh both orders alike.\
+"""
+
+
+def render_real_block(
+    settings: list[Setting], args: argparse.Namespace, machine_text: str, where: str, discarded: list[ModeResult]
+) -> str:
+    command = command_line(__file__, args.argv)
+    extra = f", (c) with --warm-sandboxes {args.warm_sandboxes}" if args.warm_sandboxes else ""
+    extra += f", (d) with --target-engine-batch {args.target_engine_batch}" if args.target_engine_batch else ""
+    mode = (
+        f"{args.episodes} episodes per batch, {args.rounds} round(s) of each mode (order a b, b a, ...; tables show "
+        f"the mean over rounds), pipeline with --max-run-workers {args.max_run_workers} --max-init-workers "
+        f"{args.max_init_workers}{extra}; a warm-up of 2 episodes through each mode first; a run in which episodes "
+        f"failed is listed under Details and run again (at most {REPEATS_ON_FAILURE} times)"
+    )
+    discards = "".join(f"- {line}\n" for line in discarded_lines(discarded))
+    body = setting_sections(settings, args, real_table, real_details)
+    return f"""{REAL_BLOCK_START}
+## Rollout with the real model (SmolLM2-135M-Instruct): lock-step vs the pipeline — {utc_now()}
+
+- **Machine:** {machine_text}
+- **Where the processes ran:** {where}
+- **Command:** `{command}`
+- **Mode:** {mode}
+- **Baseline:** (a), lock-step, measured in the same run on the same episodes; the tiny model's figures are in the
+  section above (another run, another model: not a baseline for these)
+{discards}
+{body}{HOW_TO_READ_REAL}
+{REAL_BLOCK_END}
+"""
+
+
+def write_real_section(path: Path, block: str) -> None:
+    """The real model's section in `path`: in place of its last one, or else right after the tiny model's section
+    (at the end where there is none), every other byte of the file kept."""
+    text = path.read_text() if path.exists() else ""
+    if REAL_BLOCK_START not in text and BLOCK_END in text:
+        head, tail = text.split(BLOCK_END, 1)
+        text = f"{head}{BLOCK_END}\n\n{REAL_BLOCK_START}\n{REAL_BLOCK_END}{tail}"
+        path.write_text(text)
+    replace_section(path, REAL_BLOCK_START, REAL_BLOCK_END, block)
+
+
 # -- main -------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--episodes", type=int, default=None, help="episodes per batch (default 128; --quick 32)")
-    parser.add_argument("--quick", action="store_true", help="32 episodes, 1 round")
-    parser.add_argument("--rounds", type=int, default=None, help="measured runs of each mode (default 2; --quick 1)")
-    parser.add_argument("--topology", choices=("separate", "shared", "both"), default="both")
-    parser.add_argument("--workload", choices=(*WORKLOADS, "both"), default="both")
     parser.add_argument(
-        "--warm-sandboxes", type=int, default=64, help="mode (c)'s pool (the service's --warm-sandboxes); 0: no (c)"
+        "--model",
+        choices=("tiny", "real"),
+        default="tiny",
+        help="tiny: the random tiny model, its tool calls forced by a regex; real: SmolLM2-135M-Instruct writing "
+        "fenced actions as text, on the arithmetic workload (its defaults: 32 episodes, 1 round, shared cores, "
+        "no (c) or (d))",
+    )
+    parser.add_argument(
+        "--episodes", type=int, default=None, help="episodes per batch (default 128; --quick 32; real model 32)"
+    )
+    parser.add_argument("--quick", action="store_true", help="32 episodes, 1 round (real model: 16)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="measured runs of each mode (default 2; --quick and real model 1)"
+    )
+    parser.add_argument(
+        "--topology", choices=("separate", "shared", "both"), default=None, help="default both (real model: shared)"
+    )
+    parser.add_argument(
+        "--workload",
+        choices=(*WORKLOADS, *REAL_WORKLOADS, "both"),
+        default=None,
+        help="the tiny model's fixed, heterogeneous or both (default); the real model's arithmetic (default)",
+    )
+    parser.add_argument(
+        "--warm-sandboxes",
+        type=int,
+        default=None,
+        help="mode (c)'s pool (the service's --warm-sandboxes; default 64, real model 0); 0: no (c)",
     )
     parser.add_argument(
         "--target-engine-batch",
         type=int,
-        default=32,
-        help="mode (d)'s engine batch to aim at (the service's --target-engine-batch); 0: no (d)",
+        default=None,
+        help="mode (d)'s engine batch to aim at (the service's --target-engine-batch; default 32, real model 0); "
+        "0: no (d)",
     )
     parser.add_argument("--max-run-workers", type=int, default=256, help="the rollout service's run workers")
     parser.add_argument(
@@ -1164,10 +1552,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     args.argv = argv
+    real = args.model == "real"
+    if args.workload is None:
+        args.workload = "arithmetic" if real else "both"
+    if real != (args.workload in REAL_WORKLOADS):
+        parser.error(f"the {args.model} model has no {args.workload!r} workload")
     if args.episodes is None:
-        args.episodes = 32 if args.quick else 128
+        args.episodes = (16 if args.quick else 32) if real else (32 if args.quick else 128)
     if args.rounds is None:
-        args.rounds = 1 if args.quick else 2
+        args.rounds = 1 if args.quick or real else 2
+    if args.topology is None:
+        args.topology = "shared" if real else "both"
+    if args.warm_sandboxes is None:
+        args.warm_sandboxes = 0 if real else 64
+    if args.target_engine_batch is None:
+        args.target_engine_batch = 0 if real else 32
     return args
 
 
@@ -1220,14 +1619,19 @@ def main(argv: list[str] | None = None) -> int:
         sampler_main(argv[1], float(argv[2]), argv[3])
         return 0
     args = parse_args(argv)
-    workloads = [WORKLOADS[name](args.episodes, args.seed) for name in WORKLOADS if args.workload in (name, "both")]
+    real = args.model == "real"
+    if real:
+        workloads: list[Workload | RealWorkload] = [REAL_WORKLOADS[args.workload](args.episodes, args.seed)]
+    else:
+        workloads = [WORKLOADS[name](args.episodes, args.seed) for name in WORKLOADS if args.workload in (name, "both")]
     settings = [Setting(topology, workload) for topology in topologies(args.topology) for workload in workloads]
     log_dir = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
     log_dir.chmod(0o711)  # a root runtime's sandbox uids must traverse to its state dir inside
     discarded: list[ModeResult] = []  # runs with failed episodes, repeated
     try:
         with Services(log_dir, args) as env:
-            served = f"vLLM {vllm_version(env.vllm_url)} (CPU, --enforce-eager, models/tiny-qwen2)"
+            model = (localstack.REAL_MODEL if real else localstack.TINY_MODEL).name
+            served = f"vLLM {vllm_version(env.vllm_url)} (CPU, --enforce-eager, models/{model})"
             machine_text = machine(served, bubblewrap=True)
             samples_path = log_dir / "llm-samples.txt"
             sampler = subprocess.Popen(
@@ -1235,8 +1639,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             try:
                 place(settings[0].topology, env)
-                print("warm-up: 8 episodes through each mode (grammar compilation, connections) ...", flush=True)
-                warm_up = fixed_workload(8, args.seed + 1)
+                if real:
+                    print("warm-up: 2 episodes through each mode (connections, first batches) ...", flush=True)
+                    warm_up: Workload | RealWorkload = arithmetic_workload(2, args.seed + 1)
+                else:
+                    print("warm-up: 8 episodes through each mode (grammar compilation, connections) ...", flush=True)
+                    warm_up = fixed_workload(8, args.seed + 1)
                 for mode in ("coupled", *env.services):
                     measure(mode, warm_up, env, f"warm-{mode}")
                 for setting in settings:
@@ -1252,6 +1660,8 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:  # a server that would not start (localstack)
         print(f"bench_rollout: {exc} (logs: {log_dir})", file=sys.stderr)
         return 1
+    if real:
+        return report_real(settings, args, machine_text, placement(settings, env), discarded, log_dir)
     print()
     print(summary_table(settings))
     for setting in settings:
@@ -1264,6 +1674,29 @@ def main(argv: list[str] | None = None) -> int:
         block = render_block(settings, args, machine_text, placement(settings, env), discarded)
         replace_section(args.out, BLOCK_START, BLOCK_END, block)
         update_targets(args.out, targets(settings))
+        print(f"\nwrote {args.out}")
+    print(f"(logs: {log_dir})")
+    return 0
+
+
+def report_real(
+    settings: list[Setting],
+    args: argparse.Namespace,
+    machine_text: str,
+    where: str,
+    discarded: list[ModeResult],
+    log_dir: Path,
+) -> int:
+    """The real model's results, printed and (--out) written to their own section; no target row: the targets
+    are set for the tiny model's workloads."""
+    for setting in settings:
+        print(f"\n{setting.name}\n{real_table(setting.results)}")
+        for line in real_details(setting, args):
+            print(f"- {line}")
+    for line in discarded_lines(discarded):
+        print(f"- {line}")
+    if args.out:
+        write_real_section(args.out, render_real_block(settings, args, machine_text, where, discarded))
         print(f"\nwrote {args.out}")
     print(f"(logs: {log_dir})")
     return 0

@@ -176,17 +176,22 @@ def start_rollout_service(
 
 
 @contextlib.contextmanager
-def local_stack(workdir: Path, *rollout_args: str) -> Iterator[tuple[Service, Service, Service]]:
-    """vLLM, a bwrap sandbox runtime and the rollout service; all stopped on exit, whatever happens."""
+def local_stack(
+    workdir: Path, *rollout_args: str, model: Path = TINY_MODEL
+) -> Iterator[tuple[Service, Service, Service]]:
+    """vLLM serving `model`, a bwrap sandbox runtime and the rollout service (tokenizing with `model`'s
+    tokenizer); all stopped on exit, whatever happens."""
     started: list[Service] = []
     # A state dir of its own under the temp dir: the sandboxes' uids (under a root server) must reach it.
     state = Path(tempfile.mkdtemp(prefix="prorl-sandbox-state-"))
     try:
-        started.append(start_vllm(log=workdir / "vllm.log"))
+        started.append(start_vllm(model, log=workdir / "vllm.log"))
         started.append(start_sandbox_runtime(state, None, *agent_env_args(), log=workdir / "sandbox-runtime.log"))
         vllm, sandboxes = started
         started.append(
-            start_rollout_service([sandboxes.url], [vllm.url], *rollout_args, log=workdir / "rollout-service.log")
+            start_rollout_service(
+                [sandboxes.url], [vllm.url], *rollout_args, tokenizer=model, log=workdir / "rollout-service.log"
+            )
         )
         yield started[0], started[1], started[2]
     finally:

