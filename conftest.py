@@ -14,3 +14,7 @@ def pytest_configure(config):
         missing = [name for name in REQUIRED if find_spec(name) is None]
         if missing:
             raise pytest.UsageError(f"PRORL_REQUIRE_BACKENDS is set but {', '.join(missing)} is not installed")
+
+
+# The code blocks of the README and the docs, run as tests against real servers (Sybil): tests/docs/doc_blocks.py.
+pytest_plugins = ["tests.docs.doc_blocks"]

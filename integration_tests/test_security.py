@@ -353,7 +353,7 @@ for pid in [p for p in os.listdir('/proc') if p.isdigit()]:
         start, end = (int(x, 16) for x in line.split()[0].split('-'))
         try:
             mem.seek(start)
-            found = re.findall(rb'__prorl_nonce=([0-9a-f]{{16}})', mem.read(min(end - start, 1 << 24)))
+            found = re.findall(rb'__prorl_nonce=([0-9]{{18}})', mem.read(min(end - start, 1 << 24)))
         except (OSError, OverflowError, ValueError):
             continue
         for nonce in found:

@@ -1,4 +1,8 @@
-"""`prorl-sandbox serve`: run the sandbox runtime server standalone."""
+"""`prorl-sandbox serve`: run the sandbox runtime server standalone.
+
+A start-up failure (a bad flag value, a port in use, a state dir that cannot be used) is one line on stderr that
+names the problem and the flag that fixes it, and a non-zero exit status; --debug (or --log-level DEBUG) adds the
+traceback."""
 
 from __future__ import annotations
 
@@ -7,15 +11,68 @@ import contextlib
 import logging
 import os
 import secrets
+import sys
+import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from . import spawn
-from .config import DEFAULT_SANDBOX_UIDS, ServerConfig, add_address_arguments, default_state_dir, parse_uid_range
+from .config import (
+    DEFAULT_SANDBOX_UIDS,
+    ServerConfig,
+    StartupError,
+    add_address_arguments,
+    default_state_dir,
+    parse_uid_range,
+)
 from .connections import add_connection_arguments, connection_limits
+
+PROG = "prorl-sandbox"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a wrong command line is one line on stderr (and exit status 2), not the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def log_level(text: str) -> str:
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a log level: one of {', '.join(LOG_LEVELS)}")
+    return text.upper()
+
+
+def fail(message: str, status: int = 2) -> int:
+    """A start-up failure as one line on stderr; the exit status to return."""
+    print(f"{PROG}: {message}", file=sys.stderr)
+    return status
+
+
+class Readiness:
+    """Passed to `serve` as its `ready`: whether the server has said it listens. What fails before is a failure to
+    start, told in one line; what fails after (hours into serving, perhaps) is a crash, whose traceback is kept."""
+
+    def __init__(self) -> None:
+        self.ready = False
+
+    def __call__(self) -> None:
+        self.ready = True
+
+
+def stopped_by(prog: str, exc: Exception, readiness: Readiness, debug: bool, line: str) -> int:
+    """Report the failure `exc` that ended a server, `line` saying it in one line; the exit status (1). The
+    traceback goes first to stderr (whatever --log-level says) for a crash after start-up, except a StartupError
+    (a check that runs late), and for every failure under --debug."""
+    if debug or (readiness.ready and not isinstance(exc, StartupError)):
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"{prog}: {line}", file=sys.stderr)
+    return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prorl-sandbox", description=__doc__)
+    parser = OneLineParser(prog=PROG, description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the sandbox runtime server")
     add_address_arguments(serve, ServerConfig.port)
@@ -111,7 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--name", default=None, help="how the services know this runtime (default: HOSTNAME-PORT)")
     serve.add_argument("--heartbeat-s", type=float, default=2.0, help="seconds between heartbeats")
-    serve.add_argument("--log-level", default="INFO")
+    serve.add_argument("--log-level", type=log_level, default="INFO", help=f"one of {', '.join(LOG_LEVELS)}")
+    serve.add_argument(
+        "--debug", action="store_true", help="log at DEBUG, and show the traceback of a failure to start"
+    )
     add_connection_arguments(serve)
     openapi = sub.add_parser("openapi", help="print the API's OpenAPI document, or write it and its reference")
     openapi.add_argument("--out", type=Path, default=None, help="write runtime.json and runtime.md in this folder")
@@ -143,22 +203,25 @@ def main(argv: list[str] | None = None) -> int:
         from .openapi import openapi_command
         from .server import RUNTIME_API
 
-        return openapi_command(RUNTIME_API, args.out)
+        try:
+            return openapi_command(RUNTIME_API, args.out)
+        except OSError as exc:
+            return fail(f"cannot write the reference: {exc.strerror} ({exc.filename}); fix --out", 1)
     # Whatever its starter left open without close-on-exec reaches no sandbox: sealed before anything else runs.
     spawn.seal_once()
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    debug = args.debug or args.log_level == "DEBUG"
+    level = "DEBUG" if args.debug else args.log_level
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .webapp import listen_address
 
     try:
         listen_socket, host, port = listen_address(args.listen_fd, args.host, args.port, ServerConfig.port)
     except ValueError as exc:
-        print(f"prorl-sandbox: {exc}")
-        return 2
+        return fail(str(exc))
     try:
         token = own_token(args.token, args.register, args.register_token)
     except ValueError as exc:
-        print(f"prorl-sandbox: {exc}")
-        return 2
+        return fail(str(exc))
     config = ServerConfig(
         host=host,
         port=port,
@@ -187,11 +250,20 @@ def main(argv: list[str] | None = None) -> int:
         config.check()
         config.connections = config.connections.resolve()
     except ValueError as exc:
-        print(f"prorl-sandbox: {exc}")
-        return 2
+        return fail(str(exc))
     from .server import serve
     from .webapp import run_forever
 
-    with contextlib.suppress(KeyboardInterrupt):
-        run_forever(serve(config))
+    readiness = Readiness()
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            run_forever(serve(config, readiness))
+    except Exception as exc:
+        if isinstance(exc, StartupError):
+            line = str(exc)
+        elif readiness.ready:
+            line = f"stopped by {type(exc).__name__}: {exc} (the traceback is above)"
+        else:
+            line = f"failed to start: {type(exc).__name__}: {exc} (run again with --debug for the traceback)"
+        return stopped_by(PROG, exc, readiness, debug, line)
     return 0

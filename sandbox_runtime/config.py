@@ -15,6 +15,12 @@ from .host_view import check_host_path
 from .models import RUNTIME_NAME_PATTERN, RUNTIME_URL_PATTERN, Limits
 
 
+class StartupError(RuntimeError):
+    """The server cannot start, for a reason its operator can fix (a port in use, a state dir it cannot use): the
+    message names the problem and the flag or step that fixes it, and `prorl-sandbox serve` prints it as one
+    line, without a traceback (--debug shows one)."""
+
+
 def default_state_dir() -> Path:
     """/var/lib/prorl-sandbox for root (the sandbox uids must be able to reach their workspaces, which a
     directory under /root does not allow), else the user's XDG state directory."""
@@ -34,14 +40,15 @@ DEFAULT_SANDBOX_UIDS = range(2_000_000_000, 2_000_065_536)
 
 
 def parse_uid_range(text: str) -> range:
-    """`FIRST-LAST` (inclusive) -> range; refuses uid 0 and ranges that are empty or past 2**32 - 2."""
+    """`FIRST-LAST` (inclusive) -> range; refuses uid 0 and ranges that are empty or past 2**32 - 2 with an
+    argparse.ArgumentTypeError (a ValueError's message argparse would replace with "invalid value")."""
     first, sep, last = text.partition("-")
     try:
         low, high = int(first), int(last)
     except ValueError:
-        raise ValueError(f"uid range {text!r} is not FIRST-LAST, e.g. 2000000000-2000065535") from None
+        raise argparse.ArgumentTypeError(f"uid range {text!r} is not FIRST-LAST, e.g. 2000000000-2000065535") from None
     if not sep or not 0 < low <= high < 2**32 - 1:
-        raise ValueError(f"uid range {text!r} must be FIRST-LAST with 0 < FIRST <= LAST < 4294967295")
+        raise argparse.ArgumentTypeError(f"uid range {text!r} must be FIRST-LAST with 0 < FIRST <= LAST < 4294967295")
     return range(low, high + 1)
 
 
@@ -115,6 +122,10 @@ class ServerConfig:
         """What start-up refuses, with a message naming the setting: exposure without a token, a host path
         that sandboxes cannot be shown, and a registration that could not work."""
         check_exposure(self.host, self.token, "PRORL_SANDBOX_TOKEN")
+        if self.listen_socket is None and not 0 <= self.port <= 65535:
+            raise ValueError(f"--port {self.port} is not a port: give one from 1 to 65535 (0 picks a free one)")
+        if self.max_sandboxes < 1:
+            raise ValueError(f"--max-sandboxes {self.max_sandboxes} must be at least 1")
         for path in self.host_paths:
             check_host_path(path, self.state_dir)
         if not self.image_cache_gb > 0:

@@ -660,7 +660,11 @@ class SandboxFiles:
         with _closing_fd(self._open_existing(t)) as fd:
             st = os.fstat(fd)
             if stat.S_ISDIR(st.st_mode):
-                raise FileAccessError(409, f"{t.display!r} is a directory; use pack to fetch a directory")
+                raise FileAccessError(
+                    409,
+                    f"{t.display!r} is a directory; fetch a directory as a tar.gz with GET /v1/sandboxes/{{id}}/archive"
+                    f"?path={t.display} (the Python client's download_archive)",
+                )
             if not stat.S_ISREG(st.st_mode):
                 raise FileAccessError(400, f"{t.display!r} is not a regular file")
             if st.st_size > max_bytes:

@@ -226,8 +226,11 @@ class ImageStore:
             if tag and kind not in ("oci", "docker-archive"):
                 raise ImageError(f"image {base!r} is a {kind}: only OCI layouts and docker archives have tags")
             return Image(name, candidate, kind, tag or None)
-        where = "it has no image directories (--image-dir)" if not self.image_dirs else "its image directories"
-        raise ImageError(f"no image named {base!r} on this server: images are looked up in {where}")
+        if not self.image_dirs:
+            raise ImageError(
+                f"no image named {base!r} on this server: it has no image directories (start it with --image-dir DIR)"
+            )
+        raise ImageError(f"no image named {base!r} in this server's image directories (GET /v1/images lists them)")
 
     # -- digests --------------------------------------------------------------------------------------------
     async def digest(self, image: Image) -> str | None:

@@ -29,7 +29,7 @@ from typing import TextIO
 from . import cgroups, memory_watch, procs, workspace_fs
 from .backends import make_backend
 from .backends.base import Backend, BackendError, SandboxDirs
-from .config import ServerConfig
+from .config import ServerConfig, StartupError
 from .host_tree import remove_tree
 from .images import ImageError, ImageStore, Unpacked
 from .metrics import Metrics
@@ -151,11 +151,25 @@ class SandboxManager:
 
     # -- start and stop ---------------------------------------------------------------------------------
     async def start(self) -> None:
-        self.boxes_dir.mkdir(parents=True, exist_ok=True)
+        """Take the state dir (StartupError when it cannot be used), clean up after a previous server, and find
+        what bounds a sandbox here."""
+        if self.default_backend == "bwrap":  # named with --backend: the server would serve nothing but errors
+            from .backends import BACKENDS
+
+            available, detail = BACKENDS["bwrap"].probe()
+            if not available:
+                raise StartupError(f"--backend bwrap: {detail}; or choose another --backend")
+        try:
+            self.boxes_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StartupError(
+                f"cannot use the state dir {self.state_dir}: {exc.strerror} ({exc.filename}); give one this user can "
+                "create and write with --state-dir"
+            ) from None
         self._lock_state_dir()
         for directory in self.images.image_dirs:
             if not directory.is_dir():
-                raise RuntimeError(f"image directory {directory} does not exist")
+                raise StartupError(f"image directory {directory} does not exist or is no directory: fix --image-dir")
         self.images.start()
         if self.sandbox_uids is not None:
             self._check_reachable_by_sandboxes()
@@ -214,18 +228,28 @@ class SandboxManager:
         for path, what in [(self.boxes_dir, "state dir"), *((d, "image directory") for d in self.images.image_dirs)]:
             blocked = unreachable_ancestor(path)
             if blocked is not None:
-                raise RuntimeError(
+                raise StartupError(
                     f"the {what} {path} lies below {blocked}, which the sandboxes' unprivileged uids cannot "
                     "traverse (no o+x); choose one they can reach, e.g. --state-dir /var/lib/prorl-sandbox"
                 )
 
     def _lock_state_dir(self) -> None:
-        lock = open(self.state_dir / "server.lock", "w")  # noqa: SIM115 - held for the server's lifetime
+        path = self.state_dir / "server.lock"
+        try:
+            lock = open(path, "w")  # noqa: SIM115 - held for the server's lifetime
+        except OSError as exc:
+            raise StartupError(
+                f"cannot open the state dir's lock file {path}: {exc.strerror}; give a state dir this user can "
+                "write with --state-dir"
+            ) from None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.close()
-            raise RuntimeError(f"another sandbox server is using state dir {self.state_dir}") from None
+            raise StartupError(
+                f"another sandbox server is using state dir {self.state_dir} (it holds {path}): stop that server, "
+                "or give this one a state dir of its own with --state-dir"
+            ) from None
         self._lock_file = lock
 
     # -- backends ---------------------------------------------------------------------------------------
@@ -235,7 +259,7 @@ class SandboxManager:
         for name in ("bwrap", "apptainer"):
             if BACKENDS[name].probe()[0]:
                 return name
-        raise RuntimeError(
+        raise StartupError(
             "no isolating backend is available: install bubblewrap (apt-get install bubblewrap) or Apptainer, "
             "or ask for `--backend local` explicitly (no isolation)"
         )

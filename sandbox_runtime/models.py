@@ -125,7 +125,11 @@ class SandboxSpec(_Strict):
         }
     )
 
-    backend: str | None = None
+    backend: str | None = Field(
+        None,
+        description="bwrap, apptainer, singularity or local (local only where the server allows it); null: the "
+        "server's default_backend (GET /v1/info)",
+    )
     image: str | None = Field(
         None,
         max_length=255,
@@ -134,24 +138,39 @@ class SandboxSpec(_Strict):
         "directory; never a host path. GET /v1/images lists them",
         examples=["debian-python.sif", "swe/sweb.eval.x86_64.astropy__astropy-12907.sif", "python.oci:3.11"],
     )
-    env: Environment = Field(default_factory=dict, description="environment of the sandboxed shell only")
-    workdir: str = Field("/workspace", max_length=1024)
+    env: Environment = Field(
+        default_factory=dict,
+        description="environment variables of every shell and run in the sandbox (never the server's own)",
+    )
+    workdir: str = Field(
+        "/workspace",
+        max_length=1024,
+        description="absolute path of the writable workspace inside the sandbox, where shells start",
+    )
     seed_workdir: bool = Field(
         False,
         description="the workspace, mounted at `workdir`, starts as a copy of what the image holds at `workdir` "
         "(a SWE-bench image's /testbed), and again after each wipe; needs `image`, whose `workdir` must be a "
         "directory. The copy counts against limits.disk_mb",
     )
-    network: Literal["none", "host"] = "none"
+    network: Literal["none", "host"] = Field(
+        "none", description="none: no network but loopback (and `forwards`); host: the host's network"
+    )
     forwards: list[PortForward] = Field(
         default_factory=list,
         max_length=MAX_FORWARDS,
         description="ports on the sandbox's loopback, each leading to one address (network: none only)",
     )
-    limits: Limits = Field(default_factory=Limits)
-    ttl_s: float | None = Field(None, gt=0, description="delete the sandbox this long after creation")
-    idle_timeout_s: float | None = Field(None, gt=0, description="delete it after this long without a request")
-    labels: dict[str, str] = Field(default_factory=dict)
+    limits: Limits = Field(
+        default_factory=Limits, description="resource limits; a field left out takes the server's default"
+    )
+    ttl_s: float | None = Field(
+        None, gt=0, description="seconds after creation when the sandbox is deleted; null: never"
+    )
+    idle_timeout_s: float | None = Field(
+        None, gt=0, description="seconds without a request after which the sandbox is deleted; null: never"
+    )
+    labels: dict[str, str] = Field(default_factory=dict, description="free-form tags, given back as they are")
 
     @field_validator("workdir")
     @classmethod
@@ -229,31 +248,35 @@ def check_env(value: dict[str, str]) -> dict[str, str]:
 
 
 class SessionInfo(BaseModel):
-    name: str
-    busy: bool
-    pid: int
-    cwd: str
+    """One persistent shell session of a sandbox."""
+
+    name: str = Field(description="the name exec's `session` gives it")
+    busy: bool = Field(description="a command runs in it (one kept with on_timeout: keep)")
+    pid: int = Field(description="host pid of its shell's launcher")
+    cwd: str = Field(description="the shell's working directory after its last command")
 
 
 class SandboxInfo(BaseModel):
-    id: str
-    backend: str
-    isolated: bool
-    image: str | None
+    """A sandbox as the server holds it: its spec, as applied, and its sessions."""
+
+    id: str = Field(description="what every /v1/sandboxes/{id} operation takes")
+    backend: str = Field(description="the backend that runs it")
+    isolated: bool = Field(description="false only for the local backend, which isolates nothing")
+    image: str | None = Field(description="the image it runs; null: none (the backend's read-only view of the host)")
     image_digest: str | None = Field(
         None,
         description="sha256 of the image it runs (the SIF or archive file, or the OCI manifest); null for "
         "the host's root or a root directory",
     )
-    workdir: str
-    network: str
-    forwards: list[PortForward] = Field(default_factory=list)
-    limits: Limits
-    labels: dict[str, str]
-    created_at: float
-    ttl_s: float | None
-    idle_timeout_s: float | None
-    sessions: list[SessionInfo]
+    workdir: str = Field(description="absolute path of its workspace inside the sandbox")
+    network: str = Field(description="none or host")
+    forwards: list[PortForward] = Field(default_factory=list, description="its port forwards")
+    limits: Limits = Field(description="its limits, the server's defaults filled in")
+    labels: dict[str, str] = Field(description="as the spec gave them")
+    created_at: float = Field(description="Unix time of its creation, in seconds")
+    ttl_s: float | None = Field(description="seconds after created_at when it is deleted; null: never")
+    idle_timeout_s: float | None = Field(description="seconds without a request before it is deleted; null: never")
+    sessions: list[SessionInfo] = Field(description="its live shell sessions")
 
 
 class ExecRequest(_Strict):
@@ -261,11 +284,33 @@ class ExecRequest(_Strict):
 
     model_config = ConfigDict(json_schema_extra={"examples": [{"command": "ls -la && cd /tmp", "timeout": 30}]})
 
-    command: str = Field(min_length=1)
-    timeout: float | None = Field(None, gt=0)
-    session: SessionName = "default"
-    max_output_bytes: int | None = Field(None, gt=0)
-    on_timeout: Literal["kill", "keep"] = "kill"
+    command: str = Field(
+        min_length=1,
+        description="bash source, run verbatim by the session's shell (several lines, pipes and `cd` included); "
+        "`$?` in it is the previous command's exit code",
+    )
+    timeout: float | None = Field(
+        None,
+        gt=0,
+        description="seconds the command may run; null: the server's default_timeout_s (GET /v1/info; 60 s "
+        "unless the server was configured otherwise); at most max_timeout_s (a 400 above it)",
+    )
+    session: SessionName = Field(
+        "default",
+        description="the shell session to run in, created on first use; cwd, variables and background jobs "
+        "persist in it across calls",
+    )
+    max_output_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="bytes of output kept, head and tail (`truncated` says when); null: the server's "
+        "default_output_bytes (GET /v1/info; 64 KiB unless configured); at most max_output_bytes",
+    )
+    on_timeout: Literal["kill", "keep"] = Field(
+        "kill",
+        description="past `timeout`: kill interrupts the command (C-c, then SIGKILL of its process group); keep "
+        "leaves it running, to be continued with the session's input and output operations",
+    )
 
 
 def _no_default(schema: dict) -> None:
@@ -290,13 +335,22 @@ class InputRequest(_Strict):
 
     model_config = ConfigDict(json_schema_extra=exactly_one_of("text", "keys"))
 
-    text: Annotated[str | SkipJsonSchema[None], BeforeValidator(_not_null)] = Field(None, json_schema_extra=_no_default)
+    text: Annotated[str | SkipJsonSchema[None], BeforeValidator(_not_null)] = Field(
+        None,
+        description="typed as it is; end it with a newline to press Enter",
+        json_schema_extra=_no_default,
+    )
     keys: Annotated[list[str] | str | SkipJsonSchema[None], BeforeValidator(_not_null)] = Field(
         None,
         description="key names such as C-c, Enter, Up; one name alone may be given as a string",
         json_schema_extra=_no_default,
     )
-    timeout: float = Field(1.0, gt=0)
+    timeout: float = Field(
+        1.0,
+        gt=0,
+        description="seconds to wait, after the input is delivered, for the command to finish; the reply carries "
+        "what it printed until then (status running if it still runs); capped at the server's max_timeout_s",
+    )
 
     @model_validator(mode="after")
     def _text_or_keys(self) -> InputRequest:
@@ -321,8 +375,18 @@ class RunRequest(_Strict):
     )
     cwd: str | None = Field(None, description="working directory inside the sandbox (default: the workdir)")
     env: Environment = Field(default_factory=dict, description="added to the sandbox's environment")
-    timeout: float | None = Field(None, gt=0)
-    max_output_bytes: int | None = Field(None, gt=0)
+    timeout: float | None = Field(
+        None,
+        gt=0,
+        description="seconds the process may run before it is killed (status timeout); null: the server's "
+        "default_timeout_s (GET /v1/info; 60 s unless configured); at most max_timeout_s (a 400 above it)",
+    )
+    max_output_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="bytes of output kept, head and tail; null: the server's default_output_bytes (GET /v1/info; "
+        "64 KiB unless configured); at most max_output_bytes",
+    )
 
     @model_validator(mode="after")
     def _one_program(self) -> RunRequest:
@@ -351,27 +415,39 @@ class RunRequest(_Strict):
 
 
 class RunResult(BaseModel):
+    """What a one-shot run did."""
+
     output: str = Field(description="stdout and stderr together, head and tail kept when over the cap")
-    exit_code: int | None = Field(description="from waitpid; 128+N when killed by signal N; None on timeout")
-    status: Literal["completed", "timeout"]
-    truncated: bool
-    duration_s: float
+    exit_code: int | None = Field(description="from waitpid; 128+N when killed by signal N; null on timeout")
+    status: Literal["completed", "timeout"] = Field(description="timeout: it ran past `timeout` and was killed")
+    truncated: bool = Field(description="output was over max_output_bytes: its middle was left out")
+    duration_s: float = Field(description="seconds from its start to its end")
 
 
 class ExecResult(BaseModel):
-    output: str
-    exit_code: int | None
-    status: ExecStatus
-    truncated: bool
-    duration_s: float
-    cwd: str
+    """What a command of a shell session did, or has done so far."""
+
+    output: str = Field(
+        description="what the command printed (stdout and stderr, as a terminal shows them), head and tail kept "
+        "when over the cap; for input and output of a kept command, what it printed since the last read"
+    )
+    exit_code: int | None = Field(
+        description="the command's exit status, once it has finished (also when read through the output "
+        "operation after a timeout with keep); null while it runs"
+    )
+    status: ExecStatus = Field(
+        description="completed, timeout, interrupted (it ended after a C-c), dead (the shell exited) or running"
+    )
+    truncated: bool = Field(description="output was over max_output_bytes: its middle was left out")
+    duration_s: float = Field(description="seconds from the command's start to its end (to now, while it runs)")
+    cwd: str = Field(description="the shell's working directory after the command (or when it was last known)")
 
 
 class BackendInfo(BaseModel):
-    name: str
-    available: bool
-    isolated: bool
-    detail: str
+    name: str = Field(description="what a spec's `backend` names it by")
+    available: bool = Field(description="it can be used on this machine")
+    isolated: bool = Field(description="it isolates a sandbox from the host (false only for local)")
+    detail: str = Field(description="what was found, or why it is not available")
 
 
 class LimitEnforcement(BaseModel):
@@ -392,14 +468,16 @@ class LimitEnforcement(BaseModel):
 
 
 class ServerInfo(BaseModel):
-    version: str
-    default_backend: str
-    backends: list[BackendInfo]
-    max_sandboxes: int
-    sandboxes: int
-    default_limits: Limits
-    max_limits: Limits
-    local_backend_allowed: bool
+    """GET /v1/info: what this server offers, its defaults and its maxima."""
+
+    version: str = Field(description="the runtime's version")
+    default_backend: str = Field(description="the backend a spec without `backend` gets")
+    backends: list[BackendInfo] = Field(description="every backend and whether it can be used here")
+    max_sandboxes: int = Field(description="sandboxes the server holds at once at most (--max-sandboxes)")
+    sandboxes: int = Field(description="sandboxes it holds now")
+    default_limits: Limits = Field(description="what a limit left out of a spec takes")
+    max_limits: Limits = Field(description="the most a spec may ask for")
+    local_backend_allowed: bool = Field(description="the local backend may be asked for (--allow-local)")
     image_dirs: int = Field(description="how many image directories the server takes images from")
     host_paths: list[str] = Field(
         default_factory=list,
@@ -407,24 +485,30 @@ class ServerInfo(BaseModel):
         "its own minimal /etc, /dev, /proc, its workspace and /tmp",
     )
     sandbox_uids: str | None = Field(description="host uids sandboxes run as (one each), or None: the server's own")
-    max_timeout_s: float
-    max_output_bytes: int
-    max_body_bytes: int
+    default_timeout_s: float = Field(
+        description="seconds an exec or run without `timeout` may take (60 unless the server was configured otherwise)"
+    )
+    max_timeout_s: float = Field(description="the largest `timeout` an exec or run may ask for, in seconds")
+    default_output_bytes: int = Field(
+        description="bytes of output an exec or run without `max_output_bytes` keeps (65536 unless configured)"
+    )
+    max_output_bytes: int = Field(description="the largest `max_output_bytes` an exec or run may ask for")
+    max_body_bytes: int = Field(description="the largest request body, and the largest file or archive read")
     enforcement: LimitEnforcement = Field(description="what holds each limit for the whole sandbox on this server")
 
 
 # -- replies of the smaller operations ------------------------------------------------------------------
 class Health(BaseModel):
-    ok: bool
+    ok: bool = Field(description="always true: the server answers")
 
 
 class SandboxList(BaseModel):
-    sandboxes: list[SandboxInfo]
+    sandboxes: list[SandboxInfo] = Field(description="every live sandbox (not those being deleted)")
 
 
 class ImageInfo(BaseModel):
     name: str = Field(description="what a spec's `image` names it by")
-    format: ImageFormat
+    format: ImageFormat = Field(description="a root directory, a SIF file, an OCI layout or a docker save archive")
     digest: str | None = Field(
         description="sha256 the cache keys it by: an OCI layout's manifest digest; for a SIF file or an archive, "
         "the file's, known once it has been used (null until then); null for a root directory"
@@ -438,38 +522,38 @@ class ImageInfo(BaseModel):
 
 
 class ImageList(BaseModel):
-    images: list[ImageInfo]
+    images: list[ImageInfo] = Field(description="every image below the server's image directories")
     truncated: bool = Field(False, description="the listing stopped at its maximum number of images")
 
 
 class SandboxDeleted(BaseModel):
-    id: str
-    deleted: Literal[True] = True
+    id: str = Field(description="the sandbox's id")
+    deleted: Literal[True] = Field(True, description="always true")
     already_deleted: bool = Field(description="the sandbox was gone already (deleting is idempotent)")
 
 
 class ProcessesEnded(BaseModel):
-    id: str
+    id: str = Field(description="the sandbox's id")
     sessions_ended: list[str] = Field(description="the shell sessions that were ended")
 
 
 class SandboxWiped(ProcessesEnded):
-    wiped: Literal[True] = True
+    wiped: Literal[True] = Field(True, description="always true")
 
 
 class SessionDeleted(BaseModel):
-    id: str
-    session: str
-    deleted: Literal[True] = True
+    id: str = Field(description="the sandbox's id")
+    session: str = Field(description="the session's name")
+    deleted: Literal[True] = Field(True, description="always true")
 
 
 class FileWritten(BaseModel):
-    path: str
-    bytes: int
+    path: str = Field(description="the path as the request gave it")
+    bytes: int = Field(description="bytes written")
 
 
 class ArchiveWritten(BaseModel):
-    path: str
+    path: str = Field(description="the directory as the request gave it")
     members: int = Field(description="files, directories and links extracted")
 
 
@@ -496,9 +580,9 @@ class RuntimeHeartbeat(_Strict):
     capacity: int = Field(ge=0, description="the most sandboxes it holds at once (--max-sandboxes)")
     sandboxes: int = Field(ge=0, description="sandboxes it holds now")
     backend: str = Field(max_length=64, description="its default backend")
-    version: str = Field(max_length=64)
+    version: str = Field(max_length=64, description="the runtime's version")
     interval_s: float = Field(gt=0, le=3600, description="seconds until the next heartbeat")
-    leaving: bool = False
+    leaving: bool = Field(False, description="sent once on a clean shutdown: place no more sandboxes here")
     token: str | None = Field(
         None,
         max_length=512,

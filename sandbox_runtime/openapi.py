@@ -29,7 +29,7 @@ class ErrorBody(BaseModel):
     """Every error, from either server: what is wrong, in words a caller can act on, and the HTTP status."""
 
     error: str = Field(description="what went wrong and, for a caller's mistake, what to fix")
-    status: int = Field(ge=400, le=599)
+    status: int = Field(ge=400, le=599, description="the HTTP status of the reply, repeated")
 
 
 @dataclass(frozen=True)
@@ -319,7 +319,12 @@ def render_markdown(api: API) -> str:
             body = op.get("requestBody")
             if body:
                 for media, content in body["content"].items():
-                    optional = "" if body["required"] else " (optional: empty means the defaults)"
+                    if body["required"]:
+                        optional = ""
+                    elif media == JSON:
+                        optional = " (optional: empty means the defaults)"
+                    else:  # raw content: empty is empty content (an empty file), not a default
+                        optional = " (may be empty)"
                     lines.append(f"- body ({media}): {_type(content['schema'])}{optional}")
             if lines[-1]:
                 lines.append("")

@@ -9,14 +9,17 @@ reaches the client as an ErrorBody, `{"error": message, "status": code}`.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
 import socket
+from collections.abc import Callable
 
 from aiohttp import web
 
 from . import __version__
 from .backends import describe_backends
-from .config import ServerConfig
+from .config import ServerConfig, StartupError
 from .files import FileAccessError
 from .manager import SandboxManager
 from .metrics import Metrics
@@ -78,7 +81,9 @@ async def server_info(request: web.Request) -> web.Response:
             sandbox_uids=None
             if manager.sandbox_uids is None
             else f"{manager.sandbox_uids.start}-{manager.sandbox_uids.stop - 1}",
+            default_timeout_s=config.default_timeout_s,
             max_timeout_s=config.max_timeout_s,
+            default_output_bytes=config.default_output_bytes,
             max_output_bytes=config.max_output_bytes,
             max_body_bytes=config.max_body_bytes,
             enforcement=manager.enforcement,
@@ -222,8 +227,9 @@ SESSION_PARAMETERS = {
 NO_SANDBOX = {404: "no such sandbox (or it is being deleted)"}
 BUSY = {409: "the session is busy with another command (or could not start)"}
 FILE_ERRORS = {
-    400: "the path is not valid, leaves the sandbox, or names something that is not a regular file or directory",
-    403: "the path is outside the workspace and /tmp, or not readable or writable there",
+    400: "the path is not valid (a NUL, a '..', a symbolic link on the way), lies outside the sandbox's writable "
+    "areas (the workspace and /tmp), or names something that is not a regular file or directory",
+    403: "the file system refuses the access (permission denied) inside the workspace or /tmp",
     404: "no such sandbox, or no such file",
     409: "a directory where a file is meant (or the reverse), or a program running in the sandbox that would be "
     "replaced",
@@ -433,12 +439,31 @@ def create_app(config: ServerConfig, port: int | None = None) -> web.Application
     return app
 
 
-async def serve(config: ServerConfig) -> None:
-    """Run the server until SIGTERM/SIGINT; every sandbox is deleted on the way out."""
+def listening_socket(host: str, port: int) -> socket.socket:
+    """`bound_socket`, or a StartupError that says which flag to change."""
+    try:
+        return bound_socket(host, port)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise StartupError(
+                f"port {port} on {host} is already in use (another prorl-sandbox?): stop whatever holds it, or give "
+                "another --port"
+            ) from None
+        # create_server's own message repeats the address; a name that does not resolve has a negative errno.
+        positive = isinstance(exc.errno, int) and exc.errno > 0
+        reason = os.strerror(exc.errno) if positive else (exc.strerror or str(exc)).partition(" (while")[0]
+        raise StartupError(f"cannot listen on {host} port {port}: {reason}; check --host and --port") from None
+
+
+async def serve(config: ServerConfig, ready: Callable[[], None] | None = None) -> None:
+    """Run the server until SIGTERM/SIGINT; every sandbox is deleted on the way out. `ready` is called once it
+    listens."""
     config.check()
     # Bound first (or given bound): the registration advertises its real port.
-    sock = config.listen_socket or bound_socket(config.host, config.port)
+    sock = config.listen_socket or listening_socket(config.host, config.port)
     app = create_app(config, port=sock.getsockname()[1])
     await serve_sites(
-        [Site(app, config.host, 0, f"prorl-sandbox (state dir {config.state_dir})", sock=sock)], config.connections
+        [Site(app, config.host, 0, f"prorl-sandbox (state dir {config.state_dir})", sock=sock)],
+        config.connections,
+        ready=ready,
     )

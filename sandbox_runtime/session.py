@@ -5,10 +5,18 @@ How a command runs, and why:
   a timeout kill reach the command, not the shell) and so that PROMPT_COMMAND runs after every command.
 - PROMPT_COMMAND prints a completion marker `RS nonce:exit_code:cwd RS`. A marker printed by the command
   line itself would be dropped by bash after an interrupt; one printed from PROMPT_COMMAND always appears.
-  The nonce is random per command, so output can never forge it and a late marker is never mistaken.
+  The nonce is random per command, so a late marker is never mistaken, and output of a process that does not
+  share the shell's variables (a program it runs, a file it cats) cannot forge the marker. The session's own
+  code can: the nonce is a shell variable, which a DEBUG trap or PROMPT_COMMAND-like code may print. A
+  session's exit_code and cwd are therefore what the session's own code says; a grader must not trust them
+  and runs its checks through the one-shot /run, a process of its own (clean_check.run_check, swe.py).
 - Each command is sent as one line, `eval $'...'`, with every control byte escaped: the terminal never
   sees a raw newline (a multi-line script cannot leave bash waiting at PS2) nor a byte that the line
   discipline would act on. The terminal is in non-canonical mode, so a line has no 4 KB limit.
+- The line sets the nonce inside an arithmetic expansion that expands to nothing (`${__prorl_z:N=...:0}`), not
+  with an assignment before `eval`: an assignment is a command of its own and sets `$?` to 0, so `echo $?` would
+  never see the previous command's status. An expansion leaves `$?` as the previous command left it, fires no
+  ERR trap and trips no `set -e`. The nonce is therefore a number.
 - Reads happen in an event-loop reader callback, only while a command is in flight; an idle session is
   not read at all, so a background job flooding output blocks on the full terminal instead of burning CPU.
 """
@@ -39,8 +47,15 @@ _PROMPT_COMMAND = r'__prorl_rc=$?; printf "\036%s:%s:%s\036\n" "$__prorl_nonce" 
 # script exports PS1="Apptainer> "), and the marker must be the only prompt text.
 _SETUP_LINE = (
     "set +H +o history; unset HISTFILE; PS1=; PS2=; "
-    f"declare -r PROMPT_COMMAND='{_PROMPT_COMMAND}'; __prorl_nonce={{nonce}}\n"
+    f"declare -r PROMPT_COMMAND='{_PROMPT_COMMAND}' __prorl_z=; __prorl_nonce={{nonce}}\n"
 )
+
+
+def command_line(nonce: str, command: str) -> bytes:
+    """The terminal line that runs `command` with completion marker `nonce`, leaving `$?` as it was."""
+    expansion = b'"${__prorl_z:__prorl_nonce=' + nonce.encode() + b':0}"'  # empty, and sets the nonce
+    return b"eval " + expansion + encode_command(command).removeprefix(b"eval ") + b"\n"
+
 
 # Named keys for the input API; "C-x" control chords are computed.
 KEYS = {
@@ -136,7 +151,9 @@ class ShellSession:
         self._done: asyncio.Future[tuple[int, str]] | None = None
         self._exited: asyncio.Task[int] | None = None
         self._interrupted = False
+        self._ended: ExecStatus | None = None  # how the last command ended, once a reply has said so
         self._command_started = 0.0
+        self._command_ended = 0.0  # when the marker of the command came; 0 while it runs
         self.cwd = ""
         self.last_used = time.monotonic()
 
@@ -160,6 +177,7 @@ class ShellSession:
             await self.close()
             raise SessionError(f"shell did not start: {output.strip() or 'no output'}", status=500)
         self.cwd = result[1]
+        self._done = None  # the set-up line's marker is no command's: the output API reports no exit code yet
         if self._forwards.specs:
             await self._open_forwards()
 
@@ -215,8 +233,8 @@ class ShellSession:
         # What background jobs printed since the last command stays in the buffer and leads this output.
         nonce = self._arm(max_output or self._default_limit, keep_buffer=True)
         deadline = time.monotonic() + timeout
-        line = b"__prorl_nonce=" + nonce.encode() + b"; " + encode_command(command) + b"\n"
-        if not await self._write_within(line, timeout):  # the shell stopped reading: it cannot be used any more
+        # The shell stopped reading when the line cannot be written in time: it cannot be used any more.
+        if not await self._write_within(command_line(nonce, command), timeout):
             procs.kill_session(self.pid)
             return await self._died("timeout")
         return await self._finish(max(deadline - time.monotonic(), 0.0), keep)
@@ -235,10 +253,15 @@ class ShellSession:
         return await self._finish(max(deadline - time.monotonic(), 0.0), keep=True)
 
     def read_output(self) -> ExecResult:
-        """What a command left running printed since the last read, without waiting."""
+        """What a command left running printed since the last read, without waiting. Once it has finished, its
+        exit code and the shell's cwd, as its marker gave them (every read until the next command says so)."""
         text, truncated = self._out.take()
-        status: ExecStatus = "running" if self.busy else "completed"
-        return self._result(text, truncated, None, status)
+        done = self._done.result() if not self.busy and self._done is not None and self._done.done() else None
+        if done is None:
+            return self._result(text, truncated, None, "running" if self.busy else "completed")
+        exit_code, self.cwd = done
+        status = self._ended or ("interrupted" if self._interrupted else "completed")
+        return self._result(text, truncated, exit_code, status)
 
     async def _finish(self, timeout: float, keep: bool) -> ExecResult:
         done = await self._wait(timeout)
@@ -277,6 +300,7 @@ class ShellSession:
 
     def _completed(self, done: tuple[int, str], status: ExecStatus) -> ExecResult:
         exit_code, self.cwd = done
+        self._ended = status
         text, truncated = self._out.take()
         return self._result(text, truncated, exit_code, status)
 
@@ -297,13 +321,17 @@ class ShellSession:
             exit_code=exit_code,
             status=status,
             truncated=truncated,
-            duration_s=round(time.monotonic() - self._command_started, 6),
+            duration_s=round((self._command_ended or time.monotonic()) - self._command_started, 6)
+            if self._command_started
+            else 0.0,
             cwd=self.cwd,
         )
 
     # -- the reader -------------------------------------------------------------------------------------
     def _arm(self, limit: int, keep_buffer: bool = False) -> str:
-        nonce = secrets.token_hex(8)
+        nonce = str(secrets.randbelow(9 * 10**17) + 10**17)  # 18 digits: within bash's 64-bit arithmetic
+        self._ended = None
+        self._command_ended = 0.0
         self._prefix = MARKER_START + nonce.encode() + b":"
         self._done = self._loop.create_future()
         if not keep_buffer:
@@ -389,6 +417,7 @@ class ShellSession:
         self._out.feed(rest[1:] if rest.startswith(b"\n") else rest)
         self._carry = b""
         self._disarm()
+        self._command_ended = time.monotonic()
         self._done.set_result((int(code or b"0"), cwd.decode("utf-8", errors="replace")))
 
     async def _write_within(self, data: bytes, timeout: float) -> bool:

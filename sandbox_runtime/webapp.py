@@ -196,11 +196,15 @@ class Site:
 
 
 async def serve_sites(
-    sites: list[Site], limits: ConnectionLimits | None = None, stop: asyncio.Event | None = None
+    sites: list[Site],
+    limits: ConnectionLimits | None = None,
+    stop: asyncio.Event | None = None,
+    ready: Callable[[], None] | None = None,
 ) -> None:
     """Run the applications until SIGTERM or SIGINT (or until `stop` is set, where given: no signal handlers
     then), then shut them down cleanly (their cleanup contexts run, the last started first). Each is set up in
-    order, so an application's start-up may prepare the next one.
+    order, so an application's start-up may prepare the next one. `ready`, where given, is called once every site
+    listens: what fails before it is a failure to start, what fails after it a crash of a serving server.
 
     Each site's connections go through a `ConnectionGuard` of its own with `limits`, resolved for that many
     sites (the process's descriptors are what the caps protect; they are shared out): a flood of one listener
@@ -231,6 +235,8 @@ async def serve_sites(
             listeners.append(listener)
             port = listener.sockets[0].getsockname()[1]
             log.info("%s listening on http://%s:%d", site.name, site.host, port)
+        if ready is not None:
+            ready()
         if stop is None:
             stop = asyncio.Event()
             for signum in (signal.SIGTERM, signal.SIGINT):

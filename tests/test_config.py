@@ -22,4 +22,4 @@ def test_the_rollout_service_refuses_a_public_bind_without_a_token(capsys, monke
     monkeypatch.delenv("PRORL_ROLLOUT_TOKEN", raising=False)
     argv = ["serve", "--host", "0.0.0.0", "--sandbox-url", "http://s", "--llm-url", "http://l", "--tokenizer", "t"]
     assert main(argv) == 2
-    assert "PRORL_ROLLOUT_TOKEN" in capsys.readouterr().out
+    assert "PRORL_ROLLOUT_TOKEN" in capsys.readouterr().err

@@ -66,7 +66,7 @@ def test_limits_that_cannot_work_are_refused_naming_the_flag(limits, fragment):
 )
 def test_a_server_with_caps_beyond_its_descriptors_says_why_in_one_line(main, argv, program, capsys):
     assert main(argv) == 2
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err  # where both servers say why they cannot start
     assert out.startswith(f"{program}: --max-connections 999999999 would leave too few descriptors")
     assert out.count("\n") == 1
 

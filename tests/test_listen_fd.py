@@ -37,6 +37,11 @@ def rollout_main(tmp_path: Path, *argv: str) -> int:
 MAINS = {"prorl-sandbox": sandbox_main, "prorl-rollout": rollout_main}
 
 
+def printed(capsys) -> str:
+    """What a command said on stderr, where both servers say why they cannot start."""
+    return capsys.readouterr().err
+
+
 def closed_fd(tmp_path: Path) -> int:
     fd = os.open(tmp_path, os.O_RDONLY)
     os.close(fd)
@@ -65,7 +70,7 @@ def test_a_descriptor_that_is_not_a_listening_tcp_socket_is_refused(cli, kind, t
         fd = held[0].fileno()
     try:
         assert MAINS[cli](tmp_path, "--listen-fd", str(fd)) == 2
-        assert f"--listen-fd {fd}" in capsys.readouterr().out
+        assert f"--listen-fd {fd}" in printed(capsys)
         for thing in held:  # not the server's to close: the descriptor is still the caller's
             os.fstat(thing.fileno())
     finally:
@@ -79,7 +84,7 @@ def test_a_handed_socket_takes_no_other_address(cli, address, tmp_path, capsys):
     with listening_socket("127.0.0.1") as sock:
         assert MAINS[cli](tmp_path, "--listen-fd", str(sock.fileno()), *address) == 2
         os.fstat(sock.fileno())  # refused before it was adopted: still the caller's
-    assert "give it without --host and --port" in capsys.readouterr().out
+    assert "give it without --host and --port" in printed(capsys)
 
 
 def test_an_adopted_socket_is_kept_from_everything_the_server_starts():
@@ -105,7 +110,7 @@ def test_a_handed_socket_on_a_public_address_still_needs_a_token(cli, tmp_path, 
         assert MAINS[cli](tmp_path, "--listen-fd", str(inherited)) == 2
         with contextlib.suppress(OSError):  # whether the refused server's socket object closed it already
             os.close(inherited)
-    assert "refusing to listen on '0.0.0.0' without a token" in capsys.readouterr().out
+    assert "refusing to listen on '0.0.0.0' without a token" in printed(capsys)
 
 
 def test_a_server_process_serves_on_the_socket_it_is_handed_and_the_starter_keeps_no_copy(tmp_path):

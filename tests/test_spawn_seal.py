@@ -12,7 +12,7 @@ def test_the_server_seals_inherited_descriptors_before_it_builds_its_app(tmp_pat
     os.set_inheritable(read, True)  # as a shell's `exec 7<file` leaves it
     seen = []
 
-    async def serve(config):  # stands in for the app's construction and serving
+    async def serve(config, ready=None):  # stands in for the app's construction and serving
         seen.append(os.get_inheritable(read))
 
     def run_forever(main):

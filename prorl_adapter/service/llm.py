@@ -12,6 +12,10 @@ Balancing: an episode is pinned to one server (its growing prompt stays in that 
 new episodes go to the healthy server with the fewest requests in flight. A server that fails a request is
 marked unhealthy after two failures in a row (or a failed health check) and the episode fails over to
 another; a background health check brings it back. With none healthy, an episode waits a while before failing.
+The log says each transition once: a server not answering yet is waited for (an info line, vLLM starts in a
+minute or more; from the second notice, WAITING_LOG_S later, a warning naming --llm-url, as a mistyped URL never
+answers), its first answer and each recovery are info lines, and only a server that had answered and stops is a
+warning.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+# A server not answering yet is said to be waited for once this often at most (vLLM starts in a minute or more).
+WAITING_LOG_S = 60.0
 
 
 class LLMUnavailable(Exception):
@@ -66,6 +72,12 @@ class LLMServer:
     consecutive_failures: int = 0
     model: str | None = None  # the served model name, where its protocol needs it (OpenAI: /v1/models)
     removed: bool = False
+    # Whether it has ever answered a health check: until then a failing one is a server still starting (vLLM
+    # takes a minute or more), waited for, not one gone down. `waiting_logged_at`: when the wait was last logged,
+    # `waiting_since`: when it began (the event loop's clock).
+    answered: bool = False
+    waiting_logged_at: float | None = None
+    waiting_since: float | None = None
 
     @property
     def url(self) -> str:
@@ -198,7 +210,7 @@ class LLMPool:
                 server.protocol, server.model = await self._detect(server)
             else:
                 server.model = await self._health(server, server.protocol)
-            server.healthy = True
+            self._mark_healthy(server)
             server.consecutive_failures = 0
         except (TimeoutError, aiohttp.ClientError, MalformedAnswer) as exc:  # any other answer: not serving
             self._mark_unhealthy(server, exc)
@@ -207,9 +219,40 @@ class LLMPool:
             self._mark_unhealthy(server, exc)
 
     @staticmethod
+    def _mark_healthy(server: LLMServer) -> None:
+        """Log each transition once: the first answer of a server, and each recovery after it went down."""
+        if not server.answered:
+            protocol = server.protocol.name if server.protocol is not None else "?"
+            log.info("LLM server %s answers (%s, model %s)", server.url, protocol, server.model or "-")
+        elif not server.healthy:
+            log.info("LLM server %s is healthy again", server.url)
+        server.answered, server.healthy = True, True
+        server.waiting_logged_at = server.waiting_since = None
+
+    @staticmethod
     def _mark_unhealthy(server: LLMServer, reason: Exception) -> None:
-        if server.healthy:
-            log.warning("LLM server %s is unhealthy: %s", server.url, reason)
+        """A server that has answered before and fails is down: one warning per transition. One that never
+        answered is still starting, or its URL is wrong: an info line first, then (every WAITING_LOG_S at most) a
+        warning that names the flag to check, since a server that never answers would otherwise be only info."""
+        if server.answered:
+            if server.healthy:
+                log.warning("LLM server %s is unhealthy: %s", server.url, reason)
+        else:
+            now = asyncio.get_running_loop().time()
+            if server.waiting_since is None:
+                server.waiting_since = now
+            if server.waiting_logged_at is None:
+                log.info("waiting for LLM server %s to answer (not yet: %s)", server.url, reason)
+                server.waiting_logged_at = now
+            elif now - server.waiting_logged_at >= WAITING_LOG_S:
+                log.warning(
+                    "LLM server %s has not answered for %.0f s (%s): check its URL (--llm-url, or the one given to "
+                    "PUT /v1/llm-servers) and that the server is running",
+                    server.url,
+                    now - server.waiting_since,
+                    reason,
+                )
+                server.waiting_logged_at = now
         server.healthy = False
 
     async def _fetch(self, server: LLMServer, request: Request) -> bytes:
@@ -280,7 +323,7 @@ class LLMPool:
                 # One dropped connection is not a dead server; a refused one is (and a server restarting on its
                 # port may accept a retry into its backlog and leave it waiting until it is up, or for good).
                 if exc.down or server.consecutive_failures >= 2:
-                    server.healthy = False
+                    self._mark_unhealthy(server, exc)
                 log.warning("LLM server %s failed (%s); retrying", server.url, exc)
                 if attempts > self._max_failovers + 1:
                     raise LLMUnavailable(f"gave up after {attempts} attempts; last error: {exc}") from exc

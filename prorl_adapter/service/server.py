@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hmac
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -631,7 +632,8 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
     return app
 
 
-async def serve(config: RolloutConfig) -> None:
+async def serve(config: RolloutConfig, ready: Callable[[], None] | None = None) -> None:
+    """Run the service until SIGTERM/SIGINT; `ready` is called once both listeners are up."""
     config.check()
     # The gateway's socket is bound first: its address must be known before the pipeline admits an episode.
     gateway_socket = bound_socket(config.gateway_host, config.gateway_port)
@@ -643,7 +645,7 @@ async def serve(config: RolloutConfig) -> None:
         Site(app, config.host, config.port, "prorl-rollout", sock=config.listen_socket),
         Site(app[GATEWAY_APP], config.gateway_host, 0, "prorl-rollout's LLM gateway", sock=gateway_socket),
     ]
-    await serve_sites(sites, config.connections)
+    await serve_sites(sites, config.connections, ready=ready)
 
 
 async def freeze_long_lived(app: web.Application) -> None:
