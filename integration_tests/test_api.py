@@ -132,7 +132,7 @@ async def test_info_and_metrics(http, box_id):
 def test_cli_refuses_a_public_bind_without_a_token(capsys, monkeypatch):
     monkeypatch.delenv("PRORL_SANDBOX_TOKEN", raising=False)
     assert cli_main(["serve", "--host", "0.0.0.0"]) == 2
-    assert "without a token" in capsys.readouterr().out
+    assert "without a token" in capsys.readouterr().err
 
 
 async def test_a_non_utf8_authorization_header_is_a_401(server):

@@ -178,8 +178,8 @@ def test_a_host_path_that_cannot_be_shown_is_refused_at_start_up_in_one_line(tmp
     finally:
         shutil.rmtree(state)
     assert done.returncode == 2
-    assert done.stdout.startswith("prorl-sandbox: --host-path") and done.stdout.count("\n") == 1, done.stdout
-    assert reason in done.stdout
+    assert done.stderr.startswith("prorl-sandbox: --host-path") and done.stderr.count("\n") == 1, done.stderr
+    assert reason in done.stderr
 
 
 # -- item 6: nothing the server inherited ----------------------------------------------------------------------

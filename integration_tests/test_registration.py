@@ -153,7 +153,7 @@ class Recorder:
 )
 def test_a_runtime_that_would_share_the_registration_token_does_not_start(argv, fragment, capsys):
     assert runtime_cli.main(["serve", "--register", "http://127.0.0.1:9", *argv]) == 2
-    assert fragment in capsys.readouterr().out
+    assert fragment in capsys.readouterr().err
 
 
 @pytest.mark.skipif(bool(BACKEND_SKIPS["bwrap"]), reason=str(BACKEND_SKIPS["bwrap"]))
