@@ -65,6 +65,8 @@ bench: system-packages $(VENV)/.installed llm test-images
 	$(PY) bench/bench_runtime.py --out docs/benchmarks.md
 	$(PY) bench/bench_images.py --out docs/benchmarks.md
 	$(PY) bench/bench_rollout.py --out docs/benchmarks.md
+	$(PY) bench/bench_rollout.py --model real --out docs/benchmarks.md
 	$(PY) bench/bench_decoupled.py --out docs/benchmarks.md
 	$(PY) bench/bench_training.py --out docs/benchmarks.md
+	$(PY) bench/bench_learning_real.py --fresh --out docs/benchmarks.md
 	$(PY) bench/bench_scale_out.py --out docs/benchmarks.md

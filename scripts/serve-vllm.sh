@@ -12,9 +12,12 @@ model="$1" port="$2"; shift 2
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"   # GiB of KV cache; the default takes far more
 export VLLM_SERVER_DEV_MODE=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+# --logprobs-mode processed_logprobs: each sampled token's logprob under the distribution it was drawn from
+# (after temperature and top-p), not the raw model's; a trainer's importance ratio needs the sampling policy.
 # `python -m ...api_server`, not the `vllm` CLI: the CLI looks up the wrong distribution name (vllm-cpu).
 exec "$venv/bin/python" -m vllm.entrypoints.openai.api_server \
   --model "$model" --served-model-name tiny \
   --host 127.0.0.1 --port "$port" \
   --dtype float32 --max-model-len 4096 \
+  --logprobs-mode processed_logprobs \
   "$@"

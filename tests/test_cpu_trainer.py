@@ -108,3 +108,28 @@ def test_the_proximal_anchor_still_learns_from_a_token_the_behaviour_clip_has_sp
 
     assert (gradient("behaviour") == 0).all()
     assert (gradient("proximal") < 0).all()  # descending the loss raises each token's logprob
+
+
+def test_a_trainer_that_cannot_start_says_why_in_one_line_naming_the_log_it_kept(tmp_path):
+    """The real failure path: the vLLM script finds no vLLM environment (VLLM_VENV names none), so vLLM exits at
+    once; the trainer says which server, its status and the log, which is kept under --out."""
+    import os
+    import subprocess
+    import sys
+
+    from prorl_adapter.dev import localstack
+
+    if not localstack.VLLM_PYTHON.exists() or not (localstack.TINY_MODEL / "config.json").exists():
+        pytest.skip("needs the vLLM environment and the tiny model (make llm): the model is built before vLLM starts")
+    out = tmp_path / "run"
+    env = {**os.environ, "VLLM_VENV": str(tmp_path / "no-venv")}
+    argv = [sys.executable, "-m", "prorl_plugins.cpu_trainer.cli", "--steps", "1", "--out", str(out)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    log = out / "logs" / "vllm.log"
+    assert done.returncode == 1, done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"prorl-train-cpu: cannot start: vLLM exited with status 1 (log: {log}; its last line:")
+    assert "no vLLM venv at" in line and "no vLLM venv at" in log.read_text()
+
+    wrong = subprocess.run([*argv[:3], "--steps", "many"], capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 2 and len(wrong.stderr.splitlines()) == 1 and "--steps" in wrong.stderr

@@ -19,7 +19,7 @@ from prorl_adapter.tasks import EpisodeState
 from prorl_adapter.trainer.samples import trajectory_from_tensors
 from prorl_plugins.cpu_trainer.batch import pad_items
 from prorl_plugins.cpu_trainer.train import TrainSettings, episode_requests
-from prorl_plugins.cpu_trainer.workloads import workload
+from prorl_plugins.cpu_trainer.workloads import CLOSING_FENCE, workload
 from prorl_plugins.tasks.arithmetic import PROGRAM_PATH, ArithmeticLevel, ArithmeticTask, arithmetic_instances
 from sandbox_runtime.models import ExecResult, RunResult
 from tests.test_batch_item import item
@@ -126,8 +126,10 @@ def test_the_real_workload_asks_for_fenced_actions_without_a_grammar():
     assert len(requests) == 8 and {r.task for r in requests} == {"arithmetic"}
     assert all(r.action_format == "fenced" and r.sampling.regex is None for r in requests)
     assert all(
-        r.sampling.temperature == 1.0 and r.sampling.max_tokens == settings.max_tokens_per_turn for r in requests
+        r.sampling.temperature == settings.temperature < 1.0 and r.sampling.max_tokens == settings.max_tokens_per_turn
+        for r in requests
     )
+    assert all(r.sampling.stop == [CLOSING_FENCE] for r in requests)  # a turn ends where its first block does
     assert [r.labels[GROUP_LABEL] for r in requests] == [rows[0]["id"]] * 4 + [rows[1]["id"]] * 4
     assert settings.micro_batch_rows and settings.max_tokens_per_turn >= 128
     # the tiny model's workload keeps its grammar
@@ -182,6 +184,25 @@ def test_with_no_mask_the_actor_scores_the_plain_softmax(tiny_model):
         expected = torch.tensor(expected) * torch.tensor(t.response_mask, dtype=torch.float32)
         assert torch.allclose(scored[row, : len(t.response_ids)], expected, atol=1e-5)
         assert (scored[row, len(t.response_ids) :] == 0).all()
+
+
+def test_at_a_temperature_the_actor_scores_the_softmax_of_the_logits_over_it(tiny_model):
+    """What vLLM samples from at temperature T, and reports (--logprobs-mode processed_logprobs)."""
+    from prorl_plugins.cpu_trainer.actor import TorchActor
+
+    batch = pad_items(episodes(), pad_token_id=0)
+    actor = TorchActor(tiny_model, learning_rate=0.0, temperature=0.5)
+    with torch.no_grad():
+        scored = actor.logprobs(batch)
+        for row, sample in enumerate(episodes()):
+            t = sample.trajectory
+            logits = actor.model(input_ids=torch.tensor([t.prompt_ids + t.response_ids])).logits[0]
+            at_t = torch.log_softmax(logits[len(t.prompt_ids) - 1 : -1] / 0.5, -1)
+            expected = at_t.gather(-1, torch.tensor(t.response_ids).unsqueeze(-1)).squeeze(-1)
+            expected = expected * torch.tensor(t.response_mask, dtype=torch.float32)
+            assert torch.allclose(scored[row, : len(t.response_ids)], expected, atol=1e-5)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        TorchActor(tiny_model, learning_rate=0.0, temperature=0.0)
 
 
 def test_micro_batches_accumulate_the_whole_batchs_gradient(tiny_model):

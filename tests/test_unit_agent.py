@@ -155,6 +155,21 @@ async def test_a_turn_cut_by_max_tokens_is_closed_by_a_template_eos_the_policy_d
 
 
 @on_virtual_time
+async def test_a_turn_ended_by_a_stop_string_is_read_from_its_ids_which_hold_it():
+    """An OpenAI server trims the stop string from its text but not from the ids: a closing fence as the stop
+    must leave the block closed, so the turn's action is its first block and the rest was never sampled."""
+    first, second = "```bash\necho one\n```\n", "\nmore\n```bash\necho two\n```\n"
+    async with episode_rig([Reply(first + second), finish_call()]) as rig:
+        sampling = SamplingParams(max_tokens=200, stop=["\n```\n"])
+        episode = await rig.run(request(action_format="fenced", sampling=sampling, max_turns=1), Goal())
+    assert rig.llm.sampled[0].text == "```bash\necho one"  # what the server's text says
+    turn = episode.turns[0]
+    assert turn.text == first and turn.finish_reason == "stop"
+    assert episode.state.commands == ["echo one"]
+    assert episode.response_ids == rig.llm.sampled[0].token_ids == rig.chat.encode(first)
+
+
+@on_virtual_time
 async def test_a_prompt_longer_than_the_context_is_refused_before_any_sampling():
     async with episode_rig() as rig:
         length = await prompt_length(rig)

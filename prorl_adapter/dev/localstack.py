@@ -50,7 +50,7 @@ class Service:
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:
-                where = f" (log: {self.log})" if self.log else ""
+                where = f" (log: {self.log}; its last line: {self.last_log_line()!r})" if self.log else ""
                 raise RuntimeError(f"{self.name} exited with status {self.process.returncode}{where}")
             with contextlib.suppress(httpx.TransportError):
                 if httpx.get(self.url + path, timeout=2).status_code == 200:
@@ -59,6 +59,14 @@ class Service:
                 self.kill()
                 raise RuntimeError(f"{self.name} did not answer {path} within {timeout:g} s")
             time.sleep(0.1)
+
+    def last_log_line(self, limit: int = 200) -> str:
+        """The log's last non-empty line, cut to `limit` characters: most often why a server stopped."""
+        try:
+            lines = [line for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
+        except (OSError, AttributeError):
+            return ""
+        return lines[-1].strip()[:limit] if lines else ""
 
     def stop(self, timeout: float = 60) -> None:
         """SIGTERM to its process group (a clean shutdown), SIGKILL if it does not exit in time."""
@@ -130,7 +138,10 @@ def _build_model(kind: str, script: str, out: Path) -> Path:
         raise RuntimeError("the vLLM environment is missing: run scripts/vllm-env.sh")
     done = subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts" / script)], cwd=REPO, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"building the {kind} model failed:\n{done.stdout}{done.stderr}")
+        output = f"{done.stdout}{done.stderr}"
+        last = next((line.strip() for line in reversed(output.splitlines()) if line.strip()), "no output")
+        # The first line says why (a one-line start-up error shows only it); the whole output follows.
+        raise RuntimeError(f"building the {kind} model failed (scripts/{script}): {last}\n{output}")
     return out
 
 
@@ -177,20 +188,21 @@ def start_rollout_service(
 
 @contextlib.contextmanager
 def local_stack(
-    workdir: Path, *rollout_args: str, model: Path = TINY_MODEL
+    workdir: Path, *rollout_args: str, model: Path = TINY_MODEL, logs: Path | None = None
 ) -> Iterator[tuple[Service, Service, Service]]:
     """vLLM serving `model`, a bwrap sandbox runtime and the rollout service (tokenizing with `model`'s
-    tokenizer); all stopped on exit, whatever happens."""
+    tokenizer), their logs in `logs` (default `workdir`); all stopped on exit, whatever happens."""
+    logs = logs or workdir
     started: list[Service] = []
     # A state dir of its own under the temp dir: the sandboxes' uids (under a root server) must reach it.
     state = Path(tempfile.mkdtemp(prefix="prorl-sandbox-state-"))
     try:
-        started.append(start_vllm(model, log=workdir / "vllm.log"))
-        started.append(start_sandbox_runtime(state, None, *agent_env_args(), log=workdir / "sandbox-runtime.log"))
+        started.append(start_vllm(model, log=logs / "vllm.log"))
+        started.append(start_sandbox_runtime(state, None, *agent_env_args(), log=logs / "sandbox-runtime.log"))
         vllm, sandboxes = started
         started.append(
             start_rollout_service(
-                [sandboxes.url], [vllm.url], *rollout_args, tokenizer=model, log=workdir / "rollout-service.log"
+                [sandboxes.url], [vllm.url], *rollout_args, tokenizer=model, log=logs / "rollout-service.log"
             )
         )
         yield started[0], started[1], started[2]

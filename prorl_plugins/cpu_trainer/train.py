@@ -63,6 +63,9 @@ class TrainSettings:
     # outcome (every relay episode takes two turns, so it shifts each group alike and GRPO is unmoved).
     reward: dict[str, Any] = field(default_factory=lambda: {"weights": {"outcome": 1.0, "step_cost": 0.01}})
     max_tokens_per_turn: int = 64
+    # vLLM samples softmax(logits / temperature) and reports those logprobs (scripts/serve-vllm.sh starts it with
+    # --logprobs-mode processed_logprobs); the actor scores the same distribution, so the ratio is honest.
+    temperature: float = 1.0
     seed: int = 0
     tool_latency_median_s: float = 0.0  # > 0: relay's tools take time (relay_instances), the slow-tool workload
     take_timeout_s: float = 300.0
@@ -179,6 +182,7 @@ class CpuTrainer:
             micro_batch_rows=settings.micro_batch_rows,
             lora_rank=settings.lora_rank,
             lora_alpha=settings.lora_alpha,
+            temperature=settings.temperature,
         )
         self.action_mask = self.workload.action_mask(tokenizer, self.actor.vocab_size)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

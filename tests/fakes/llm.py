@@ -131,8 +131,11 @@ class ScriptedLLM(StandIn):
             return web.Response(body=self.models_body, content_type="application/json")
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
-    async def _sample(self, prompt_ids: list[int], max_tokens: int) -> Sampled | web.Response:
-        """The scripted answer to one request, or the failure the script says."""
+    async def _sample(
+        self, prompt_ids: list[int], max_tokens: int, stop: list[str] | None = None
+    ) -> Sampled | web.Response:
+        """The scripted answer to one request, or the failure the script says. A stop string ends it as vLLM's
+        OpenAI server does: the ids up to the token that completes it, the text trimmed before it."""
         self.changed()
         answer = self._next(prompt_ids)
         if self.down:
@@ -150,6 +153,12 @@ class ScriptedLLM(StandIn):
         if len(ids) > max_tokens:
             ids, finish_reason = ids[:max_tokens], "length"
         text = self.chat.decode([i for i in ids if i != self.chat.eos_id])
+        for end in range(1, len(ids) + 1) if stop else ():
+            seen = self.chat.decode([i for i in ids[:end] if i != self.chat.eos_id])
+            at = min((seen.find(s) for s in stop if s in seen), default=-1)
+            if at >= 0:
+                ids, text, finish_reason = ids[:end], seen[:at], "stop"
+                break
         logprobs = [-((self._tokens + i) % 97 + 1) / 100 for i in range(len(ids))]  # distinct, never 0.0
         self._tokens += len(ids)
         sampled = Sampled(prompt_ids, ids, logprobs, text, finish_reason)
@@ -160,7 +169,7 @@ class ScriptedLLM(StandIn):
     async def _complete(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.requests.append(body)
-        sampled = await self._sample(body["prompt"], body["max_tokens"])
+        sampled = await self._sample(body["prompt"], body["max_tokens"], body.get("stop"))
         if isinstance(sampled, web.Response):
             return sampled
         choice = {
