@@ -182,8 +182,11 @@ def base_rate_table(rate: BaseRate, settings: TrainSettings) -> Table:
 def measure(args: argparse.Namespace, settings: TrainSettings) -> int:
     """`--measure-base`: the untrained policy's success rate, with its trajectories, under `--out`."""
     work_model = workload(settings.workload)
-    with tempfile.TemporaryDirectory(prefix="prorl-base-") as tmp, started_stack(Path(tmp), args, work_model) as stack:
-        rate, trajectories = asyncio.run(measure_base(stack[2].url, settings, args.measure_base))
+    with (
+        tempfile.TemporaryDirectory(prefix="prorl-base-") as tmp,
+        started_stack(Path(tmp), args, work_model) as (_, _, rollout),
+    ):
+        rate, trajectories = asyncio.run(measure_base(rollout.url, settings, args.measure_base))
     level = asdict(settings.arithmetic_level()) if settings.workload == "arithmetic" else None
     report = {**rate.as_json(), "workload": settings.workload, "level": level, "settings": asdict(settings)}
     (args.out / "base_rate.json").write_text(json.dumps(report, indent=1))
@@ -222,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # SIGTERM (a scheduler's, or `kill`) unwinds like Ctrl-C, so the servers started here are stopped too:
     # they run in sessions of their own and would outlive a process killed outright.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         return run(args)
     except CannotStart as exc:
@@ -230,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exception(exc)
         print(f"{PROG}: cannot start: {exc}", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run(args: argparse.Namespace) -> int:
