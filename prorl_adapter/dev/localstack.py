@@ -60,13 +60,12 @@ class Service:
                 raise RuntimeError(f"{self.name} did not answer {path} within {timeout:g} s")
             time.sleep(0.1)
 
-    def last_log_line(self, limit: int = 200) -> str:
-        """The log's last non-empty line, cut to `limit` characters: most often why a server stopped."""
+    def last_log_line(self) -> str:
+        """The log's last non-empty line: most often why a server stopped."""
         try:
-            lines = [line for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
-        except (OSError, AttributeError):
+            return last_line(self.log.read_text(errors="replace")) if self.log else ""
+        except OSError:
             return ""
-        return lines[-1].strip()[:limit] if lines else ""
 
     def stop(self, timeout: float = 60) -> None:
         """SIGTERM to its process group (a clean shutdown), SIGKILL if it does not exit in time."""
@@ -83,6 +82,11 @@ class Service:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+def last_line(text: str, limit: int = 200) -> str:
+    """`text`'s last non-empty line, cut to `limit` characters ("no output" if it has none)."""
+    return next((line.strip()[:limit] for line in reversed(text.splitlines()) if line.strip()), "no output")
 
 
 def start_service(
@@ -139,9 +143,8 @@ def _build_model(kind: str, script: str, out: Path) -> Path:
     done = subprocess.run([str(VLLM_PYTHON), str(REPO / "scripts" / script)], cwd=REPO, capture_output=True, text=True)
     if done.returncode != 0:
         output = f"{done.stdout}{done.stderr}"
-        last = next((line.strip() for line in reversed(output.splitlines()) if line.strip()), "no output")
         # The first line says why (a one-line start-up error shows only it); the whole output follows.
-        raise RuntimeError(f"building the {kind} model failed (scripts/{script}): {last}\n{output}")
+        raise RuntimeError(f"building the {kind} model failed (scripts/{script}): {last_line(output)}\n{output}")
     return out
 
 

@@ -118,8 +118,8 @@ class ArithmeticWorkload(Workload):
         # fence, 6 of 8 groups mixed. The trainer scores softmax(logits / 0.7), what vLLM samples and reports.
         "temperature": 0.7,
         "micro_batch_rows": 2,
-        # Measured (docs/benchmarks.md, bench_learning_real): about 35-60 s a step, the reward up from ~0.1 to
-        # ~0.8 within 10 steps; 20 steps show where it settles, in well under the 40 minutes.
+        # Measured (docs/benchmarks.md, bench_learning_real): about 33 s a step, the reward up from ~0.2 to
+        # ~0.8 within 10 steps; 20 steps show where it settles, 13-14 minutes a run.
         "steps": 20,
     }
 
