@@ -2,15 +2,17 @@
 
 A pytest plugin, loaded by the root conftest.py. Each ```python block runs in its document's namespace (so a
 later block sees an earlier one's names), each ```bash block runs as `bash -euo pipefail` from a view of the
-clone's root in a temporary directory (also its HOME), with the project's virtualenv first on PATH; a block of
+clone's root in a temporary directory (also its HOME), with the project's virtualenv first on PATH, and each
+```verl block (lines a verl recipe adds) goes through verl's pre-flight with the document's earlier ones; a block of
 examples/X/README.md runs with examples/X on the Python path, as its prose says. A block that cannot run here is
 preceded by `<!-- skip: next "the reason" -->`, which Sybil reads (the reason is what pytest reports), and by a
 visible note saying why (test_doc_blocks.py checks both).
 
 Servers start only for the blocks that read their address, and once per test session: a block that mentions
 `PRORL_SANDBOX_URL` gets a bwrap sandbox runtime there, `PRORL_LLM_URL` vLLM serving the tiny model (whose
-tokenizer is `PRORL_TOKENIZER`), `PRORL_ROLLOUT_URL` the rollout service on both, with the example countdown
-plugin (examples/custom_plugin) loaded by import path, or by its entry point where it is installed. The blocks
+tokenizer is `PRORL_TOKENIZER`), `PRORL_ROLLOUT_URL` the rollout service on both, with the example plugins loaded: the
+countdown plugin (examples/custom_plugin) by import path, or by its entry point where it is installed, and the
+first hour's (examples/first_hour) as its README starts the service. The blocks
 read these variables with the addresses a newcomer's servers have as defaults
 (`${PRORL_SANDBOX_URL:-http://127.0.0.1:8765}`), so they are copied as printed and the tests need no fixed port.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -45,12 +48,14 @@ from prorl_adapter.dev.localstack import REPO, Service
 HERE = Path(__file__).resolve().parent
 VENV_BIN = Path(sys.executable).parent
 COUNTDOWN = REPO / "examples" / "custom_plugin"
+FIRST_HOUR = REPO / "examples" / "first_hour"
+FIRST_HOUR_PLUGIN = "my_plugin:LinesPlugin"  # as its README starts the service with it
 BASH_TIMEOUT_S = 600
 
 
-def pythonpath(folder: Path, env: Mapping[str, str]) -> str:
-    """`env`'s PYTHONPATH with `folder` first."""
-    return os.pathsep.join(filter(None, [str(folder), env.get("PYTHONPATH")]))
+def pythonpath(env: Mapping[str, str], *folders: Path) -> str:
+    """`env`'s PYTHONPATH with `folders` first."""
+    return os.pathsep.join(filter(None, [*map(str, folders), env.get("PYTHONPATH")]))
 
 
 def documents() -> list[Path]:
@@ -125,10 +130,11 @@ class DocServers:
         countdown = ("--plugin-config", str(config))
         if not entry_points(group="prorl_adapter", name="countdown"):  # else installed, as its README shows
             countdown = ("--plugin", "prorl_plugin_countdown.plugin:CountdownPlugin", *countdown)
-        with pytest.MonkeyPatch.context() as patch:  # the service imports the example plugin from its folder
-            patch.setenv("PYTHONPATH", pythonpath(COUNTDOWN, os.environ))
+        first_hour = ("--plugin", FIRST_HOUR_PLUGIN)
+        with pytest.MonkeyPatch.context() as patch:  # the service imports the example plugins from their folders
+            patch.setenv("PYTHONPATH", pythonpath(os.environ, FIRST_HOUR, COUNTDOWN))
             return localstack.start_rollout_service(
-                [sandbox], [llm], *countdown, log=self.workdir / "rollout-service.log"
+                [sandbox], [llm], *countdown, *first_hour, log=self.workdir / "rollout-service.log"
             )
 
     def env_for(self, source: str) -> dict[str, str]:
@@ -217,6 +223,13 @@ def clone_view(directory: Path) -> None:
             (directory / entry.name).symlink_to(entry)
 
 
+def run_command(argv: list[str], cwd: Path, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`argv` run to its end, what it printed (stdout and stderr, interleaved) in `stdout`."""
+    return subprocess.run(
+        argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=BASH_TIMEOUT_S
+    )
+
+
 def run_bash(example: Example) -> str | None:
     """A ```bash block as a newcomer runs it: `bash -euo pipefail`, the virtualenv's commands first on PATH, from
     the clone's root (a view of it in a temporary directory, which is also HOME); its failure (a non-zero status)
@@ -225,26 +238,45 @@ def run_bash(example: Example) -> str | None:
     env = {**os.environ, **servers_of(example).env_for(source)}
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     if (folder := example_dir(example)) is not None:
-        env["PYTHONPATH"] = pythonpath(folder, env)
+        env["PYTHONPATH"] = pythonpath(env, folder)
     with tempfile.TemporaryDirectory(prefix="prorl-docs-bash-") as cwd:
         clone_view(Path(cwd))
         env["HOME"] = cwd
-        done = subprocess.run(
-            ["bash", "-euo", "pipefail", "-c", source],
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=BASH_TIMEOUT_S,
-        )
+        done = run_command(["bash", "-euo", "pipefail", "-c", source], Path(cwd), env)
     if done.returncode != 0:
         return f"the bash block exited with status {done.returncode}; it printed:\n{done.stdout}"
     return None
 
 
+ROLLOUT_HOST = "http://<rollout-host>:8766"  # the docs' placeholder for the rollout service in verl lines
+
+
+def verl_overrides(source: str) -> list[str]:
+    """The overrides of a ```verl block, as the shell would split them (a `#` starts a comment)."""
+    return [word for line in source.splitlines() for word in shlex.split(line, comments=True)]
+
+
+def check_verl_lines(example: Example) -> str | None:
+    """A ```verl block: lines a verl recipe adds, which the pre-flight (`python -m prorl_plugins.verl.check`) must
+    pass with the document's earlier ```verl blocks (a later block adds to them, as the prose does), the
+    placeholder host being the docs' rollout service, which the pre-flight asks for its tasks and sections."""
+    lines = example.namespace.setdefault("verl_lines", [])
+    lines += verl_overrides(str(example.parsed))
+    service = servers_of(example).rollout_url()
+    argv = [line.replace(ROLLOUT_HOST, service) for line in lines]
+    done = run_command([sys.executable, "-m", "prorl_plugins.verl.check", *argv], REPO)
+    if done.returncode != 0:
+        return f"the pre-flight refused the verl lines {argv} (status {done.returncode}):\n{done.stdout}"
+    return None
+
+
 SYBIL = Sybil(
-    parsers=[SkipParser(), PythonBlocks(), CodeBlockParser("bash", run_bash)],
+    parsers=[
+        SkipParser(),
+        PythonBlocks(),
+        CodeBlockParser("bash", run_bash),
+        CodeBlockParser("verl", check_verl_lines),
+    ],
     path=str(REPO),
     fixtures=["doc_servers"],
 )

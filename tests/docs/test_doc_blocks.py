@@ -11,10 +11,11 @@ from unittest import SkipTest
 import pytest
 from sybil.example import SybilFailure
 
-from tests.docs.doc_blocks import SYBIL, DocServers, documents
+from tests.docs.doc_blocks import FIRST_HOUR, FIRST_HOUR_PLUGIN, SYBIL, DocServers, documents
 
 SKIP = re.compile(r'^\s*<!-- skip: next "[^"]+" -->$')
-VISIBLE = "*Not run by the docs tests: "
+VISIBLE = "*Not run by the docs tests"
+FENCED = re.compile(r"^```(\w*)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 
 
 class FakeServers(DocServers):
@@ -79,6 +80,25 @@ def test_blocks_get_the_addresses_they_read_in_the_environment(tmp_path):
 def test_bash_blocks_run_from_a_view_of_the_clone_root_with_a_home_of_their_own(tmp_path):
     (block,) = examples(tmp_path, '```bash\ntest -f examples/custom_plugin/README.md\ntest "$HOME" = "$PWD"\n```\n')
     block.evaluate()
+
+
+def test_a_verl_block_goes_through_the_pre_flight_with_the_documents_earlier_verl_blocks(tmp_path):
+    """Its wrong line is named as the pre-flight names it, and a later block is checked with the earlier lines."""
+    first, second = examples(
+        tmp_path,
+        "```verl\nactor_rollout_ref.model.external_lib=prorl_plugins.verl  # the plugin\n```\n\n"
+        "```verl\nactor_rollout_ref.rollout.agent.default_agent_loop=prorl_agnt +prorl.task=python_math\n"
+        "+prorl.service_url=http://<rollout-host>:8766\n```\n",
+    )
+    with pytest.raises(SybilFailure) as failure:
+        first.evaluate()
+    assert "the pre-flight refused" in str(failure.value)
+    with pytest.raises(SybilFailure) as failure:
+        second.evaluate()
+    refusal = str(failure.value)
+    assert "default_agent_loop=prorl_agnt is wrong" in refusal  # the pre-flight's own words, naming the line
+    assert "'actor_rollout_ref.model.external_lib=prorl_plugins.verl'" in refusal  # the first block's line, kept
+    assert "+prorl.service_url=http://127.0.0.1:2" in refusal  # the placeholder host is the docs' service
 
 
 @pytest.mark.parametrize("path", documents(), ids=lambda path: str(path.relative_to(documents()[0].parent)))
@@ -162,3 +182,20 @@ def test_a_server_that_failed_to_start_fails_later_blocks_at_once_and_leaves_no_
         servers.rollout_url()  # needs the sandbox runtime: no second wait either
     [state_dir] = starts  # started once
     assert not state_dir.exists() and servers.state_dir is None
+
+
+def fenced_blocks(path: Path, language: str) -> list[str]:
+    """The text of each ```language block of the Markdown file `path`."""
+    return [body for tag, body in FENCED.findall(path.read_text()) if tag == language]
+
+
+def test_the_first_hour_shows_its_files_whole_as_they_are():
+    """A newcomer copies the blocks: the plugin and the agent program shown are the files the tests run."""
+    shown = fenced_blocks(FIRST_HOUR / "README.md", "python")
+    for name in ("my_plugin.py", "my_agent.py"):
+        assert (FIRST_HOUR / name).read_text() in shown, f"examples/first_hour/README.md does not show {name} whole"
+
+
+def test_the_first_hour_starts_its_service_with_the_plugin_the_docs_tests_load():
+    [serve] = [block for block in fenced_blocks(FIRST_HOUR / "README.md", "bash") if "prorl-rollout serve" in block]
+    assert f"--plugin {FIRST_HOUR_PLUGIN}" in serve
