@@ -102,7 +102,7 @@ def stand_in_main(listen_fd: int, tokenizer_path: str) -> None:
     from transformers import AutoTokenizer
 
     from prorl_adapter.service.chat import tool_call_texts
-    from sandbox_runtime.webapp import inherited_socket
+    from server_kit.webapp import inherited_socket
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     text = tool_call_texts("bash", "command", [COMMAND])[0]

@@ -21,7 +21,7 @@ from aiohttp import web
 from transformers import AutoTokenizer
 
 from prorl_adapter.dev import localstack
-from sandbox_runtime.webapp import inherited_socket
+from server_kit.webapp import inherited_socket
 
 SCRIPT = re.compile(r"\[script:([A-Za-z0-9_-]+)\]")
 FINISH = '<tool_call>{"name": "finish", "arguments": {"answer": "done"}}</tool_call>'

@@ -11,64 +11,16 @@ import contextlib
 import logging
 import os
 import secrets
-import sys
-import traceback
 from pathlib import Path
-from typing import NoReturn
+
+from server_kit.address import add_address_arguments
+from server_kit.cli import LOG_LEVELS, OneLineParser, Readiness, StartupError, fail, log_level, stopped_by
+from server_kit.connections import add_connection_arguments, connection_limits
 
 from . import spawn
-from .config import (
-    DEFAULT_SANDBOX_UIDS,
-    ServerConfig,
-    StartupError,
-    add_address_arguments,
-    default_state_dir,
-    parse_uid_range,
-)
-from .connections import add_connection_arguments, connection_limits
+from .config import DEFAULT_SANDBOX_UIDS, ServerConfig, default_state_dir, parse_uid_range
 
 PROG = "prorl-sandbox"
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a wrong command line is one line on stderr (and exit status 2), not the whole usage."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
-
-
-def log_level(text: str) -> str:
-    if text.upper() not in LOG_LEVELS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a log level: one of {', '.join(LOG_LEVELS)}")
-    return text.upper()
-
-
-def fail(message: str, status: int = 2) -> int:
-    """A start-up failure as one line on stderr; the exit status to return."""
-    print(f"{PROG}: {message}", file=sys.stderr)
-    return status
-
-
-class Readiness:
-    """Passed to `serve` as its `ready`: whether the server has said it listens. What fails before is a failure to
-    start, told in one line; what fails after (hours into serving, perhaps) is a crash, whose traceback is kept."""
-
-    def __init__(self) -> None:
-        self.ready = False
-
-    def __call__(self) -> None:
-        self.ready = True
-
-
-def stopped_by(prog: str, exc: Exception, readiness: Readiness, debug: bool, line: str) -> int:
-    """Report the failure `exc` that ended a server, `line` saying it in one line; the exit status (1). The
-    traceback goes first to stderr (whatever --log-level says) for a crash after start-up, except a StartupError
-    (a check that runs late), and for every failure under --debug."""
-    if debug or (readiness.ready and not isinstance(exc, StartupError)):
-        traceback.print_exception(exc, file=sys.stderr)
-    print(f"{prog}: {line}", file=sys.stderr)
-    return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -200,28 +152,29 @@ def own_token(token: str | None, register: list[str], register_token: str | None
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "openapi":
-        from .openapi import openapi_command
+        from server_kit.openapi import openapi_command
+
         from .server import RUNTIME_API
 
         try:
             return openapi_command(RUNTIME_API, args.out)
         except OSError as exc:
-            return fail(f"cannot write the reference: {exc.strerror} ({exc.filename}); fix --out", 1)
+            return fail(PROG, f"cannot write the reference: {exc.strerror} ({exc.filename}); fix --out", 1)
     # Whatever its starter left open without close-on-exec reaches no sandbox: sealed before anything else runs.
     spawn.seal_once()
     debug = args.debug or args.log_level == "DEBUG"
     level = "DEBUG" if args.debug else args.log_level
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from .webapp import listen_address
+    from server_kit.webapp import listen_address
 
     try:
         listen_socket, host, port = listen_address(args.listen_fd, args.host, args.port, ServerConfig.port)
     except ValueError as exc:
-        return fail(str(exc))
+        return fail(PROG, str(exc))
     try:
         token = own_token(args.token, args.register, args.register_token)
     except ValueError as exc:
-        return fail(str(exc))
+        return fail(PROG, str(exc))
     config = ServerConfig(
         host=host,
         port=port,
@@ -250,9 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         config.check()
         config.connections = config.connections.resolve()
     except ValueError as exc:
-        return fail(str(exc))
+        return fail(PROG, str(exc))
+    from server_kit.webapp import run_forever
+
     from .server import serve
-    from .webapp import run_forever
 
     readiness = Readiness()
     try:

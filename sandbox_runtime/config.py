@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .connections import ConnectionLimits
+from server_kit.address import check_exposure
+from server_kit.connections import ConnectionLimits
+
 from .host_view import check_host_path
 from .models import RUNTIME_NAME_PATTERN, RUNTIME_URL_PATTERN, Limits
-
-
-class StartupError(RuntimeError):
-    """The server cannot start, for a reason its operator can fix (a port in use, a state dir it cannot use): the
-    message names the problem and the flag or step that fixes it, and `prorl-sandbox serve` prints it as one
-    line, without a traceback (--debug shows one)."""
 
 
 def default_state_dir() -> Path:
@@ -115,7 +110,7 @@ class ServerConfig:
     heartbeat_s: float = 2.0
     # A socket listening already, given by whoever started the server (--listen-fd); host and port are its own.
     listen_socket: socket.socket | None = None
-    # The front door: header and body deadlines, connection caps (sandbox_runtime.connections).
+    # The front door: header and body deadlines, connection caps (server_kit.connections).
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
 
     def check(self) -> None:
@@ -139,35 +134,3 @@ class ServerConfig:
             raise ValueError(f"--advertise-url {self.advertise_url!r} is not a URL such as http://node-7:8765")
         if self.name is not None and not RUNTIME_NAME.fullmatch(self.name):
             raise ValueError(f"--name {self.name!r}: 1-128 of letters, digits and . _ : -")
-
-
-def add_address_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
-    """--host, --port and --listen-fd, as both servers take them (`webapp.listen_address` reads them)."""
-    parser.add_argument("--host", default=None, help="address to bind (default: 127.0.0.1, loopback only)")
-    parser.add_argument("--port", type=int, default=None, help=f"port to bind (default: {default_port})")
-    parser.add_argument(
-        "--listen-fd",
-        type=int,
-        default=None,
-        metavar="FD",
-        help="serve on this inherited descriptor, a TCP socket its starter bound and listens on (so the port is "
-        "held before the server starts); its address is the socket's own, so give no --host or --port",
-    )
-
-
-def check_exposure(host: str, token: str | None, token_variable: str) -> None:
-    """A server of this project listens beyond loopback only with a token (both servers use this rule)."""
-    if token or is_loopback(host):
-        return
-    raise ValueError(
-        f"refusing to listen on {host!r} without a token: set --token or {token_variable}, or bind to 127.0.0.1"
-    )
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

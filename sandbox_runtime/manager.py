@@ -26,10 +26,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
+from server_kit.cli import StartupError
+
 from . import cgroups, memory_watch, procs, workspace_fs
 from .backends import make_backend
 from .backends.base import Backend, BackendError, SandboxDirs
-from .config import ServerConfig, StartupError
+from .config import ServerConfig
 from .host_tree import remove_tree
 from .images import ImageError, ImageStore, Unpacked
 from .metrics import Metrics

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,13 +40,6 @@ class RegistrationConfig:
     token: str | None = None  # the services' registration token (not their API token)
     interval_s: float = 2.0
     api_token: str | None = None  # this runtime's own token, which the services call it with
-
-
-def advertised_url(host: str, port: int) -> str:
-    """Where other machines reach a server bound to `host`: the machine's name for a wildcard address."""
-    if host in ("", "0.0.0.0", "::"):
-        host = socket.getfqdn()
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 class Registration:

@@ -17,9 +17,14 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from server_kit.address import advertised_url
+from server_kit.cli import StartupError
+from server_kit.openapi import API, Link, Operation, Reply, metrics_operation, operations_under
+from server_kit.webapp import Site, bound_socket, json_api, json_response, serve_sites
+
 from . import __version__
 from .backends import describe_backends
-from .config import ServerConfig, StartupError
+from .config import ServerConfig
 from .files import FileAccessError
 from .manager import SandboxManager
 from .metrics import Metrics
@@ -43,10 +48,8 @@ from .models import (
     ServerInfo,
     SessionDeleted,
 )
-from .openapi import API, Link, Operation, Reply, metrics_operation, operations_under
-from .registration import Registration, RegistrationConfig, advertised_url
+from .registration import Registration, RegistrationConfig
 from .session import SessionError, key_bytes
-from .webapp import Site, bound_socket, json_api, json_response, serve_sites
 
 log = logging.getLogger(__name__)
 

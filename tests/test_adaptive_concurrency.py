@@ -409,7 +409,7 @@ def test_the_flags_reach_the_pipeline_config(monkeypatch):
     from prorl_adapter.service import cli
 
     seen = {}
-    monkeypatch.setattr("sandbox_runtime.webapp.run_forever", lambda coro: coro.close())
+    monkeypatch.setattr("server_kit.webapp.run_forever", lambda coro: coro.close())
     monkeypatch.setattr(
         "prorl_adapter.service.config.RolloutConfig.check", lambda self: seen.setdefault("config", self)
     )

@@ -1,6 +1,7 @@
 import pytest
 
-from sandbox_runtime.config import ServerConfig, is_loopback
+from sandbox_runtime.config import ServerConfig
+from server_kit.address import is_loopback
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.3.4.5", "::1", "localhost"])

@@ -18,8 +18,8 @@ from prorl_adapter.service import cli as rollout_cli
 from prorl_adapter.service import gateway, server
 from prorl_adapter.service.gateway import Gateway
 from sandbox_runtime import cli as runtime_cli
-from sandbox_runtime.connections import DEFAULT_MAX_CONNECTIONS, ConnectionLimits, raise_descriptor_limit
-from sandbox_runtime.webapp import Site, bound_socket, json_api, serve_sites
+from server_kit.connections import DEFAULT_MAX_CONNECTIONS, ConnectionLimits, raise_descriptor_limit
+from server_kit.webapp import Site, bound_socket, json_api, serve_sites
 
 
 def test_the_soft_descriptor_limit_is_raised_to_the_hard_one():

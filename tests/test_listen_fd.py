@@ -19,7 +19,7 @@ import pytest
 
 from prorl_adapter.launch import process
 from prorl_adapter.launch.process import ServerProcess, free_port, listening_socket
-from sandbox_runtime.webapp import inherited_socket
+from server_kit.webapp import inherited_socket
 
 
 def sandbox_main(tmp_path: Path, *argv: str) -> int:

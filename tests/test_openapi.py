@@ -14,9 +14,9 @@ from prorl_adapter.service.gateway import GATEWAY_API
 from prorl_adapter.service.server import ROLLOUT_API
 from prorl_adapter.service.server import create_app as create_rollout_app
 from sandbox_runtime.config import ServerConfig
-from sandbox_runtime.openapi import API, render_markdown
 from sandbox_runtime.server import RUNTIME_API
 from sandbox_runtime.server import create_app as create_runtime_app
+from server_kit.openapi import API, render_markdown
 
 from .fakes.rigs import rollout_stack
 

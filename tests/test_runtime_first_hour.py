@@ -23,8 +23,8 @@ import pytest
 from sandbox_runtime.client import SandboxAPIError, SandboxClient
 from sandbox_runtime.config import ServerConfig
 from sandbox_runtime.images import ImageError, ImageStore
-from sandbox_runtime.openapi import render_markdown
 from sandbox_runtime.server import RUNTIME_API
+from server_kit.openapi import render_markdown
 from tests.test_clients import sandbox_runtime
 
 REPO = Path(__file__).resolve().parent.parent

@@ -3,7 +3,8 @@ built, not only at the first spawn (integration_tests/test_host_view.py shows no
 
 import os
 
-from sandbox_runtime import cli, server, spawn, webapp
+from sandbox_runtime import cli, server, spawn
+from server_kit import webapp
 
 
 def test_the_server_seals_inherited_descriptors_before_it_builds_its_app(tmp_path, monkeypatch):

@@ -12,14 +12,13 @@ import errno
 import logging
 import os
 import re
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-from sandbox_runtime.cli import LOG_LEVELS, OneLineParser, Readiness, log_level, stopped_by
-from sandbox_runtime.config import StartupError, add_address_arguments
-from sandbox_runtime.connections import add_connection_arguments, connection_limits
+from server_kit.address import add_address_arguments
+from server_kit.cli import LOG_LEVELS, OneLineParser, Readiness, StartupError, fail, log_level, stopped_by
+from server_kit.connections import add_connection_arguments, connection_limits
 
 from ..hooks.manager import read_plugin_config
 from ..launch.cli import add_ray_parser, run_ray
@@ -59,12 +58,6 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text} must be > 0")
     return value
-
-
-def fail(message: str, status: int = 2) -> int:
-    """A start-up failure as one line on stderr; the exit status to return."""
-    print(f"{PROG}: {message}", file=sys.stderr)
-    return status
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -254,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plugins":
         return list_plugins(args.plugin, args.block_plugin, args.plugin_config)
     if args.command == "openapi":
-        from sandbox_runtime.openapi import openapi_command
+        from server_kit.openapi import openapi_command
 
         from .gateway import GATEWAY_API
         from .server import ROLLOUT_API
@@ -265,14 +258,14 @@ def main(argv: list[str] | None = None) -> int:
     debug = args.debug or args.log_level == "DEBUG"
     level = "DEBUG" if args.debug else args.log_level
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from sandbox_runtime.webapp import listen_address
+    from server_kit.webapp import listen_address
 
     try:
         listen_socket, host, port = listen_address(args.listen_fd, args.host, args.port, RolloutConfig.port)
         if not 0 <= port <= 65535:
             raise ValueError(f"--port {port} is not a port: give one in 1-65535 (0: a free one)")
     except ValueError as exc:
-        return fail(str(exc))
+        return fail(PROG, str(exc))
     config = RolloutConfig(
         sandbox_urls=args.sandbox_url,
         llm_urls=args.llm_url,
@@ -317,16 +310,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     if config.buffer_url != "memory://" and not config.buffer_url.startswith(REDIS_SCHEMES):
         return fail(
+            PROG,
             f"--buffer (or PRORL_BUFFER_URL) names no buffer ({buffer_scheme(config.buffer_url)}): give memory:// "
-            "or redis://[:PASSWORD@]HOST:PORT/DB (also rediss://, unix://PATH)"
+            "or redis://[:PASSWORD@]HOST:PORT/DB (also rediss://, unix://PATH)",
         )
     try:
         config.plugin_config = read_plugin_config(args.plugin_config)
         config.check()
         config.connections = config.connections.resolve(sites=2)  # the API and the gateway
     except ValueError as exc:
-        return fail(str(exc))
-    from sandbox_runtime.webapp import run_forever
+        return fail(PROG, str(exc))
+    from server_kit.webapp import run_forever
 
     readiness = Readiness()
     try:
@@ -339,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
 async def serve_checked(config: RolloutConfig, ready: Readiness) -> None:
     """`serve`, after the checks that fail fast and say what to change: the tokenizer can be loaded (without 25 s
     of download retries first), and the API's port is free (bound here, before the minute start-up may take)."""
-    from sandbox_runtime.webapp import bound_socket
+    from server_kit.webapp import bound_socket
 
     from .server import serve
 

@@ -6,9 +6,9 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from sandbox_runtime.config import SERVICE_URL, check_exposure
-from sandbox_runtime.connections import ConnectionLimits
-from sandbox_runtime.registration import advertised_url
+from sandbox_runtime.config import SERVICE_URL
+from server_kit.address import advertised_url, check_exposure
+from server_kit.connections import ConnectionLimits
 
 from .decoupled import ProducerConfig
 from .pipeline import PipelineConfig

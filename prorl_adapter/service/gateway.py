@@ -30,9 +30,9 @@ from aiohttp import web
 from jinja2 import TemplateError
 from prometheus_client import Counter
 
-from sandbox_runtime.connections import mark_credential_checked
-from sandbox_runtime.openapi import API, Operation, Reply
-from sandbox_runtime.webapp import json_api, json_response
+from server_kit.connections import mark_credential_checked
+from server_kit.openapi import API, Operation, Reply
+from server_kit.webapp import json_api, json_response
 
 from .. import __version__
 from ..models import JobRequest, ToolCall

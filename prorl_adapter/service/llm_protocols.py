@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field, StrictInt, ValidationError
 
-from sandbox_runtime.openapi import describe_validation
+from server_kit.openapi import describe_validation
 
 from ..models import SamplingParams
 

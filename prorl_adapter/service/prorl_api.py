@@ -24,8 +24,8 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from sandbox_runtime.openapi import Operation, Reply, describe_validation
-from sandbox_runtime.webapp import json_response
+from server_kit.openapi import Operation, Reply, describe_validation
+from server_kit.webapp import json_response
 
 from ..models import JobRequest, JobState, LLMServerURL, SamplingParams, Trajectory
 from ..tasks import TaskConfigError

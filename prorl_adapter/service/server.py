@@ -1,7 +1,7 @@
 """The rollout service's HTTP API: `create_app(config)` maps /v1 onto a RolloutPipeline.
 
 `ROLLOUT_API` describes every operation once: it routes the requests and writes the OpenAPI document served at
-/openapi.json (sandbox_runtime.openapi).
+/openapi.json (server_kit.openapi).
 
 A trainer submits jobs (202 + job id), long-polls their results, cancels what it no longer needs, tells the
 service the current policy version, and manages the LLM servers it generates with. ProRL Agent's legacy calls
@@ -18,10 +18,10 @@ from collections.abc import Callable
 from aiohttp import web
 
 from sandbox_runtime.config import RUNTIME_NAME
-from sandbox_runtime.connections import mark_credential_checked
 from sandbox_runtime.models import RuntimeHeartbeat
-from sandbox_runtime.openapi import API, Link, Operation, Reply, metrics_operation, operations_under
-from sandbox_runtime.webapp import (
+from server_kit.connections import mark_credential_checked
+from server_kit.openapi import API, Link, Operation, Reply, metrics_operation, operations_under
+from server_kit.webapp import (
     Handler,
     Middleware,
     Site,

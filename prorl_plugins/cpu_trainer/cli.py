@@ -32,7 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from prorl_adapter.dev import localstack
-from sandbox_runtime.cli import OneLineParser
+from server_kit.cli import OneLineParser
 
 from .actor import ANCHORS
 from .base_rate import BaseRate, measure_base

@@ -19,7 +19,7 @@ from aiohttp import web
 from prometheus_client import Counter
 from pydantic import BaseModel, ValidationError
 
-from .config import is_loopback
+from .address import is_loopback
 from .connections import (
     CONNECTION_GUARD,
     ConnectionGuard,
