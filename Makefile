@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 # Slurm's daemons and munge: integration_tests/test_slurm.py runs the Slurm recipe on a real one-node cluster.
 SYSTEM_PACKAGES := bwrap:bubblewrap redis-server:redis-server slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge mmdebstrap:mmdebstrap mksquashfs:squashfs-tools siftool:siftool umoci:umoci
 
-.PHONY: demo demo-real rollout-demo runtime-demo agent-demo test lint system-packages llm agent-env test-images bench openapi
+.PHONY: demo demo-real rollout-demo runtime-demo agent-demo test unit lint system-packages llm agent-env test-images bench openapi
 
 # torch first, pinned: it is the CPU build on disk here, and nothing later may pull a CUDA build instead.
 # verl brings torchcodec, built for another torch: it breaks transformers' model imports, so it goes.
@@ -60,6 +60,9 @@ openapi: $(VENV)/.installed  # docs/openapi/: both servers' OpenAPI documents an
 
 test: system-packages lint llm agent-env test-images
 	PRORL_REQUIRE_BACKENDS=1 $(PY) -m pytest
+
+unit: $(VENV)/.installed  # the fast loop: the unit tests (tests/), without the docs' blocks and the integration tests
+	$(PY) -m pytest tests --ignore=tests/docs -q
 
 bench: system-packages $(VENV)/.installed llm test-images
 	$(PY) bench/bench_runtime.py --out docs/benchmarks.md

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 from sandbox_runtime.client import SandboxClient
 from sandbox_runtime.models import ExecResult, RunResult
+from server_kit.errors import ProrlError
 
 from .models import ActionFormatName
 
@@ -211,5 +212,5 @@ class TaskHandler(ABC):
         the agent could have configured (its git config and hooks, its shell files)."""
 
 
-class TaskConfigError(ValueError):
+class TaskConfigError(ProrlError, ValueError):
     """A task instance lacks what its handler needs; the job fails in init with this message."""

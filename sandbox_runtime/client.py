@@ -14,6 +14,8 @@ from typing import Any, Literal, TypeVar
 import aiohttp
 from pydantic import BaseModel
 
+from server_kit.errors import DownstreamError
+
 from .models import (
     ArchiveWritten,
     ExecRequest,
@@ -44,7 +46,7 @@ def _given(**fields: Any) -> dict[str, Any]:
     return {name: value for name, value in fields.items() if value is not None}
 
 
-class SandboxAPIError(Exception):
+class SandboxAPIError(DownstreamError):
     """The server answered with an error; `status` is its HTTP status and the message is the server's."""
 
     def __init__(self, status: int, message: str):
@@ -55,6 +57,8 @@ class SandboxAPIError(Exception):
 
 class SandboxUnreachable(SandboxAPIError):
     """No answer at all: the server is down, unreachable, or did not answer in time (status 503)."""
+
+    answer_status = 503
 
     def __init__(self, url: str, cause: BaseException):
         super().__init__(503, f"cannot reach the sandbox runtime at {url}: {type(cause).__name__}: {cause}")

@@ -27,6 +27,8 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from server_kit.errors import ApiError, ProrlError
+
 from .host_tree import DIR_FLAGS
 
 __all__ = ["FileAccessError", "SandboxFiles"]
@@ -45,7 +47,7 @@ _MAX_PACK_DEPTH = 256
 _MAX_LINK_HOPS = 40
 
 
-class FileAccessError(Exception):
+class FileAccessError(ApiError):
     """A file API request that cannot be served, with the HTTP status the server should answer.
 
     ``status`` is 400 for a malformed path, a path outside every mount, a symbolic link, a special
@@ -229,7 +231,7 @@ def _read_upto(fd: int, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-class _ArchiveTooLarge(Exception):
+class _ArchiveTooLarge(ProrlError):
     pass
 
 
@@ -246,7 +248,7 @@ class _CappedBuffer(io.BytesIO):
         return super().write(b)
 
 
-class _ContentTooLarge(Exception):
+class _ContentTooLarge(ProrlError):
     pass
 
 

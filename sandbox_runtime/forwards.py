@@ -27,6 +27,8 @@ import logging
 import os
 import socket
 
+from server_kit.errors import ProrlError
+
 from . import procs
 from .models import PortForward
 
@@ -43,7 +45,7 @@ MAX_RELAYS_PER_SESSION = 64
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-class ForwardError(Exception):
+class ForwardError(ProrlError):
     """A forward could not be opened; the session does not start."""
 
 

@@ -11,12 +11,14 @@ import stat
 import threading
 from pathlib import Path
 
+from server_kit.errors import ApiError
+
 log = logging.getLogger(__name__)
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-class SeedError(Exception):
+class SeedError(ApiError):
     """The image cannot seed the workspace (400), its copy is over limits.disk_mb (413), or the host has no room
     for it (507)."""
 

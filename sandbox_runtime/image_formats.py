@@ -26,6 +26,8 @@ import tempfile
 import zlib
 from pathlib import Path
 
+from server_kit.errors import ApiError
+
 from .models import ImageFormat, check_env
 
 _ROOT_MARKERS = ("usr", "bin", "etc")
@@ -49,7 +51,7 @@ _SIF_FS_SQUASH = 1
 _SIF_PART_PRIMARY_SYSTEM = 2
 
 
-class ImageError(Exception):
+class ImageError(ApiError):
     """An image that cannot be found or used; `status` is the HTTP status to answer with: 400 for what the spec
     named (an unknown image, a tag it lacks, a file that is no image), 500 for the server's side (a tool, the disk),
     507 for an image that does not fit the cache."""

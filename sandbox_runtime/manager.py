@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TextIO
 
 from server_kit.cli import StartupError
+from server_kit.errors import ApiError
 
 from . import cgroups, memory_watch, procs, workspace_fs
 from .backends import make_backend
@@ -61,21 +62,21 @@ def hold_uid(uid: int) -> TextIO | None:
     return lock
 
 
-class SandboxNotFound(Exception):
+class SandboxNotFound(ApiError):
     status = 404
 
 
-class CapacityError(Exception):
+class CapacityError(ApiError):
     status = 429
 
 
-class ClientGone(Exception):
+class ClientGone(ApiError):
     """The client of a request went away before its answer: nothing is made for it."""
 
     status = 499  # nginx's "client closed request": it is never sent, only logged
 
 
-class PolicyError(Exception):
+class PolicyError(ApiError):
     """A spec the server's policy refuses: 400, or 403 for a backend the operator did not allow."""
 
     def __init__(self, message: str, status: int = 400):

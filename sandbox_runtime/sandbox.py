@@ -15,6 +15,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
+from server_kit.errors import ApiError
+
 from .backends.base import ONESHOT_ARGV, SHELL_ARGV, Backend, SandboxDirs
 from .cgroups import join_argv
 from .files import SandboxFiles
@@ -33,7 +35,7 @@ OUT_OF_MEMORY = "cannot allocate"
 T = TypeVar("T")
 
 
-class InsufficientStorage(Exception):
+class InsufficientStorage(ApiError):
     """The server's state disk is full: what the request needed could not be written there (507)."""
 
     status = 507

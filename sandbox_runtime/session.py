@@ -31,6 +31,8 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+from server_kit.errors import ApiError
+
 from . import fdio, procs, spawn
 from .forwards import ForwardError, Forwards
 from .models import ExecResult, ExecStatus, PortForward
@@ -106,7 +108,7 @@ class Launch:
     pid_namespace: bool = False
 
 
-class SessionError(Exception):
+class SessionError(ApiError):
     """A session could not start, or is busy; `status` is the HTTP status the server answers with."""
 
     def __init__(self, message: str, status: int = 409):

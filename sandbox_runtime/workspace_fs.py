@@ -45,6 +45,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from server_kit.errors import ApiError
+
 from .cgroups import unescape
 from .images import free_floor
 from .models import MIN_INODES
@@ -69,7 +71,7 @@ _LOOP_CONFIG = struct.Struct("=II52xI176x64x")  # fd, block size, loop_info64 up
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-class DiskError(Exception):
+class DiskError(ApiError):
     """A sandbox's file system could not be made; `status` is 507 when the state disk has no room."""
 
     def __init__(self, message: str, status: int = 500):

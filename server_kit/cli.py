@@ -9,10 +9,12 @@ import sys
 import traceback
 from typing import NoReturn
 
+from .errors import ProrlError
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-class StartupError(RuntimeError):
+class StartupError(ProrlError, RuntimeError):
     """The server cannot start, for a reason its operator can fix (a port in use, a state dir it cannot use): the
     message names the problem and the flag or step that fixes it, and the server's command prints it as one
     line, without a traceback (--debug shows one)."""

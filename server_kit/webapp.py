@@ -28,6 +28,7 @@ from .connections import (
     request_admitted,
     request_seen,
 )
+from .errors import ApiError, DownstreamError
 from .openapi import API, ErrorBody, describe_validation
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,8 @@ def error_response(status: int, message: str, headers: Mapping[str, str] | None 
 
 
 def errors_as_json(max_body_bytes: int) -> Middleware:
-    """Every failure becomes `{"error", "status"}`: 400 for a bad body, the status an exception carries in
-    its `status` attribute (4xx for the caller's mistakes), 500 for the rest (logged)."""
+    """Every failure becomes `{"error", "status"}`: 400 for a bad body, an `ApiError`'s status, 502/503/504 for a
+    call to another server that failed (errors.py), 500 for the rest (logged)."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -73,10 +74,11 @@ def errors_as_json(max_body_bytes: int) -> Middleware:
             # The client went, or was closed (a stalled body): nobody reads this answer, and a flood of them must
             # not flood the log with tracebacks.
             return error_response(400, "the connection was lost while the request was read")
+        except ApiError as exc:
+            return error_response(exc.status, str(exc))
+        except DownstreamError as exc:  # never the other server's status: the caller's request was not at fault
+            return error_response(exc.answer_status, str(exc))
         except Exception as exc:
-            status = getattr(exc, "status", None)
-            if isinstance(status, int) and 400 <= status < 600:
-                return error_response(status, str(exc))
             log.exception("unhandled error on %s %s", request.method, request.path)
             return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 

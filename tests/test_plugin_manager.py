@@ -55,20 +55,27 @@ class Tasks:
 
 
 class Combine:
-    """Answers `prorl_combine_reward` and `prorl_backend_policy_version` with fixed values, and records calls."""
+    """Answers `prorl_combine_reward` with a fixed value, and counts the calls."""
 
-    def __init__(self, reward: float | None = None, version: int | None = None) -> None:
-        self.reward, self.version, self.calls = reward, version, 0
-        self.batches: list[Any] = []
+    def __init__(self, reward: float | None = None) -> None:
+        self.reward, self.calls = reward, 0
 
     @hookimpl
     def prorl_combine_reward(self, trajectory: Trajectory, components: dict[str, float]) -> float | None:
         self.calls += 1
         return self.reward
 
+
+class VersionBackend:
+    """A backend's `prorl_backend_policy_version` with a fixed answer; records the batches it was asked about
+    (a plugin set holds one backend: test_backend_seam.py)."""
+
+    def __init__(self, version: int | None) -> None:
+        self.version = version
+        self.batches: list[Any] = []
+
     @hookimpl
     def prorl_backend_policy_version(self, batch: Any) -> int | None:
-        self.calls += 1
         self.batches.append(batch)
         return self.version
 
@@ -584,15 +591,15 @@ class VersionClient:
 
 async def test_the_backends_version_is_published_by_the_driver_and_announced():
     # The service tags turns with the version set through its API; a backend that knows the trainer's version
-    # (the first non-None `prorl_backend_policy_version`) has the driver publish it there.
-    backend, abstains, recorder = Combine(version=7), Combine(version=None), Recorder()
+    # (its `prorl_backend_policy_version` is not None) has the driver publish it there.
+    backend, recorder = VersionBackend(7), Recorder()
     client = VersionClient()
-    driver = RolloutDriver(client, plugin_set(backend, abstains, recorder))  # type: ignore[arg-type]
+    driver = RolloutDriver(client, plugin_set(backend, recorder))  # type: ignore[arg-type]
     assert await driver.publish_version("batch-1") == 7
     assert client.published == [7] and recorder.versions == [7]
-    assert abstains.batches == backend.batches == ["batch-1"]
+    assert backend.batches == ["batch-1"]
 
-    silent = RolloutDriver(client, plugin_set(Combine(version=None), recorder))  # type: ignore[arg-type]
+    silent = RolloutDriver(client, plugin_set(VersionBackend(None), recorder))  # type: ignore[arg-type]
     assert await silent.publish_version("batch-2") is None
     assert client.published == [7] and recorder.versions == [7]  # nothing to publish
 

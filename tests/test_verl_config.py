@@ -498,3 +498,70 @@ def test_each_worker_starts_or_attaches_to_the_runs_stack_and_uses_one_replica(m
     }
     assert launched.service_url in ("http://10.0.0.1:1", "http://10.0.0.2:1") and launched.token == "stack-token"
     assert agent_loop.launched_block(prorl, config).service_url == launched.service_url  # the same replica each time
+
+
+async def test_a_private_load_balancer_that_is_gone_is_named_with_verls_version_and_the_line_that_avoids_it():
+    from prorl_plugins.verl.agent_loop import VERL_READ, verl_server_urls
+
+    with pytest.raises(
+        ProrlVerlConfigError, match=rf"verl [\d.]+'s LLM server client has no `_load_balancer`.*{VERL_READ}"
+    ):
+        await verl_server_urls(SimpleNamespace(), "vllm")
+    with pytest.raises(ProrlVerlConfigError, match=re.escape("+prorl.llm_servers=[http://host:port,...]")):
+        await verl_server_urls(SimpleNamespace(), "vllm")
+
+
+async def test_reading_it_from_another_verl_warns_once(monkeypatch, caplog):
+    from prorl_plugins.verl import agent_loop
+
+    class Registry:
+        async def remote(self):
+            return ["10.0.0.1:8000"]
+
+    monkeypatch.setattr(agent_loop.importlib.metadata, "version", lambda name: "9.9.9")
+    agent_loop.warn_untested_verl.cache_clear()
+    manager = SimpleNamespace(_load_balancer=SimpleNamespace(get_all_servers=Registry()))
+    for _ in range(3):
+        assert await agent_loop.verl_server_urls(manager, "vllm") == ["http://10.0.0.1:8000"]
+    warnings = [r.getMessage() for r in caplog.records if "verl 9.9.9" in r.getMessage()]
+    assert len(warnings) == 1 and "+prorl.llm_servers" in warnings[0]
+    agent_loop.warn_untested_verl.cache_clear()
+
+
+def test_a_workers_state_is_keyed_by_the_block_and_the_event_loop_never_by_an_id():
+    """Equal blocks share state, different ones do not, and a closed event loop's sessions go with it (an id()
+    key could hand a new block or loop the state of a collected one)."""
+    import gc
+
+    from prorl_plugins.verl import agent_loop
+
+    prorl = check_verl_config(compose_verl_config([*PLUGIN, *BLOCK]))
+    same = check_verl_config(compose_verl_config([*PLUGIN, *BLOCK]))
+    other = check_verl_config(compose_verl_config([*PLUGIN, *BLOCK, "+prorl.max_turns=3"]))
+    assert prorl is not same and agent_loop.block_key(prorl) == agent_loop.block_key(same)
+    assert agent_loop.block_key(prorl) != agent_loop.block_key(other)
+
+    async def session_and_driver():
+        session = agent_loop._session(prorl)
+        assert agent_loop._session(same) is session  # one client per service and loop
+        assert session.driver(prorl) is session.driver(same) is not session.driver(other)
+        await session.client.aclose()
+        return session
+
+    before = len(agent_loop._sessions)
+    first, second = asyncio.run(session_and_driver()), asyncio.run(session_and_driver())
+    assert first is not second  # a new loop: a new client, never one bound to the closed loop
+    gc.collect()
+    assert len(agent_loop._sessions) == before
+
+
+def test_a_config_object_is_checked_once_however_many_samples_read_it(monkeypatch):
+    from prorl_plugins.verl import agent_loop
+
+    checks = []
+    monkeypatch.setattr(agent_loop, "check_verl_config", lambda config: checks.append(config) or object())
+    config, another = compose_verl_config([*PLUGIN, *BLOCK]), compose_verl_config([*PLUGIN, *BLOCK])
+    for _ in range(3):
+        assert agent_loop._settings(config) is agent_loop._settings(config)
+    agent_loop._settings(another)
+    assert checks == [config, another]

@@ -19,17 +19,19 @@ from typing import Any
 
 import pluggy
 
+from server_kit.errors import ProrlError
+
 from ..tasks import TaskHandler
 from . import specs
 
 ENTRY_POINT_GROUP = "prorl_adapter"
 
 
-class PluginLoadError(RuntimeError):
+class PluginLoadError(ProrlError, RuntimeError):
     pass
 
 
-class PluginConfigError(ValueError):
+class PluginConfigError(ProrlError, ValueError):
     """A plugin's configuration is wrong; the message names the plugin, the key and what is expected."""
 
 
@@ -125,6 +127,7 @@ def make_plugin_manager(
         pm.check_pending()  # an implementation of a hook that does not exist (a typo) is an error
     except pluggy.PluginValidationError as exc:
         raise PluginLoadError(f"a plugin implements a hook that does not exist: {exc}") from exc
+    check_one_backend(pm)
     unknown = sorted(set(config) - read)
     if unknown:
         raise PluginConfigError(
@@ -132,6 +135,17 @@ def make_plugin_manager(
             f"the loaded plugins read: {', '.join(sorted(read)) or 'none'}"
         )
     return pm
+
+
+def check_one_backend(pm: pluggy.PluginManager) -> None:
+    """At most one plugin implements the backend hooks (specs.Backend): they are firstresult, so with two, one
+    would silently answer for the other."""
+    backends = {impl.plugin_name for hook in specs.BACKEND_HOOKS for impl in getattr(pm.hook, hook).get_hookimpls()}
+    if len(backends) > 1:
+        raise PluginLoadError(
+            f"more than one training backend is loaded ({', '.join(sorted(backends))}): a plugin set drives one "
+            "trainer; load one, or block the others"
+        )
 
 
 def _entry_points() -> list:

@@ -10,14 +10,16 @@ from typing import Any
 
 import pluggy
 
+from server_kit.errors import ProrlError
+
 from ..models import AdmissionState, Trajectory, TrajectoryWeight
 from ..tasks import TaskHandler
-from .manager import collect_tasks, make_plugin_manager
+from .manager import PluginLoadError, check_one_backend, collect_tasks, make_plugin_manager
 
 log = logging.getLogger(__name__)
 
 
-class RewardComponentConflict(ValueError):
+class RewardComponentConflict(ProrlError, ValueError):
     pass
 
 
@@ -44,7 +46,13 @@ class PluginSet:
         return self.manager.hook
 
     def register(self, plugin: object, name: str | None = None) -> None:
+        """Add `plugin`; refused (and not added) when it would make a second training backend."""
         self.manager.register(plugin, name=name)
+        try:
+            check_one_backend(self.manager)
+        except PluginLoadError:
+            self.manager.unregister(plugin)
+            raise
 
     def tasks(self) -> dict[str, TaskHandler]:
         return collect_tasks(self.manager)

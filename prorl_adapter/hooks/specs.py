@@ -26,7 +26,7 @@ logged and does not stop the others or the job.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import pluggy
 
@@ -149,3 +149,19 @@ def prorl_backend_requests(batch: Any, config: dict[str, Any]) -> list[JobReques
 def prorl_backend_batch(items: list[BatchItem], batch: Any) -> Any:
     """Last: turn the weighed trajectories into the trainer's batch type (padded tensors, masks, rewards on the
     last token, version tags). `batch` is the request they answer (None for batches taken from the buffer)."""
+
+
+BACKEND_HOOKS = ("prorl_backend_policy_version", "prorl_backend_requests", "prorl_backend_batch")
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A training backend, as the driver's plugin set holds it: one object whose `@hookimpl` methods implement
+    the backend hooks above (`prorl_backend_policy_version` is optional). A plugin set holds one backend: the
+    hooks are firstresult, so a second would answer instead of the first, or never, by registration order, and
+    loading a second is refused (`PluginLoadError`). As with every hook, a method may take fewer of the hook's
+    arguments than the specification names."""
+
+    def prorl_backend_requests(self, batch: Any, config: dict[str, Any]) -> list[JobRequest] | None: ...
+
+    def prorl_backend_batch(self, items: list[BatchItem], batch: Any) -> Any: ...

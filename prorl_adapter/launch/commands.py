@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from server_kit.errors import ProrlError
+
 REDIS, SERVICE, RUNTIME = "redis", "service", "runtime"
 START_ORDER = (REDIS, SERVICE, RUNTIME)  # each part needs the ones before it
 HEAD_RESOURCE = "node:__internal_head__"  # the resource Ray gives its head node only
@@ -124,7 +126,7 @@ def runtime_argv(
 
 
 # -- which nodes run what, from `ray.nodes()` ----------------------------------------------------------------
-class PlacementError(ValueError):
+class PlacementError(ProrlError, ValueError):
     """No node, or an unknown node, for a part; the message says which selection found nothing."""
 
 

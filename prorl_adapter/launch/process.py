@@ -25,6 +25,8 @@ from pathlib import Path
 
 import httpx
 
+from server_kit.errors import ProrlError
+
 PR_SET_PDEATHSIG = 1
 # free_port's picks: above the ports Ray's workers take by default (10002-19999), below the ephemeral range.
 FREE_PORTS_FROM = 20_000
@@ -33,7 +35,7 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") el
 LOG_TAIL_CHARS = 3000
 
 
-class PartFailed(RuntimeError):
+class PartFailed(ProrlError, RuntimeError):
     """A part did not start, or did not answer in time; the message names it and quotes its log."""
 
 

@@ -31,6 +31,8 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from server_kit.errors import ProrlError
+
 from . import commands
 from .commands import REDIS, RUNTIME, SERVICE
 from .process import (
@@ -50,7 +52,7 @@ DEFAULT_NAMESPACE = "prorl"
 STARTING, UP, FAILED = "starting", "up", "failed"
 
 
-class StackError(RuntimeError):
+class StackError(ProrlError, RuntimeError):
     """The stack could not start, or is not there; the message says which part and why."""
 
 

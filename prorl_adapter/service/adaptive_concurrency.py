@@ -61,6 +61,8 @@ from typing import Literal, Protocol
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from server_kit.errors import ProrlError
+
 from ..models import EngineLoad, LLMServerInfo, RunConcurrencyState
 
 log = logging.getLogger(__name__)
@@ -103,7 +105,7 @@ class AdaptiveConfig:
             raise ValueError(f"the gain {self.gain:g} must be in (0, 1]")
 
 
-class NoEngineMetrics(ValueError):
+class NoEngineMetrics(ProrlError, ValueError):
     """A /metrics answer without the engine gauges (not vLLM), or not Prometheus text at all."""
 
 

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from server_kit.errors import ProrlError
+
 from ..models import FinishReason, JobRequest, SamplingParams, Segment, ToolCall, Turn
 from ..tasks import Environment, EpisodeState, TaskHandler, Tool
 from .actions import FORMATS, ActionFormat
@@ -63,7 +65,7 @@ class PolicyTurn:
     last_token: int | None
 
 
-class PromptTooLong(Exception):
+class PromptTooLong(ProrlError):
     """The task's prompt alone does not fit the episode's context: there is nothing to sample."""
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import shlex
 import time
 
+from server_kit.errors import ProrlError
+
 from ..models import JobRequest
 from ..tasks import Environment, TaskHandler
 from .agent import Episode, clip
@@ -35,7 +37,7 @@ def program_timeout(budget_s: float) -> float:
 OUTPUT_ARTIFACT_CHARS = 8000
 
 
-class ProgramFailed(Exception):
+class ProgramFailed(ProrlError):
     """The program made no LLM call."""
 
 

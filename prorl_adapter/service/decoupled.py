@@ -42,6 +42,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 
+from server_kit.errors import ApiError
+
 from ..hooks.specs import hookimpl
 from ..models import AdmissionState, BatchItem, JobRequest, JobState, ProducerStats, Trajectory
 from .pipeline import Job, JobConflict, RolloutPipeline, UnknownTask
@@ -70,7 +72,7 @@ class ProducerConfig:
     retry_delay_s: float = 1.0  # before the second run; doubled for each further one (at most RETRY_MAX_S)
 
 
-class BadTake(ValueError):
+class BadTake(ApiError, ValueError):
     """A take the service cannot weigh as asked (the API answers 400); its entries are handed back."""
 
     status = 400

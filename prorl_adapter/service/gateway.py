@@ -31,6 +31,7 @@ from jinja2 import TemplateError
 from prometheus_client import Counter
 
 from server_kit.connections import mark_credential_checked
+from server_kit.errors import ApiError
 from server_kit.openapi import API, Operation, Reply
 from server_kit.webapp import json_api, json_response
 
@@ -67,7 +68,7 @@ REQUESTS_PER_KEY = 2 * CALLS_IN_FLIGHT
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a call's body: messages of a long context, far from the service's 16 MiB
 
 
-class GatewayError(Exception):
+class GatewayError(ApiError):
     """A call the gateway refuses; `status` is the HTTP status."""
 
     def __init__(self, status: int, message: str) -> None:

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import abc
 
+from server_kit.errors import ApiError
+
 from ..models import JobRequest, JobStatus, Trajectory
 from .pipeline import RolloutPipeline
 
 
-class UnknownJob(KeyError):
+class UnknownJob(ApiError, KeyError):
     status = 404
 
     def __str__(self) -> str:

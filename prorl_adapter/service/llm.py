@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from server_kit.errors import DownstreamError, ProrlError
+
 from ..models import LLMServerInfo, SamplingParams
 from .llm_protocols import PROTOCOLS, MalformedAnswer, Protocol, Request, UnsupportedRequest, split_url
 
@@ -42,11 +44,13 @@ _PROBE_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 WAITING_LOG_S = 60.0
 
 
-class LLMUnavailable(Exception):
+class LLMUnavailable(DownstreamError):
     """No healthy LLM server could serve the request."""
 
+    answer_status = 503
 
-class LLMRequestError(Exception):
+
+class LLMRequestError(DownstreamError):
     """The server answered, but with an error that retrying elsewhere would not fix (e.g. a bad prompt)."""
 
 
@@ -102,7 +106,7 @@ class Pin:
     failovers: int = 0
 
 
-class _ServerError(Exception):
+class _ServerError(ProrlError):
     """The server could not answer (connection refused, reset, timed out, 5xx): another server might.
     `down`: it certainly serves nothing now (it refused the connection)."""
 

@@ -18,16 +18,17 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field, StrictInt, ValidationError
 
+from server_kit.errors import DownstreamError, ProrlError
 from server_kit.openapi import describe_validation
 
 from ..models import SamplingParams
 
 
-class MalformedAnswer(Exception):
+class MalformedAnswer(DownstreamError):
     """A server answered 200 with something that is not an answer of its protocol."""
 
 
-class UnsupportedRequest(Exception):
+class UnsupportedRequest(ProrlError):
     """The request asks for what the server's protocol cannot say (a regex over the ProRL protocol, say)."""
 
 

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from sandbox_runtime.client import SandboxAPIError, SandboxUnreachable
+from server_kit.errors import ApiError, ProrlError
 
 from ..hooks.plugin_set import PluginSet, RewardComponentConflict
 from ..models import ErrorClass, JobError, JobRequest, JobState, JobStatus, StageTimings, Trajectory
@@ -58,7 +59,7 @@ class PipelineConfig:
 SANDBOX_TTL_MARGIN_S = 600.0
 
 
-class StageFailed(Exception):
+class StageFailed(ProrlError):
     def __init__(self, error_class: ErrorClass, message: str):
         super().__init__(message)
         self.error_class = error_class
@@ -112,11 +113,11 @@ class Job:
 _STAGE_NAMES = {JobState.init: "init", JobState.running: "run", JobState.evaluating: "eval"}
 
 
-class UnknownTask(ValueError):
+class UnknownTask(ApiError, ValueError):
     status = 400
 
 
-class JobConflict(ValueError):
+class JobConflict(ApiError, ValueError):
     """A job id already taken by a different request: the id is an idempotency key, not a name to reuse."""
 
     status = 409

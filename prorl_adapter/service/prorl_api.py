@@ -24,6 +24,7 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from server_kit.errors import ProrlError
 from server_kit.openapi import Operation, Reply, describe_validation
 from server_kit.webapp import json_response
 
@@ -175,7 +176,7 @@ class ProRLResult(BaseModel):
 CALLER_CHECK_S = 1.0
 
 
-class CallerGone(Exception):
+class CallerGone(ProrlError):
     """The client of a /process call closed its connection: nobody waits for the episode any more."""
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from sandbox_runtime.client import SandboxAPIError, SandboxClient
 from sandbox_runtime.models import SandboxInfo
+from server_kit.errors import DownstreamError
 
 from ..models import RuntimeState, WarmSandboxState
 from ..tasks import Environment
@@ -45,7 +46,7 @@ HEALTH_CHECK_S = 5.0  # how long a runtime suspected lost has to answer its heal
 SWEEP_S = 30.0  # how long a new runtime has to list its sandboxes before it is used all the same
 
 
-class SandboxServerError(Exception):
+class SandboxServerError(DownstreamError):
     """A runtime server could not create or prepare a sandbox; `url` names it so a retry can avoid it."""
 
     def __init__(self, url: str, message: str):

@@ -20,6 +20,7 @@ from aiohttp import web
 from sandbox_runtime.config import RUNTIME_NAME
 from sandbox_runtime.models import RuntimeHeartbeat
 from server_kit.connections import mark_credential_checked
+from server_kit.errors import ApiError
 from server_kit.openapi import API, Link, Operation, Reply, metrics_operation, operations_under
 from server_kit.webapp import (
     Handler,
@@ -106,11 +107,11 @@ DECOUPLED_FIGURES = (
 )
 
 
-class BadRequest(ValueError):
+class BadRequest(ApiError, ValueError):
     status = 400
 
 
-class Conflict(ValueError):
+class Conflict(ApiError, ValueError):
     status = 409
 
 

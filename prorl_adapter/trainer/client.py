@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel
 
+from server_kit.errors import DownstreamError
+
 from ..models import (
     Acknowledged,
     AckRequest,
@@ -44,7 +46,7 @@ from ..models import (
 Reply = TypeVar("Reply", bound=BaseModel)
 
 
-class RolloutAPIError(Exception):
+class RolloutAPIError(DownstreamError):
     def __init__(self, status: int, message: str):
         super().__init__(f"{status}: {message}")
         self.status = status

@@ -16,13 +16,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from server_kit.errors import ProrlError
+
 from ..hooks.plugin_set import PluginSet
 from ..models import BatchItem, JobRequest
 from .client import RolloutClient
 from .groups import GroupCollector
 
 
-class NoBackend(TypeError):
+class NoBackend(ProrlError, TypeError):
     """No registered backend plugin answered a backend hook for this batch type."""
 
 

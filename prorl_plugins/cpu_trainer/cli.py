@@ -33,6 +33,7 @@ from rich.table import Table
 
 from prorl_adapter.dev import localstack
 from server_kit.cli import OneLineParser
+from server_kit.errors import ProrlError
 
 from .actor import ANCHORS
 from .base_rate import BaseRate, measure_base
@@ -198,7 +199,7 @@ def measure(args: argparse.Namespace, settings: TrainSettings) -> int:
     return 0
 
 
-class CannotStart(Exception):
+class CannotStart(ProrlError):
     """What keeps the trainer from starting, in one line."""
 
 

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import httpx
 
+from server_kit.errors import ProrlError
 
-class WeightSyncError(RuntimeError):
+
+class WeightSyncError(ProrlError, RuntimeError):
     pass
 
 

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import importlib.metadata
 import logging
 import os
+import weakref
 import zlib
 from typing import Any
 
@@ -46,13 +49,21 @@ logger = logging.getLogger(__name__)
 
 
 # -- per-process state: one client per service and event loop; what was registered and checked there -----
+# Nothing is keyed by id(): an id is reused once its object is collected, and would hand back the state of
+# another block, or a client bound to a closed event loop. Blocks are keyed by value (`block_key`), event
+# loops weakly (their state goes with them).
+def block_key(prorl: ProrlVerlConfig) -> str:
+    """A block by value: its fields' reprs (a frozen dataclass whose dict fields keep it from hashing)."""
+    return repr(prorl)
+
+
 class _ServiceSession:
     def __init__(self, prorl: ProrlVerlConfig) -> None:
         self.url = prorl.service_url
         self.client = RolloutClient(prorl.service_url, token=prorl.token)
         self.registered: set[str] = set()
-        self.checked: set[int] = set()  # the blocks (by id) already compared with the service's sections
-        self.drivers: dict[int, RolloutDriver] = {}
+        self.checked: set[str] = set()  # the blocks already compared with the service's sections
+        self.drivers: dict[str, RolloutDriver] = {}
         self.answered = False  # whether the service has answered this process yet
         self.lock = asyncio.Lock()
 
@@ -74,11 +85,11 @@ class _ServiceSession:
     async def check_sections(self, prorl: ProrlVerlConfig) -> None:
         """The service's plugin sections must not contradict the block (once per block and process)."""
         async with self.lock:
-            if id(prorl) in self.checked:
+            if block_key(prorl) in self.checked:
                 return
             plugins = await self.call("reading its plugin configuration", self.client.plugins())
             check_service(prorl, None, plugins.config)
-            self.checked.add(id(prorl))
+            self.checked.add(block_key(prorl))
 
     async def register_llm_servers(self, urls: list[str]) -> None:
         """Make verl's replicas the service's only LLM servers: any other one (the `--llm-url` the service
@@ -95,36 +106,42 @@ class _ServiceSession:
         """The driver for this block. Its plugins are the installed ones without sections, plus the verl
         backend: staleness is weighed by verl's sampler when a batch is sampled, not here (at generation time
         a trajectory may already be newer than its row's step, which other workers' rows have published)."""
-        if id(prorl) not in self.drivers:
-            self.drivers[id(prorl)] = RolloutDriver(
+        key = block_key(prorl)
+        if key not in self.drivers:
+            self.drivers[key] = RolloutDriver(
                 self.client,
                 plugin_set({}, objects=[VerlBackend(prorl)]),
                 wait_s=2 * prorl.timeout_s if prorl.timeout_s else 3600.0,
                 shared_version=True,  # verl's workers publish the steps in no fixed order
             )
-        return self.drivers[id(prorl)]
+        return self.drivers[key]
 
 
-_sessions: dict[tuple[str, int], _ServiceSession] = {}
-_checked: dict[int, ProrlVerlConfig] = {}
+# event loop -> service URL -> its session
+_sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, _ServiceSession]]
+_sessions = weakref.WeakKeyDictionary()
+# id(config) -> (config, its block): the config is held, so that its id cannot pass to another object
+_checked: dict[int, tuple[Any, ProrlVerlConfig]] = {}
 
 
 def _session(prorl: ProrlVerlConfig) -> _ServiceSession:
-    key = (prorl.service_url, id(asyncio.get_running_loop()))
-    if key not in _sessions:
-        _sessions[key] = _ServiceSession(prorl)
-    return _sessions[key]
+    sessions = _sessions.setdefault(asyncio.get_running_loop(), {})
+    if prorl.service_url not in sessions:
+        sessions[prorl.service_url] = _ServiceSession(prorl)
+    return sessions[prorl.service_url]
 
 
 def _settings(config) -> ProrlVerlConfig:
-    """The validated block, checked once per process and config object (every sample builds a new loop)."""
-    key = id(config)
-    if key not in _checked:
-        _checked[key] = check_verl_config(config)
-    return _checked[key]
+    """The validated block, checked once per process and config object (every sample builds a new loop; verl
+    hands each the same config object, which is not hashable)."""
+    if id(config) not in _checked:
+        _checked[id(config)] = (config, check_verl_config(config))
+    return _checked[id(config)][1]
 
 
-_launches: dict[tuple[int, int], asyncio.Future] = {}
+# event loop -> block -> the stack's start (or attachment), which the samples of a worker wait on together
+_launches: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Future]]
+_launches = weakref.WeakKeyDictionary()
 _stacks: dict[str, Any] = {}  # the launched stacks, by namespace: the one this worker started lives while it does
 
 
@@ -133,10 +150,11 @@ async def _with_service(prorl: ProrlVerlConfig, config) -> ProrlVerlConfig:
     attached once per process; the samples of a worker wait on the same start)."""
     if prorl.launch is None:
         return prorl
-    key = (id(prorl), id(asyncio.get_running_loop()))
-    if key not in _launches:
-        _launches[key] = asyncio.ensure_future(asyncio.to_thread(launched_block, prorl, config))
-    return await _launches[key]
+    launches = _launches.setdefault(asyncio.get_running_loop(), {})
+    key = block_key(prorl)
+    if key not in launches:
+        launches[key] = asyncio.ensure_future(asyncio.to_thread(launched_block, prorl, config))
+    return await launches[key]
 
 
 def launched_block(prorl: ProrlVerlConfig, config) -> ProrlVerlConfig:
@@ -169,16 +187,37 @@ def launched_block(prorl: ProrlVerlConfig, config) -> ProrlVerlConfig:
     return dataclasses.replace(prorl, service_url=url, token=stack.token)
 
 
+# The verl whose LLM server client this reads: `_load_balancer` is a private attribute, which another verl may
+# rename or drop without notice.
+VERL_READ = "0.9.1"
+
+
+@functools.cache
+def warn_untested_verl(version: str) -> None:
+    """Once per process: the private attribute is read from a verl it was not checked against."""
+    logger.warning(
+        "verl %s: the replicas' addresses are read from its LLM server client's private `_load_balancer`, as in "
+        "verl %s; if they are wrong, list them: +%s.llm_servers=[http://host:port,...]",
+        version,
+        VERL_READ,
+        BLOCK,
+    )
+
+
 async def verl_server_urls(server_manager: Any, engine: str | None = None) -> list[str]:
     """The HTTP addresses of verl's LLM server replicas, from the registry of the client's load balancer
     (`ip:port` there). With verl's SGLang engine (`actor_rollout_ref.rollout.name=sglang`) they name SGLang's
     protocol, which the service's pool then speaks; else they are vLLM's OpenAI-compatible servers."""
+    version = importlib.metadata.version("verl")
     balancer = getattr(server_manager, "_load_balancer", None)
     if balancer is None:
         raise ProrlVerlConfigError(
-            f"verl's LLM server client has no load balancer to read the replicas' addresses from; list the "
-            f"servers instead: +{BLOCK}.llm_servers=[http://host:port,...]"
+            f"verl {version}'s LLM server client has no `_load_balancer` (a private attribute, read as verl "
+            f"{VERL_READ} has it) to read the replicas' addresses from; list the servers instead: "
+            f"+{BLOCK}.llm_servers=[http://host:port,...]"
         )
+    if version != VERL_READ:
+        warn_untested_verl(version)
     addresses = await balancer.get_all_servers.remote()
     if not addresses:
         raise ProrlVerlConfigError(f"verl has no LLM server replicas registered; or set +{BLOCK}.llm_servers=[...]")

@@ -30,6 +30,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopO
 from prorl_adapter.hooks import hookimpl
 from prorl_adapter.models import BatchItem, JobRequest, SamplingParams, Trajectory
 from prorl_adapter.trainer.samples import job_request
+from server_kit.errors import ProrlError
 
 from .config import ProrlVerlConfig, ProrlVerlConfigError
 from .reward import INSTANCE_FIELD, REWARD_SECTION_FIELD, TRAJECTORY_FIELD, component_columns
@@ -48,7 +49,7 @@ class VerlSample:
     rollout: Any  # verl's RolloutConfig
 
 
-class EpisodeFailed(RuntimeError):
+class EpisodeFailed(ProrlError, RuntimeError):
     """The service gave up on an episode for an infrastructure reason (the trajectory's `filter` flag). verl's
     V1 trainer marks the row's group as failed and, in the async modes, evicts it and samples a new row."""
 

@@ -43,6 +43,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from prorl_adapter.hooks import PluginConfigError, PluginLoadError, PluginSet
 from prorl_adapter.models import LLM_PROTOCOLS, AgentProgram, SamplingParams
 from prorl_plugins.staleness import StalenessConfig
+from server_kit.errors import ProrlError
 
 AGENT_LOOP_NAME = "prorl_agent"
 PLUGIN_MODULE = "prorl_plugins.verl"
@@ -82,7 +83,7 @@ LAUNCHERS = ("ray",)  # prorl.launch: who starts the rollout stack for the run (
 _LAUNCH_KEYS = ("launch_replicas", "runtime_resource", "launch_namespace", "runtime_host_paths")
 
 
-class ProrlVerlConfigError(ValueError):
+class ProrlVerlConfigError(ProrlError, ValueError):
     """A wrong plugin line; the message names the verl config key and what to write."""
 
 

@@ -21,6 +21,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from server_kit.errors import ApiError
+
 from ..models import Limits, SandboxSpec
 from ..session import Launch
 
@@ -163,7 +165,7 @@ class Backend(ABC):
         return {**dirs.image_env, **base, "HOME": self.workdir(dirs, spec), **spec.env}
 
 
-class BackendError(Exception):
+class BackendError(ApiError):
     """A backend could not create or reach a sandbox; `status` is the HTTP status to answer with."""
 
     def __init__(self, message: str, status: int = 500):

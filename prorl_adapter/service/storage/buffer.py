@@ -39,10 +39,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from server_kit.errors import ApiError, DownstreamError, ProrlError
+
 from ...models import BatchItem, Trajectory
 
 
-class ExperienceBufferError(Exception):
+class ExperienceBufferError(ProrlError):
     """Base class of the buffer's errors."""
 
 
@@ -50,16 +52,16 @@ class BufferClosed(ExperienceBufferError):
     """The buffer was closed; raised by every call after `close()`, and by calls waiting when it happened."""
 
 
-class BufferUnavailable(ExperienceBufferError):
+class BufferUnavailable(ExperienceBufferError, DownstreamError):
     """The buffer's storage cannot be reached (e.g. Redis is down). The message names where and what failed.
 
     Nothing acknowledged is lost and nothing pending is dropped by the error itself; the same buffer object
     works again once the storage is back."""
 
-    status = 503  # what the service's API answers with: try again later
+    answer_status = 503  # what the service's API answers with: try again later
 
 
-class MalformedEntryId(ExperienceBufferError, ValueError):
+class MalformedEntryId(ExperienceBufferError, ApiError, ValueError):
     """An entry id that this buffer never hands out (a client's mistake: the API answers 400)."""
 
     status = 400
