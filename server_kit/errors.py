@@ -16,7 +16,8 @@ from typing import ClassVar
 
 
 class ProrlError(Exception):
-    """The root of the exceptions this project raises on purpose; one `except ProrlError` sees them all."""
+    """The root of every exception class the project defines (Python's own, such as a ValueError for a bad
+    argument, are raised as they are)."""
 
 
 class ApiError(ProrlError):

@@ -48,7 +48,7 @@ def error_response(status: int, message: str, headers: Mapping[str, str] | None 
 
 
 def errors_as_json(max_body_bytes: int) -> Middleware:
-    """Every failure becomes `{"error", "status"}`: 400 for a bad body, an `ApiError`'s status, 502/503/504 for a
+    """Every failure becomes `{"error", "status"}`: 400 for a bad body, an `ApiError`'s status, 502 or 503 for a
     call to another server that failed (errors.py), 500 for the rest (logged)."""
 
     @web.middleware

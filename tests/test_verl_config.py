@@ -518,7 +518,7 @@ async def test_reading_it_from_another_verl_warns_once(monkeypatch, caplog):
         async def remote(self):
             return ["10.0.0.1:8000"]
 
-    monkeypatch.setattr(agent_loop.importlib.metadata, "version", lambda name: "9.9.9")
+    monkeypatch.setattr(agent_loop, "installed_verl", lambda: "9.9.9")
     agent_loop.warn_untested_verl.cache_clear()
     manager = SimpleNamespace(_load_balancer=SimpleNamespace(get_all_servers=Registry()))
     for _ in range(3):

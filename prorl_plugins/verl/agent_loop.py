@@ -51,7 +51,8 @@ logger = logging.getLogger(__name__)
 # -- per-process state: one client per service and event loop; what was registered and checked there -----
 # Nothing is keyed by id(): an id is reused once its object is collected, and would hand back the state of
 # another block, or a client bound to a closed event loop. Blocks are keyed by value (`block_key`), event
-# loops weakly (their state goes with them).
+# loops by the loop itself, weakly: an entry never meets another loop, and goes with its loop where nothing
+# else holds it (a pending launch's future does, for as long as the worker lives).
 def block_key(prorl: ProrlVerlConfig) -> str:
     """A block by value: its fields' reprs (a frozen dataclass whose dict fields keep it from hashing)."""
     return repr(prorl)
@@ -193,6 +194,15 @@ VERL_READ = "0.9.1"
 
 
 @functools.cache
+def installed_verl() -> str:
+    """verl's version from its package metadata, read once (a checkout on PYTHONPATH may have none)."""
+    try:
+        return importlib.metadata.version("verl")
+    except importlib.metadata.PackageNotFoundError:
+        return "(no package metadata)"
+
+
+@functools.cache
 def warn_untested_verl(version: str) -> None:
     """Once per process: the private attribute is read from a verl it was not checked against."""
     logger.warning(
@@ -208,7 +218,7 @@ async def verl_server_urls(server_manager: Any, engine: str | None = None) -> li
     """The HTTP addresses of verl's LLM server replicas, from the registry of the client's load balancer
     (`ip:port` there). With verl's SGLang engine (`actor_rollout_ref.rollout.name=sglang`) they name SGLang's
     protocol, which the service's pool then speaks; else they are vLLM's OpenAI-compatible servers."""
-    version = importlib.metadata.version("verl")
+    version = installed_verl()
     balancer = getattr(server_manager, "_load_balancer", None)
     if balancer is None:
         raise ProrlVerlConfigError(
