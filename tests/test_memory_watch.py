@@ -3,16 +3,21 @@ kills only the processes its scan saw: never a pid that was freed and reused by 
 
 import os
 import subprocess
+import sys
 import time
 
 from sandbox_runtime import memory_watch, procs
 
+# A launcher and one child that outlive each other: a shell's `wait` would return when the child is killed, and the
+# shell could exit on its own before its own SIGKILL arrived (status 137, not -9).
+LAUNCHER = "import os, time\nif os.fork() == 0:\n    time.sleep(60)\n    os._exit(0)\ntime.sleep(60)"
+
 
 def test_the_watchdog_finds_a_launchers_tree_and_kills_what_it_saw(tmp_path):
     boxes = tmp_path / "sandboxes"
-    launcher = subprocess.Popen(["sh", "-c", "sleep 60 & wait", str(boxes / "abc" / "workspace")])
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(boxes / "abc" / "workspace")])
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # a bound for a loaded machine, not a timing assertion
         while not procs.children(launcher.pid) and time.monotonic() < deadline:
             time.sleep(0.01)
         found = memory_watch.over_limit(os.getpid(), boxes, {"abc": 1, "other": 1})
