@@ -79,9 +79,11 @@ from typing import Any
 from common import TargetResult, command_line, machine, replace_section, update_targets, utc_now
 
 from prorl_adapter.hooks import PluginSet, hookimpl
-from prorl_adapter.models import JobRequest, JobState, StageTimings, Trajectory
+from prorl_adapter.models import JobRequest, Trajectory
 from prorl_adapter.service.decoupled import Producer, ProducerConfig
+from prorl_adapter.service.storage.coordination import MemoryCoordination
 from prorl_adapter.service.storage.memory_buffer import MemoryBuffer
+from prorl_adapter.testing import SimJob, SimulatedRunner, sim_trajectory
 from prorl_plugins.staleness import StalenessControl
 
 BLOCK_START = "<!-- bench_decoupled:start -->"
@@ -170,61 +172,33 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-# -- the stand-in for RolloutPipeline ---------------------------------------------------------------------
-@dataclass
-class SimJob:
-    """What the Producer reads of a pipeline job: `id`, `state` and `result`."""
+# -- the simulated job runner in place of RolloutPipeline ------------------------------------------------
+class SimulatedPipeline(SimulatedRunner):
+    """The simulation's job runner (`RolloutPipeline` needs vLLM and sandboxes): `slots` workers run jobs FIFO,
+    each for its drawn duration, and finish it with a trajectory tagged with the policy version at which it got
+    its slot."""
 
-    id: str
-    request: JobRequest
-    index: int
-    result: Trajectory | None = None
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def state(self) -> JobState:
-        return JobState.done if self.finished.is_set() else JobState.running
-
-
-class SimulatedPipeline:
-    """The simulation's stand-in for `RolloutPipeline` (which needs vLLM and sandboxes): `slots` workers run
-    jobs FIFO, each for its drawn duration, and finish it with a trajectory tagged with the policy version at
-    which it got its slot."""
-
-    def __init__(self, plugins: PluginSet, stream: Stream, slots: int) -> None:
-        self.plugins = plugins
+    def __init__(
+        self, plugins: PluginSet, stream: Stream, slots: int, coordination: MemoryCoordination | None = None
+    ) -> None:
+        super().__init__(plugins, coordination=coordination)
         self.stream = stream
-        self.jobs: dict[str, SimJob] = {}
-        self._policy_version = 0
         self._queue: asyncio.Queue[SimJob] = asyncio.Queue()
         self._workers = [asyncio.ensure_future(self._slot()) for _ in range(slots)]
         self.runs: list[tuple[int, float, float]] = []  # (episode index, start, end) of every started episode
 
-    @property
-    def policy_version(self) -> int:
-        return self._policy_version
-
-    @policy_version.setter
-    def policy_version(self, version: int) -> None:
-        self._policy_version = version
-        self.plugins.notify("prorl_policy_version_changed", version=version)
-
-    def submit(self, request: JobRequest) -> tuple[SimJob, bool]:
-        job = self.jobs[request.job_id] = SimJob(request.job_id, request, int(request.labels["episode"]))
+    def _started(self, job: SimJob) -> None:
         self._queue.put_nowait(job)
-        return job, True
 
     async def _slot(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             job = await self._queue.get()
             version, start = self.policy_version, loop.time()
-            duration = self.stream.durations[job.index]
-            self.runs.append((job.index, start, start + duration))
+            duration = self.stream.durations[episode(job)]
+            self.runs.append((episode(job), start, start + duration))
             await asyncio.sleep(duration)
-            job.result = episode_trajectory(job, version, self.policy_version)
-            job.finished.set()
-            self.plugins.notify("prorl_job_finished", trajectory=job.result, state=job.state)
+            self.end(job, sim_trajectory(job, version, self.policy_version))
 
     async def stop(self) -> None:
         for worker in self._workers:
@@ -232,22 +206,9 @@ class SimulatedPipeline:
         await asyncio.gather(*self._workers, return_exceptions=True)
 
 
-def episode_trajectory(job: SimJob, first_version: int, last_version: int) -> Trajectory:
-    return Trajectory(
-        job_id=job.id,
-        task="sim",
-        prompt_ids=[],
-        response_ids=[],
-        response_mask=[],
-        response_logprobs=[],
-        turns=[],
-        num_turns=0,
-        finish_reason="finish",
-        policy_version_min=first_version,
-        policy_version_max=last_version,
-        timings=StageTimings(),
-        labels=job.request.labels,
-    )
+def episode(job: SimJob) -> int:
+    """The episode's index in the stream (its label): the order prompts are admitted in may differ."""
+    return int(job.request.labels["episode"])
 
 
 def requests(start: int, stop: int) -> list[JobRequest]:
@@ -391,9 +352,9 @@ async def run_coupled(clock: VirtualClock, stream: Stream, setting: Setting) -> 
     for step in range(setting.steps):
         jobs = [pipeline.submit(pending.popleft())[0] for _ in range(setting.batch)]
         await asyncio.gather(*(job.finished.wait() for job in jobs))
-        result.trained += [(job.index, 0, 1.0) for job in jobs]
+        result.trained += [(episode(job), 0, 1.0) for job in jobs]
         await asyncio.sleep(setting.train_s)
-        pipeline.policy_version = step + 1
+        await pipeline.new_version(step + 1)
     result.wall_s, result.produced, result.runs = clock(), len(result.trained), pipeline.runs
     await pipeline.stop()
     return result
@@ -406,7 +367,7 @@ async def run_decoupled(clock: VirtualClock, stream: Stream, setting: Setting, m
     plugins = PluginSet.load(objects=[control, observer], entry_points=False)
     pipeline = SimulatedPipeline(plugins, stream, setting.slots)
     buffer = RecordingBuffer(clock=clock)
-    producer = Producer(pipeline, buffer)
+    producer = Producer(pipeline, buffer, coordination=pipeline.coordination)
     plugins.register(producer, name="decoupled-producer")
     producer.start()
     loader = asyncio.ensure_future(feed(producer, len(stream.durations), prompts_ahead(setting)))
@@ -420,7 +381,7 @@ async def run_decoupled(clock: VirtualClock, stream: Stream, setting: Setting, m
             for w in batch
         ]
         await asyncio.sleep(setting.train_s)
-        pipeline.policy_version = step + 1
+        await pipeline.new_version(step + 1)
         await producer.ack([w.id for w in batch])
     result.wall_s, result.runs = clock(), pipeline.runs
     kept = {i for i, _, _ in result.trained}
@@ -668,22 +629,13 @@ with zero staleness must behave like lock-step (the same busy fraction).\
 """
 
 
-class HeldJobs:
-    """A pipeline stand-in whose jobs never finish: what admission alone costs, with nothing else running."""
-
-    def __init__(self, plugins: PluginSet) -> None:
-        self.plugins, self.policy_version, self.jobs = plugins, 0, {}
-
-    def submit(self, request: JobRequest) -> tuple[SimJob, bool]:
-        job = self.jobs[request.job_id] = SimJob(request.job_id, request, len(self.jobs))
-        return job, True
-
-
 async def admission_cost(queued: int) -> float:
     """Real seconds per admission when `queued` prompts are handed over at once and every one is admitted
     (staleness off): what the Producer pays per admission while the queue and the in-flight set are that long."""
-    pipeline = HeldJobs(PluginSet.load(objects=[StalenessControl({"mode": "off"})], entry_points=False))
-    producer = Producer(pipeline, MemoryBuffer(), config=ProducerConfig(max_buffered=10 * queued))
+    # Its jobs never finish: what admission alone costs, with nothing else running.
+    pipeline = SimulatedRunner(PluginSet.load(objects=[StalenessControl({"mode": "off"})], entry_points=False))
+    config = ProducerConfig(max_buffered=10 * queued)
+    producer = Producer(pipeline, MemoryBuffer(), config=config, coordination=pipeline.coordination)
     await producer.enqueue(requests(0, queued))
     started = time.perf_counter()
     producer.start()

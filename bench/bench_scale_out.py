@@ -349,7 +349,7 @@ async def run_decoupled(url: str, requests: list[Any], concurrency: int, batch: 
             await client.ack([item.id for item in taken.items])
             for item in taken.items:
                 trajectory = item.trajectory
-                prompt = trajectory.labels.get("prorl_prompt", trajectory.job_id)
+                prompt = trajectory.retry_of or trajectory.job_id
                 result.latencies.append(now - queued.get(prompt, queued.get(trajectory.job_id, now)))
                 trajectories.append(trajectory)
                 _note(result, trajectory)
@@ -560,36 +560,17 @@ def admission_seconds(redis_url: str | None, n: int) -> float:
     return min(asyncio.run(_admission_once(redis_url, n, attempt)) for attempt in range(3))
 
 
-class _HeldJobs:
-    """A pipeline stand-in whose jobs never finish: what admission alone costs."""
-
-    def __init__(self, plugins: Any, n: int) -> None:
-        from prorl_adapter.service.pipeline import PipelineConfig
-
-        self.plugins, self.policy_version, self.jobs = plugins, 0, {}
-        self.llm = self  # the Producer asks a replica's LLM pool whether any server is healthy
-        # With shared state a replica admits only what its workers take: room for every prompt here.
-        self.config = PipelineConfig(max_init_workers=n, max_run_workers=n)
-
-    def any_healthy(self) -> bool:
-        return True
-
-    def submit(self, request: Any) -> tuple[Any, bool]:
-        from prorl_adapter.models import JobState
-
-        job = type("HeldJob", (), {"id": request.job_id, "state": JobState.running, "result": None})()
-        self.jobs[request.job_id] = job
-        return job, True
-
-
 async def _admission_once(redis_url: str | None, n: int, attempt: int) -> float:
     from prorl_adapter.hooks import PluginSet
     from prorl_adapter.service.decoupled import Producer, ProducerConfig
     from prorl_adapter.service.storage.memory_buffer import MemoryBuffer
+    from prorl_adapter.testing import SimulatedRunner
     from prorl_plugins.staleness import StalenessControl
 
     plugins = PluginSet.load(objects=[StalenessControl({"mode": "off"})], entry_points=False)
-    pipeline = _HeldJobs(plugins, n)
+    # Its jobs never finish: what admission alone costs. With shared state a replica admits only what its
+    # workers take: room for every prompt here.
+    pipeline = SimulatedRunner(plugins, workers=2 * n)
     config = ProducerConfig(max_buffered=10 * n)
     closers: list[Any] = []
     if redis_url is None:

@@ -62,7 +62,7 @@ from bench_decoupled import (
 
 from prorl_adapter.hooks import PluginSet
 from prorl_adapter.service.decoupled import Producer
-from prorl_adapter.service.storage.coordination import LocalCoordination
+from prorl_adapter.service.storage.coordination import MemoryCoordination
 from prorl_adapter.service.storage.prompts import MemoryPromptQueue
 from prorl_plugins.staleness import StalenessControl
 
@@ -108,7 +108,7 @@ class SerialServer:
             self.visits += 1
 
 
-class SerialAdmission(LocalCoordination):
+class SerialAdmission(MemoryCoordination):
     """The one-process coordination with its admission lock a `SerialServer` (its waits are counted)."""
 
     def __init__(self, server: SerialServer) -> None:
@@ -196,11 +196,12 @@ async def run_one(
     plugins = PluginSet.load(objects=[StalenessControl(section)], entry_points=False)
     if costs.latency_s:
         stream = Stream([d + costs.latency_s for d in stream.durations], stream.tail_threshold + costs.latency_s)
-    pipeline = SimulatedPipeline(plugins, stream, setting.slots)
     lock, redis = SerialServer(clock), SerialServer(clock)
+    admission = SerialAdmission(lock)
+    pipeline = SimulatedPipeline(plugins, stream, setting.slots, admission)
     buffer = CoordinatedBuffer(redis, costs.redis_s, clock=clock)
     prompts = SlowPrompts(lock, costs.lock_s)
-    producer = Producer(pipeline, buffer, prompts=prompts, coordination=SerialAdmission(lock))
+    producer = Producer(pipeline, buffer, prompts=prompts, coordination=admission)
     plugins.register(producer, name="decoupled-producer")
     producer.start()
     loader = asyncio.ensure_future(feed(producer, len(stream.durations), prompts_ahead(setting)))
@@ -211,7 +212,7 @@ async def run_one(
             batch += await producer.take_batch(setting.batch - len(batch), timeout=None)
         result.trained += sum(1 for item in batch if item.weight.sample > 0)
         await asyncio.sleep(setting.train_s)
-        pipeline.policy_version = step + 1
+        await pipeline.new_version(step + 1)
         await producer.ack([item.id for item in batch])
     result.wall_s = clock()
     result.produced = (await producer.snapshot()).produced

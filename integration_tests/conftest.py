@@ -43,7 +43,7 @@ VLLM_SKIP = (
 
 
 @dataclass
-class RuntimeServer:
+class RunningRuntime:
     service: Service
     state_dir: Path
     backend: str
@@ -100,18 +100,18 @@ def start_server(
     *extra: str,
     port: int | None = None,
     pass_fds: tuple[int, ...] = (),
-) -> RuntimeServer:
+) -> RunningRuntime:
     """A runtime as root runs it here (or as the tests' user); `pass_fds`: descriptors it inherits."""
     state_dir = reachable(state_dir)
     args = ["--token", token] if token else []
     service = localstack.start_sandbox_runtime(state_dir, backend, *args, *extra, port=port, pass_fds=pass_fds)
-    return RuntimeServer(service, state_dir, backend, token)
+    return RunningRuntime(service, state_dir, backend, token)
 
 
 NOBODY = 65534
 
 
-def start_unprivileged_server(state: Path, backend: str, *extra: str, pass_fds: tuple[int, ...] = ()) -> RuntimeServer:
+def start_unprivileged_server(state: Path, backend: str, *extra: str, pass_fds: tuple[int, ...] = ()) -> RunningRuntime:
     """The runtime as an unprivileged user runs it: nobody, when the tests run as root (as CI does). `state`
     is created and given to that user; the same path again is the same state dir (a restart). `pass_fds`:
     descriptors it inherits."""
@@ -127,15 +127,15 @@ def start_unprivileged_server(state: Path, backend: str, *extra: str, pass_fds: 
     argv = [*prefix, *localstack.runtime_argv(state)]
     argv += ["--backend", backend, "--log-level", "WARNING", *extra]
     service = localstack.start_service("unprivileged sandbox runtime", argv, "/healthz", 30, pass_fds=pass_fds)
-    return RuntimeServer(service, state, backend, None, unprivileged=True)
+    return RunningRuntime(service, state, backend, None, unprivileged=True)
 
 
-def stop_server(server: RuntimeServer) -> None:
+def stop_server(server: RunningRuntime) -> None:
     server.service.stop()
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def runtime(request, tmp_path_factory) -> Iterator[RuntimeServer]:
+def runtime(request, tmp_path_factory) -> Iterator[RunningRuntime]:
     """One server per backend available on this machine; the behavioural suite runs against each (and the
     session suite also against SESSION_VARIANTS)."""
     backend = request.param
@@ -157,7 +157,7 @@ def runtime(request, tmp_path_factory) -> Iterator[RuntimeServer]:
     stop_server(server)
 
 
-def standin_runtime(tmp_path_factory) -> Iterator[RuntimeServer]:
+def standin_runtime(tmp_path_factory) -> Iterator[RunningRuntime]:
     """The apptainer backend, unprivileged, driving tests/standins/apptainer; its image is the lead's Debian root
     directory where built (scripts/test-images.sh), else a small one made of this host's programs."""
     if python_for_user() is None:
@@ -171,18 +171,18 @@ def standin_runtime(tmp_path_factory) -> Iterator[RuntimeServer]:
         make_rootfs(images / image)
     tools = reachable(tmp_path_factory.mktemp("standin-bin"))
     standin = start_standin_server(standin_bin(tools / "bin"), [images])
-    yield RuntimeServer(standin.service, standin.state, "apptainer", None, unprivileged=True, image_name=image)
+    yield RunningRuntime(standin.service, standin.state, "apptainer", None, unprivileged=True, image_name=image)
     standin.stop()
 
 
-def image_server(kind: str, state: Path, image_dir: Path) -> Iterator[RuntimeServer]:
+def image_server(kind: str, state: Path, image_dir: Path) -> Iterator[RunningRuntime]:
     """A runtime server on `image_dir`, as deployed: `root` (bwrap, as CI runs it), `unprivileged` (bwrap, run
     by nobody) or `apptainer` (the stand-in, unprivileged). For a module fixture: `yield from image_server(...)`."""
     if kind == "apptainer":
         if python_for_user() is None:
             pytest.skip("no Python that the unprivileged user nobody can run with this checkout importable")
         standin = start_standin_server(standin_bin(reachable(state) / "bin"), [image_dir])
-        yield RuntimeServer(standin.service, standin.state, "apptainer", None, unprivileged=True)
+        yield RunningRuntime(standin.service, standin.state, "apptainer", None, unprivileged=True)
         standin.stop()
         return
     if kind == "root":
@@ -195,13 +195,13 @@ def image_server(kind: str, state: Path, image_dir: Path) -> Iterator[RuntimeSer
 
 @pytest.fixture
 async def client(server) -> AsyncIterator[SandboxClient]:
-    """A client of the module's `server` fixture, a RuntimeServer (a module may define its own)."""
+    """A client of the module's `server` fixture, a RunningRuntime (a module may define its own)."""
     async with server.client() as client:
         yield client
 
 
 @pytest.fixture(scope="module")
-def bwrap_runtime(tmp_path_factory) -> Iterator[RuntimeServer]:
+def bwrap_runtime(tmp_path_factory) -> Iterator[RunningRuntime]:
     if BACKEND_SKIPS["bwrap"]:
         pytest.skip(BACKEND_SKIPS["bwrap"])
     server = start_server(tmp_path_factory.mktemp("state-bwrap-only"), "bwrap", None, "--max-sandboxes", "300")
@@ -210,7 +210,7 @@ def bwrap_runtime(tmp_path_factory) -> Iterator[RuntimeServer]:
 
 
 @pytest.fixture(scope="module")
-def sandbox_server(tmp_path_factory) -> Iterator[RuntimeServer]:
+def sandbox_server(tmp_path_factory) -> Iterator[RunningRuntime]:
     """A bwrap sandbox runtime for the rollout service's tests (one per test module), which shows its sandboxes
     the agent programs' environment where it has been made (localstack.AGENT_ENV)."""
     if BACKEND_SKIPS["bwrap"]:

@@ -40,7 +40,7 @@ from prorl_adapter.service.gateway import GATEWAY_API
 from prorl_adapter.service.server import ROLLOUT_API
 from sandbox_runtime.server import RUNTIME_API
 
-from .conftest import BACKEND_SKIPS, RuntimeServer, start_rollout, start_server, stop_server
+from .conftest import BACKEND_SKIPS, RunningRuntime, start_rollout, start_server, stop_server
 
 EXAMPLES = int(os.environ.get("PRORL_FUZZ_EXAMPLES", "10"))
 RUNTIME_TOKEN, ROLLOUT_TOKEN = "fuzz-runtime-token", "fuzz-rollout-token"
@@ -184,7 +184,7 @@ def state_processes(state_dir: Path, server_pid: int) -> list[int]:
     return found
 
 
-def delete_all_and_check_nothing_is_left(runtime: RuntimeServer) -> None:
+def delete_all_and_check_nothing_is_left(runtime: RunningRuntime) -> None:
     headers = {"Authorization": f"Bearer {RUNTIME_TOKEN}"}
     listed = requests.get(f"{runtime.url}/v1/sandboxes", headers=headers, timeout=30).json()["sandboxes"]
     for box in listed:
@@ -196,7 +196,7 @@ def delete_all_and_check_nothing_is_left(runtime: RuntimeServer) -> None:
 
 # -- the sandbox runtime --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def fuzzed_runtime(tmp_path_factory) -> Iterator[RuntimeServer]:
+def fuzzed_runtime(tmp_path_factory) -> Iterator[RunningRuntime]:
     server = start_server(tmp_path_factory.mktemp("fuzz-runtime"), "bwrap", RUNTIME_TOKEN, "--max-sandboxes", "64")
     yield server
     stop_server(server)
@@ -228,7 +228,7 @@ def test_the_runtime_leaves_nothing_behind(fuzzed_runtime):
 
 # -- the rollout service --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def rollout_runtime(tmp_path_factory) -> Iterator[RuntimeServer]:
+def rollout_runtime(tmp_path_factory) -> Iterator[RunningRuntime]:
     server = start_server(tmp_path_factory.mktemp("fuzz-rollout-sandboxes"), "bwrap", RUNTIME_TOKEN)
     yield server
     stop_server(server)

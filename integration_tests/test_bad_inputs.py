@@ -17,7 +17,7 @@ from prorl_adapter.dev.localstack import free_port
 from prorl_adapter.trainer.samples import trajectory_from_tensors
 from tests.test_bad_inputs import HOST_PATH, MINIMUMS, ORDINARY, SPEC_MISTAKES, processes_naming
 
-from .conftest import BACKEND_SKIPS, RuntimeServer, start_server, start_unprivileged_server, stop_server
+from .conftest import BACKEND_SKIPS, RunningRuntime, start_server, start_unprivileged_server, stop_server
 from .redis_server import REDIS_SKIP, RedisServer
 
 # A tree deeper than Python's recursion limit, and corners the agent locked: unreadable, unwritable, and not
@@ -28,14 +28,14 @@ DEEP_AND_LOCKED = (
 )
 
 
-def assert_nothing_left(server: RuntimeServer) -> None:
+def assert_nothing_left(server: RunningRuntime) -> None:
     assert httpx.get(f"{server.url}/v1/sandboxes").json()["sandboxes"] == []
     assert list((server.state_dir / "sandboxes").iterdir()) == []
     assert set(processes_naming(server.state_dir)) == {server.process.pid}  # the server itself: --state-dir
 
 
 @pytest.fixture(scope="module", params=["root", "unprivileged"])
-def server(request, tmp_path_factory) -> Iterator[RuntimeServer]:
+def server(request, tmp_path_factory) -> Iterator[RunningRuntime]:
     """The runtime with bwrap, run by root (as CI runs it) and by an unprivileged user (nobody, under root)."""
     if BACKEND_SKIPS["bwrap"]:
         pytest.skip(BACKEND_SKIPS["bwrap"])

@@ -1,13 +1,13 @@
 """The replicas' shared state on a real Redis: a dead replica is handed to exactly one survivor, the policy version
 is one for all and reaches every replica, admission is one replica at a time, jobs and prompts of a dead replica
-come back, and the runtimes heard by one replica are seen by all."""
+come back, and the runtimes heard by one replica are seen by all. What one replica alone sees (of the coordination
+and the prompt queue) is the contract suites', run over Redis and memory: tests/storage/."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -116,7 +116,7 @@ async def test_the_policy_version_is_shared_and_every_replica_hears_of_a_change(
         assert await a.set_policy_version(4, raise_only=False) == 4
         await until(lambda: 4 in heard)
         assert await b.policy_version() == 4
-        assert await b.set_policy_version(2, raise_only=True) == 4  # raise only: kept
+        assert await b.set_policy_version(2, raise_only=True) == 4  # raise only, at another replica: kept
         assert await b.set_policy_version(1, raise_only=False) == 1
         assert await a.policy_version() == 1
     finally:
@@ -235,14 +235,12 @@ async def test_a_replica_taken_for_dead_learns_it_from_its_next_beat_and_a_cut_o
         await survivor.close()
 
 
-async def test_a_prompt_pushed_twice_counts_once_and_only_its_owner_ends_its_run(redis):
+async def test_only_the_replica_running_a_prompt_ends_its_run(redis):
     first = RedisPromptQueue(redis.url, "first", prefix="tq")
     other = RedisPromptQueue(redis.url, "other", prefix="tq")
     try:
-        await first.push([JobRequest(task="t", job_id="p"), JobRequest(task="t", job_id="p")])
+        await first.push([JobRequest(task="t", job_id="p")])
         await first.pop(1)
-        await first.pop(2)  # the same prompt again (a push retried): one run, counted once
-        assert await first.running_versions() == {1: 1}
         await other.done("p")  # not its run: nothing changes
         assert await first.running_versions() == {1: 1}
         await first.done("p")
@@ -250,13 +248,6 @@ async def test_a_prompt_pushed_twice_counts_once_and_only_its_owner_ends_its_run
     finally:
         await first.close()
         await other.close()
-
-
-class ReplicaEpisodes(Episodes):
-    """The stand-in pipeline of tests/test_producer.py as a replica's Producer sees it: 4 workers, an LLM server."""
-
-    config = SimpleNamespace(max_init_workers=2, max_run_workers=2)
-    llm = SimpleNamespace(any_healthy=lambda: True)
 
 
 async def test_prompts_added_through_one_replica_are_admitted_by_the_others_at_once(redis, monkeypatch):
@@ -270,9 +261,9 @@ async def test_prompts_added_through_one_replica_are_admitted_by_the_others_at_o
         coordination = RedisCoordination(redis.url, name, prefix="tw")
         await coordination.start()
         plugins = PluginSet.load(entry_points=False)
-        episodes.append(ReplicaEpisodes(plugins))
+        episodes.append(Episodes(plugins, workers=4, coordination=coordination))
         buffer, prompts = RedisBuffer(redis.url, prefix="tw:buffer"), RedisPromptQueue(redis.url, name, prefix="tw")
-        producer = Producer(episodes[-1], buffer, prompts, coordination=coordination)  # type: ignore[arg-type]
+        producer = Producer(episodes[-1], buffer, prompts, coordination=coordination)
         plugins.register(producer, name="decoupled-producer")
         producer.start()
         replicas.append(producer)

@@ -87,6 +87,9 @@ async def test_decoupled_api_rejects_bad_input(vllm, sandbox_server, tmp_path):
                 await client._call("POST", "/v1/batches", json={"size": 0})
             assert bad_size.value.status == 400 and "size" in bad_size.value.message
             assert (await client.take_batch(1, timeout=0)).items == []
-            assert await client.ack(["no-such-entry"]) == 0
+            assert await client.ack(["m12345"]) == 0  # of the buffer's form, never handed out: nothing to do
+            with pytest.raises(RolloutAPIError) as malformed:  # of no form it hands out: the client's mistake
+                await client.ack(["no-such-entry"])
+            assert malformed.value.status == 400 and "not an entry id of this buffer" in malformed.value.message
     finally:
         rollout.stop()

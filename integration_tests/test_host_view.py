@@ -18,7 +18,7 @@ import pytest
 from prorl_adapter.dev.localstack import REPO
 from sandbox_runtime.host_view import ETC_FROM_HOST, MERGED_USR
 
-from .conftest import BACKEND_SKIPS, RuntimeServer, stop_server
+from .conftest import BACKEND_SKIPS, RunningRuntime, stop_server
 from .test_security import DEPLOYMENTS, start_deployment
 
 pytestmark = pytest.mark.skipif(bool(BACKEND_SKIPS["bwrap"]), reason=str(BACKEND_SKIPS["bwrap"]))
@@ -49,7 +49,7 @@ class Deployment:
         self.secret.chmod(0o600)  # the sandbox could not open it by name; only the descriptor would give it away
         self.fd = os.open(self.secret, os.O_RDONLY)  # not inheritable (PEP 446) until pass_fds makes it so
         try:
-            self.runtime: RuntimeServer = start_deployment(
+            self.runtime: RunningRuntime = start_deployment(
                 kind, state, "bwrap", "--host-path", str(self.named), pass_fds=(self.fd,)
             )
         except BaseException:

@@ -1,4 +1,5 @@
-"""RedisPromptQueue against a real redis-server: what a restarted service finds, and a Redis that dies."""
+"""RedisPromptQueue against a real redis-server: what a restarted service finds, and a Redis that dies. What every
+prompt queue promises is the contract suite's, run over this one too: tests/storage/test_prompt_queue_contract.py."""
 
 from __future__ import annotations
 

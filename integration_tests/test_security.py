@@ -22,7 +22,7 @@ from sandbox_runtime.client import SandboxAPIError
 from . import scripted_llm
 from .conftest import (
     BACKEND_SKIPS,
-    RuntimeServer,
+    RunningRuntime,
     reachable,
     start_rollout,
     start_server,
@@ -39,7 +39,7 @@ DEPLOYMENTS = ["root", "unprivileged"]
 
 def start_deployment(
     deployment: str, state: Path, backend: str, *extra: str, pass_fds: tuple[int, ...] = ()
-) -> RuntimeServer:
+) -> RunningRuntime:
     if deployment == "unprivileged":
         return start_unprivileged_server(state, backend, *extra, pass_fds=pass_fds)
     if os.geteuid() != 0:

@@ -238,7 +238,7 @@ def test_wrong_plugin_lines_fail_with_what_to_fix(ray_cluster, rollout, replica_
     config = compose_verl_config(bad_url)
     manager = AgentLoopManager.create(config=config, llm_client=verl_llm_client(config, replica_address))
     try:
-        with pytest.raises(Exception, match=r"prorl.service_url='127.0.0.1:80' is not an http\(s\) URL"):
+        with pytest.raises(Exception, match=r"prorl.service_url: '127.0.0.1:80' is not an http\(s\) URL"):
             manager.generate_sequences(rows(1, 2))
         misspelt = rows(1, 2)  # a row's agent_name is looked up as default_agent_loop is
         misspelt.non_tensor_batch["agent_name"] = np.array(["prorl_agnet"] * 2, dtype=object)

@@ -54,6 +54,23 @@ class AdmissionState:
         return min([self.current_version, *self.in_flight, *self.buffered])
 
 
+def _from_earlier_labels(data: Any, group: bool) -> Any:
+    """A job request or trajectory as an earlier version of the service wrote it (Redis outlives an upgrade) kept
+    the service's metadata in labels: a retried prompt's run (`prorl_attempt`, `prorl_prompt`) and, in a
+    trajectory, the GRPO group (`group`). Read back, it gets the typed fields; the labels stay as they were. Only
+    where the field itself is absent: this version always writes it, so a label of a client's own is never read
+    as one."""
+    if not isinstance(data, dict) or not isinstance(labels := data.get("labels"), dict):
+        return data
+    update: dict[str, Any] = {}
+    if group and "group" not in data and isinstance(labels.get("group"), str):
+        update["group"] = labels["group"]
+    if "attempt" not in data and str(labels.get("prorl_attempt", "")).isdigit():
+        update["attempt"] = int(labels["prorl_attempt"])
+        update["retry_of"] = labels.get("prorl_prompt")
+    return {**data, **update} if update else data
+
+
 class _Strict(BaseModel):
     # Unknown fields and values of the wrong JSON type (`"5"` for a number) are a client's mistakes: a 400.
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -126,18 +143,41 @@ class JobRequest(_Strict):
     max_turns: int = Field(8, gt=0, le=1000)
     max_context_tokens: int = Field(4096, gt=0)
     timeout_s: float | None = Field(None, gt=0, description="budget for init + run + eval; queueing not counted")
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="the client's own tags, carried to the trajectory; the service reads none"
+    )
+    group: str | None = Field(
+        None,
+        max_length=256,
+        description="the GRPO group: episodes of one prompt, which the trainer compares with each other (default: "
+        "for num_samples > 1 the submission's job id, else the task and instance)",
+    )
+    attempt: int = Field(
+        1,
+        ge=1,
+        le=1000,
+        description="which run of its prompt this is: decoupled mode runs a prompt whose episode failed for the "
+        "infrastructure again, under a job id of its own (`retry_of`); set by the service",
+    )
+    retry_of: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.:-]{1,128}$", description="the job id of the prompt's first run (attempt > 1)"
+    )
     agent: AgentProgram | None = Field(
         None, description="run this program through the LLM gateway instead of the built-in agent loop"
     )
     num_samples: int = Field(
-        1, ge=1, le=256, description="episodes of this instance, one GRPO group (their `group` label is shared)"
+        1, ge=1, le=256, description="episodes of this instance, one GRPO group (their `group` is shared)"
     )
     action_format: ActionFormatName | None = Field(
         None,
         description="how the built-in loop reads the policy's actions: hermes <tool_call> JSON, or the last fenced "
         "code block of a turn (```bash, ```python, ```finish); default: the task's (hermes for the built-in tasks)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _earlier(cls, data: Any) -> Any:
+        return _from_earlier_labels(data, group=False)  # a client's label named group is its own
 
     @model_validator(mode="after")
     def _sample_ids_fit(self) -> JobRequest:
@@ -147,20 +187,19 @@ class JobRequest(_Strict):
 
     def samples(self) -> list[JobRequest]:
         """The episodes this request asks for: itself, or `num_samples` copies of one GRPO group. A copy's job id
-        is the request's with `.i` appended (so a retried submission is idempotent), its `group` label the
-        request's own or the submission's id, and a given seed is varied per copy (the same seed would sample
-        the same episode n times)."""
+        is the request's with `.i` appended (so a retried submission is idempotent), its `group` the request's
+        own or the submission's id, and a given seed is varied per copy (the same seed would sample the same
+        episode n times)."""
         if self.num_samples == 1:
             return [self]
         base = self.job_id or uuid.uuid4().hex
-        labels = {**self.labels, GROUP_LABEL: self.labels.get(GROUP_LABEL, base)}
         copies = []
         for i in range(self.num_samples):
             seed = None if self.sampling.seed is None else self.sampling.seed + i
             update = {
                 "job_id": f"{base}.{i}" if self.job_id else None,
                 "num_samples": 1,
-                "labels": labels,
+                "group": self.group or base,
                 "sampling": self.sampling.model_copy(update={"seed": seed}),
             }
             copies.append(self.model_copy(update=update))
@@ -266,13 +305,21 @@ class Trajectory(BaseModel):
     timings: StageTimings
     error: JobError | None = None
     filter: bool = Field(False, description="True when the trainer should drop this sample (an infra failure)")
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict, description="the request's own tags")
+    group: str | None = Field(None, description="the request's GRPO group, if it named one (BatchItem.group)")
+    attempt: int = Field(1, description="which run of its prompt this episode was (decoupled mode's retries)")
+    retry_of: str | None = Field(None, description="the job id of its prompt's first run, for attempt > 1")
     artifacts: dict[str, str] = Field(
         default_factory=dict, description="what the task's eval produced besides the reward (swe: git_patch)"
     )
     segments: list[Segment] = Field(
         default_factory=list, description="the episode's further token sequences, after the first (agent programs)"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _earlier(cls, data: Any) -> Any:
+        return _from_earlier_labels(data, group=True)  # there, the group label was always the service's
 
     def all_segments(self) -> list[Segment]:
         """Every token sequence of the episode, the trajectory's own first."""
@@ -388,9 +435,6 @@ class AckRequest(_Strict):
     ids: list[str] = Field(min_length=1)
 
 
-GROUP_LABEL = "group"  # JobRequest.labels[GROUP_LABEL]: the samples of one prompt, which GRPO compares
-
-
 class BatchItem(BaseModel):
     """One weighed trajectory as a trainer consumes it: from the service's buffer (`id` is the entry to
     acknowledge, `deliveries` counts deliveries) or from a coupled run (`id` is the job id). What a trainer
@@ -404,9 +448,9 @@ class BatchItem(BaseModel):
 
     @property
     def group(self) -> str:
-        """GRPO compares the samples of one prompt: the `group` label a backend set, else the task instance."""
+        """GRPO compares the samples of one prompt: the request's `group`, else the task instance."""
         t = self.trajectory
-        return t.labels.get(GROUP_LABEL) or f"{t.task}:{t.instance_id or t.job_id}"
+        return t.group or f"{t.task}:{t.instance_id or t.job_id}"
 
     @property
     def trainable(self) -> bool:

@@ -9,7 +9,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from sandbox_runtime.client import SandboxClient
 from sandbox_runtime.models import ExecResult, RunResult
@@ -18,9 +18,55 @@ from server_kit.errors import ProrlError
 from .models import ActionFormatName
 
 
+@runtime_checkable
+class SandboxHandle(Protocol):
+    """An episode's sandbox, as task handlers and tools see it: what a task's init, tools and eval may do.
+
+    `Environment` is the service's: the sandbox runtime's API over HTTP. `prorl_adapter.testing.ScriptedSandbox`
+    answers in-process from a script of the test's own, so that a task's logic is tested without any server.
+    A failed call raises `sandbox_runtime.client.SandboxAPIError` (404 for a file that is not there).
+    """
+
+    workdir: str  # the agent's working directory (the workspace)
+
+    def for_task(self) -> SandboxHandle:
+        """The same sandbox, with commands in a shell session of the handler's own (set-up never moves the
+        agent's shell)."""
+        ...
+
+    async def exec(self, command: str, timeout: float = 30.0, max_output_bytes: int | None = None) -> ExecResult:
+        """A command in the session's persistent shell (the agent's tools)."""
+        ...
+
+    async def run(
+        self,
+        *,
+        argv: list[str] | None = None,
+        script: str | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float = 60.0,
+        max_output_bytes: int | None = None,
+    ) -> RunResult:
+        """A one-shot run (give `argv` or a bash `script`), its exit status from the kernel: what eval uses."""
+        ...
+
+    async def end_processes(self) -> list[str]: ...
+
+    async def wipe(self) -> None: ...
+
+    async def download_archive(self, path: str) -> bytes: ...
+
+    async def upload_archive(self, path: str, archive: bytes) -> int: ...
+
+    async def write_file(self, path: str, data: str | bytes) -> None: ...
+
+    async def read_file(self, path: str) -> bytes: ...
+
+
 @dataclass(frozen=True)
 class Environment:
-    """An episode's sandbox, as handlers and tools see it.
+    """An episode's sandbox on a sandbox runtime (a `SandboxHandle` over the runtime's HTTP API).
 
     The agent's tools run in the shell session "default"; a handler's init gets `for_task()`, whose commands
     run in a session of their own, so a `cd` in set-up never moves the agent's shell.
@@ -101,7 +147,7 @@ class EpisodeState:
     artifacts: dict[str, str] = field(default_factory=dict)
 
 
-ToolFn = Callable[[Environment, dict[str, Any], EpisodeState], Awaitable[str]]
+ToolFn = Callable[[SandboxHandle, dict[str, Any], EpisodeState], Awaitable[str]]
 
 
 @dataclass(frozen=True)
@@ -135,7 +181,7 @@ def format_result(result: ExecResult) -> str:
 
 
 def bash_tool(timeout: float) -> Tool:
-    async def run(env: Environment, args: dict[str, Any], state: EpisodeState) -> str:
+    async def run(env: SandboxHandle, args: dict[str, Any], state: EpisodeState) -> str:
         command = str(args.get("command", ""))
         if not command.strip():
             return 'error: the bash tool needs a non-empty "command"'
@@ -148,7 +194,7 @@ def bash_tool(timeout: float) -> Tool:
 
 
 def python_tool(timeout: float) -> Tool:
-    async def run(env: Environment, args: dict[str, Any], state: EpisodeState) -> str:
+    async def run(env: SandboxHandle, args: dict[str, Any], state: EpisodeState) -> str:
         code = str(args.get("code", ""))
         path = f"/tmp/snippet_{uuid.uuid4().hex[:8]}.py"
         await env.write_file(path, code)
@@ -198,12 +244,12 @@ class TaskHandler(ABC):
     @abstractmethod
     def user_prompt(self, instance: dict[str, Any]) -> str: ...
 
-    async def init(self, env: Environment, instance: dict[str, Any]) -> None:
+    async def init(self, env: SandboxHandle, instance: dict[str, Any]) -> None:
         """Prepare the sandbox for the episode (files, repositories). Runs in the init stage."""
         return None
 
     @abstractmethod
-    async def evaluate(self, env: Environment, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
+    async def evaluate(self, env: SandboxHandle, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
         """Score the episode: reward components as signed contributions to the reward, at least "outcome"
         (the task's own reward). With no reward plugin, the reward is their sum.
 

@@ -24,7 +24,7 @@ its weight is applied in `prorl_combine_reward`, which this plugin owns once con
 
 With no `reward` section the plugin is inert: both hooks return None (no components, default combination).
 A wrong section raises `PluginConfigError` at start-up naming the key, e.g.
-`reward_shaping: reward.weights.concison: unknown component; known: outcome, safety, ...`.
+`reward_shaping: reward.weights.safety: Input should be greater than or equal to 0`.
 """
 
 from __future__ import annotations
@@ -34,19 +34,28 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictStr,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from prorl_adapter.hooks import PluginConfigError, hookimpl
 from prorl_adapter.hooks.manager import PluginLoadError, import_object
 from prorl_adapter.models import Trajectory
+from server_kit.openapi import describe_validation
 
 PLUGIN = "reward_shaping"
 SECTION = "reward"
-COMPONENTS = ("outcome", "safety", "concision", "format", "step_cost", "user")
-PENALTIES = ("safety", "concision", "format", "step_cost")  # weights must be >= 0: the plugin applies the sign
-SECTION_KEYS: Mapping[str, tuple[str, ...]] = MappingProxyType(
-    {"weights": (), "safety": ("patterns",), "concision": ("budget_tokens",), "user": ("function",)}
-)
 # The argument of each tool call that is screened by the safety patterns.
 SCREENED_ARGUMENTS: Mapping[str, str] = MappingProxyType({"bash": "command", "python": "code"})
 
@@ -99,8 +108,8 @@ DEFAULT_SAFETY_PATTERNS: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """The parsed `reward` section. `weights` holds every component with a non-zero weight, `outcome` included
-    (1.0 unless configured otherwise)."""
+    """What the hooks read, derived from the validated `reward` section (`parse_config`). `weights` holds every
+    component with a non-zero weight, `outcome` included (1.0 unless configured otherwise)."""
 
     weights: Mapping[str, float]
     safety_patterns: tuple[re.Pattern[str], ...] = ()
@@ -203,116 +212,109 @@ def combine(components: Mapping[str, float], outcome_weight: float) -> float:
 
 
 # -- the configuration ------------------------------------------------------------------------------------
-def _error(key: str, message: str) -> PluginConfigError:
-    return PluginConfigError(f"{PLUGIN}: {key}: {message}")
+# A weight is a finite number given as one (`"0.1"` or `true` is a mistake); a penalty's weight is a magnitude,
+# the plugin applies the sign.
+Weight = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+Penalty = Annotated[Weight, Field(ge=0)]
 
 
-def _mapping(value: Any, key: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise _error(key, f"expected a mapping, got {type(value).__name__} {value!r}")
-    return value
+class _Settings(BaseModel):
+    # An unknown key is a typo. Any mapping may hold the settings (an OmegaConf node among them).
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def _check_keys(section: Mapping[str, Any], key: str, known: Iterable[str], what: str = "key") -> None:
-    known = tuple(known)
-    for name in section:
-        if name not in known:
-            raise _error(f"{key}.{name}", f"unknown {what}; known: {', '.join(known)}")
+class Weights(_Settings):
+    """A weight per component. One left out weighs 0 (off), but for the task's outcome, which counts as is."""
+
+    outcome: Weight = 1.0
+    safety: Penalty = 0.0
+    concision: Penalty = 0.0
+    format: Penalty = 0.0
+    step_cost: Penalty = 0.0
+    user: Weight = 0.0
 
 
-def _weight(value: Any, key: str, penalty: bool) -> float:
-    if value is None:
-        raise _error(key, "missing weight (a number; 0 disables the component)")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _error(key, f"expected a number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value):
-        raise _error(key, f"expected a finite number, got {value!r}")
-    if penalty and value < 0:
-        raise _error(key, f"expected a number >= 0 (the penalty's sign is applied by the plugin), got {value!r}")
-    return float(value)
+COMPONENTS: tuple[str, ...] = tuple(Weights.model_fields)
 
 
-def _patterns(value: Any, key: str) -> tuple[re.Pattern[str], ...]:
-    if isinstance(value, str) or not isinstance(value, (list, tuple)):
-        raise _error(key, f"expected a list of regular expressions, got {type(value).__name__} {value!r}")
-    if not value:
-        raise _error(key, "empty; give at least one regular expression, or leave it out for the built-in list")
-    compiled = []
-    for index, pattern in enumerate(value):
-        if not isinstance(pattern, str):
-            raise _error(f"{key}[{index}]", f"expected a regular expression string, got {pattern!r}")
-        try:
-            compiled.append(re.compile(pattern))
-        except re.error as exc:
-            raise _error(f"{key}[{index}]", f"bad regular expression {pattern!r}: {exc}") from exc
-    return tuple(compiled)
-
-
-def _budget(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _error(key, f"expected an integer >= 0 (policy tokens), got {value!r}")
-    return value
-
-
-def _function(value: Any, key: str) -> Callable[[Trajectory, dict[str, Any]], Any]:
-    if not isinstance(value, str) or ":" not in value:
-        raise _error(key, f"expected an import path 'package.module:function', got {value!r}")
+def _compiled(pattern: Any) -> Any:
+    """A pattern given as a string, compiled here so that a bad one is told with re's reason (pydantic's own
+    check says only that it is not a valid regular expression); anything else is left to pydantic."""
+    if not isinstance(pattern, str):
+        return pattern
     try:
-        function = import_object(value)
+        return re.compile(pattern)
+    except re.error as exc:
+        raise PydanticCustomError("regex", f"bad regular expression {pattern!r}: {exc}") from None
+
+
+class Safety(_Settings):
+    patterns: tuple[Annotated[re.Pattern[str], BeforeValidator(_compiled)], ...] = Field(
+        DEFAULT_SAFETY_PATTERNS, min_length=1, validate_default=True
+    )
+
+
+class Concision(_Settings):
+    budget_tokens: int | None = Field(None, ge=0, strict=True, description="policy tokens")
+
+
+def _importable(path: str) -> str:
+    """`path` once it names a function, 'package.module:function'. Imported when validated, even with a zero
+    weight: a bad path fails at start-up, not once it is weighted."""
+    if ":" not in path:
+        raise PydanticCustomError("import_path", f"expected an import path 'package.module:function', got {path!r}")
+    try:
+        function = import_object(path)
     except PluginLoadError as exc:
-        raise _error(key, str(exc)) from exc
+        raise PydanticCustomError("import_path", str(exc)) from None
     if not callable(function):
-        raise _error(key, f"{value!r} is {type(function).__name__} {function!r}, not a function")
-    return function
+        raise PydanticCustomError("import_path", f"{path!r} is {type(function).__name__} {function!r}, not a function")
+    return path
+
+
+class User(_Settings):
+    function: Annotated[StrictStr, AfterValidator(_importable)] | None = None
+
+
+class RewardSection(_Settings):
+    """The `reward` section as written; `parse_config` derives the `RewardConfig` the hooks read from it."""
+
+    weights: Weights
+    safety: Safety = Safety()
+    concision: Concision = Concision()
+    user: User = User()
+
+    @model_validator(mode="after")
+    def _settings_go_with_weights(self) -> RewardSection:
+        for name in ("safety", "concision", "user"):
+            if name in self.model_fields_set and name not in self.weights.model_fields_set:
+                raise PydanticCustomError("unweighted", f"{name} is configured: give weights.{name} too")
+        if self.weights.concision and self.concision.budget_tokens is None:
+            raise PydanticCustomError(
+                "required", "concision.budget_tokens is required when weights.concision is non-zero"
+            )
+        if self.weights.user and self.user.function is None:
+            raise PydanticCustomError("required", "user.function is required when weights.user is non-zero")
+        return self
+
+
+_SECTION_TYPE = dict[str, RewardSection]
+_SECTION = TypeAdapter(_SECTION_TYPE)
 
 
 def parse_config(section: Any) -> RewardConfig:
-    """Validate the `reward` section; raises `PluginConfigError` naming the first bad key."""
-    section = _mapping(section, SECTION)
-    _check_keys(section, SECTION, SECTION_KEYS)
-    if "weights" not in section:
-        raise _error(f"{SECTION}.weights", f"missing; a mapping of component to weight; known: {', '.join(COMPONENTS)}")
-    raw_weights = _mapping(section["weights"], f"{SECTION}.weights")
-    _check_keys(raw_weights, f"{SECTION}.weights", COMPONENTS, "component")
-    weights = {"outcome": 1.0}  # the task's outcome counts as is unless weighted otherwise
-    for name, value in raw_weights.items():
-        weights[name] = _weight(value, f"{SECTION}.weights.{name}", name in PENALTIES)
-    for name in ("safety", "concision", "user"):  # a configured component needs a weight
-        if name in section and name not in raw_weights:
-            raise _error(f"{SECTION}.weights.{name}", f"missing weight; {SECTION}.{name} is configured")
-
-    settings = {}
-    for name in ("safety", "concision", "user"):
-        settings[name] = _mapping(section.get(name, {}), f"{SECTION}.{name}")
-        _check_keys(settings[name], f"{SECTION}.{name}", SECTION_KEYS[name])
-
-    patterns_key = f"{SECTION}.safety.patterns"
-    if "patterns" in settings["safety"]:
-        safety_patterns = _patterns(settings["safety"]["patterns"], patterns_key)
-    else:
-        safety_patterns = _patterns(list(DEFAULT_SAFETY_PATTERNS), patterns_key)
-
-    budget_key = f"{SECTION}.concision.budget_tokens"
-    budget_tokens = 0
-    if "budget_tokens" in settings["concision"]:
-        budget_tokens = _budget(settings["concision"]["budget_tokens"], budget_key)
-    elif weights.get("concision"):
-        raise _error(budget_key, f"missing; required when {SECTION}.weights.concision is non-zero")
-
-    function_key = f"{SECTION}.user.function"
-    function_path = settings["user"].get("function")
-    user_function = None
-    if function_path is not None:  # imported even with a zero weight: a bad path fails now, not when enabled
-        user_function = _function(function_path, function_key)
-    elif weights.get("user"):
-        raise _error(function_key, f"missing; required when {SECTION}.weights.user is non-zero")
-
+    """Validate the `reward` section; raises `PluginConfigError` naming each bad key."""
+    try:  # validated under its name, so that each error names the key as written: reward.weights.safety
+        parsed = _SECTION.validate_python({SECTION: section})[SECTION]
+    except ValidationError as exc:
+        raise PluginConfigError(f"{PLUGIN}: {describe_validation(exc, _SECTION_TYPE)}") from None
+    path = parsed.user.function
     return RewardConfig(
-        weights=MappingProxyType({name: value for name, value in weights.items() if value != 0}),
-        safety_patterns=safety_patterns,
-        budget_tokens=budget_tokens,
-        user_function=user_function,
-        user_function_path=function_path,
+        weights=MappingProxyType({name: weight for name, weight in parsed.weights if weight != 0}),
+        safety_patterns=parsed.safety.patterns,
+        budget_tokens=parsed.concision.budget_tokens or 0,
+        user_function=None if path is None else import_object(path),  # imported by the validator: a look-up
+        user_function_path=path,
     )
 
 

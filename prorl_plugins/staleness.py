@@ -53,18 +53,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from prorl_adapter.hooks import PluginConfigError, hookimpl
 from prorl_adapter.models import AdmissionState, Trajectory, TrajectoryWeight
+from server_kit.openapi import describe_validation
 
-MODES = ("off", "drop", "linear", "pace", "importance")
-PACE_RULES = ("any-take", "deadline-take")
-DEFAULT_PACE_RULE = "deadline-take"
+Mode = Literal["off", "drop", "linear", "pace", "importance"]
+PaceRule = Literal["any-take", "deadline-take"]
+PACE_RULES: tuple[str, ...] = get_args(PaceRule)
+DEFAULT_PACE_RULE: PaceRule = "deadline-take"
 SECTION = "staleness"
-_KEYS = ("mode", "max_staleness", "importance_cap", "batch_size", "pace_max_in_flight", "pace_rule")
 _MAX_EXP = 709.0  # math.exp overflows above ~709.78
 
 
@@ -244,66 +247,51 @@ def deadline_take_ready(state: AdmissionState, ready: Mapping[int, int], k: int,
 
 
 # -- configuration -----------------------------------------------------------------------------------------
-def _error(key: str, expected: str, value: Any) -> PluginConfigError:
-    return PluginConfigError(f"staleness plugin: {SECTION}.{key} must be {expected}, got {value!r}")
+class StalenessConfig(BaseModel):
+    """The validated `staleness` section; what each key means is in the module docstring."""
 
+    # An unknown key is a typo, and a number given as a string or a boolean (`"2"`, `true`) a mistake: JSON and
+    # Hydra give numbers as numbers. The section itself may be any mapping (an OmegaConf node among them).
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-def _int(section: Mapping[str, Any], key: str, minimum: int, required: str | None = None) -> int | None:
-    value = section.get(key)
-    if value is None:
-        if required is not None:
-            raise PluginConfigError(f"staleness plugin: {SECTION}.{key} is required {required}")
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise _error(key, f"an int >= {minimum}", value)
-    return value
+    mode: Mode
+    max_staleness: int | None = Field(None, ge=0, strict=True, validate_default=True)
+    importance_cap: float = Field(2.0, ge=1, allow_inf_nan=False, strict=True)
+    batch_size: int | None = Field(None, ge=1, strict=True, validate_default=True)
+    pace_max_in_flight: int | None = Field(None, ge=1, strict=True)
+    pace_rule: PaceRule = DEFAULT_PACE_RULE
 
+    # `mode` is declared first, so it is in `info.data` here when it is valid (when not, only its error is told).
+    @field_validator("max_staleness")
+    @classmethod
+    def _k_unless_off(cls, value: int | None, info: ValidationInfo) -> int | None:
+        mode = info.data.get("mode", "off")
+        if value is None and mode != "off":
+            raise PydanticCustomError("required", f"required in mode {mode!r}")
+        return value
 
-@dataclass(frozen=True)
-class StalenessConfig:
-    mode: str = "off"
-    max_staleness: int | None = None
-    importance_cap: float = 2.0
-    batch_size: int | None = None
-    pace_max_in_flight: int | None = None
-    pace_rule: str = DEFAULT_PACE_RULE
+    @field_validator("batch_size")
+    @classmethod
+    def _batch_size_for_pace(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is None and info.data.get("mode") == "pace":
+            raise PydanticCustomError(
+                "required", "required in mode 'pace' (trajectories the trainer consumes per policy version)"
+            )
+        return value
 
     @classmethod
-    def from_section(cls, section: Mapping[str, Any] | None) -> StalenessConfig:
-        """Validate the `staleness` section (None: mode off)."""
+    def from_section(cls, section: Any) -> StalenessConfig:
+        """Validate the `staleness` section (None: mode off); a bad one raises `PluginConfigError`."""
         if section is None:
-            return cls()
-        if not isinstance(section, Mapping):
-            raise PluginConfigError(
-                f"staleness plugin: {SECTION} must be a mapping of {', '.join(_KEYS)}, got {section!r}"
-            )
-        for key in section:
-            if key not in _KEYS:
-                raise PluginConfigError(
-                    f"staleness plugin: {SECTION}.{key} is not a known key; allowed: {', '.join(_KEYS)}"
-                )
-        mode = section.get("mode")
-        if mode not in MODES:
-            raise _error("mode", f"one of {', '.join(MODES)}", mode)
-        cap = section.get("importance_cap", 2.0)
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap < 1:
-            raise _error("importance_cap", "a finite number >= 1", cap)
-        rule = section.get("pace_rule", DEFAULT_PACE_RULE)
-        if rule not in PACE_RULES:
-            raise _error("pace_rule", f"one of {', '.join(PACE_RULES)}", rule)
-        return cls(
-            mode=mode,
-            max_staleness=_int(section, "max_staleness", 0, None if mode == "off" else f"in mode {mode!r}"),
-            importance_cap=float(cap),
-            batch_size=_int(
-                section,
-                "batch_size",
-                1,
-                "in mode 'pace' (trajectories the trainer consumes per policy version)" if mode == "pace" else None,
-            ),
-            pace_max_in_flight=_int(section, "pace_max_in_flight", 1),
-            pace_rule=rule,
-        )
+            return cls(mode="off")
+        try:  # validated under its name, so that each error names the key as written: staleness.max_staleness
+            return _SECTION.validate_python({SECTION: section})[SECTION]
+        except ValidationError as exc:
+            raise PluginConfigError(f"staleness plugin: {describe_validation(exc, _SECTION_TYPE)}") from None
+
+
+_SECTION_TYPE = dict[str, StalenessConfig]
+_SECTION = TypeAdapter(_SECTION_TYPE)
 
 
 # -- the plugin --------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ class-based views with their own validation flow (aiohttp-pydantic); this is pyd
 from __future__ import annotations
 
 import json
+import types
+import typing
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,12 +170,50 @@ def parse_query(request: web.Request, model: type[BaseModel]) -> BaseModel:
         raise web.HTTPBadRequest(text=f"invalid query: {describe_validation(exc)}") from None
 
 
-def describe_validation(exc: ValidationError) -> str:
+UNKNOWN_KEY_ERRORS = frozenset({"extra_forbidden", "unexpected_keyword_argument"})
+
+
+def describe_validation(exc: ValidationError, schema: Any = None) -> str:
+    """Every error as `where: what`, joined. Given `schema` (the type that was validated: a model, a pydantic
+    dataclass, or a dict of either), an unknown key's error also lists the keys its place takes: a typo's fix."""
     parts = []
     for err in exc.errors(include_url=False):
         where = ".".join(str(p) for p in err["loc"])
-        parts.append(f"{where}: {err['msg']}" if where else err["msg"])
+        message = err["msg"]
+        if schema is not None and err["type"] in UNKNOWN_KEY_ERRORS:
+            known = _keys_at(schema, err["loc"][:-1])
+            if known:
+                message += f" (known: {', '.join(known)})"
+        parts.append(f"{where}: {message}" if where else message)
     return "; ".join(parts)
+
+
+def _keys_at(schema: Any, path: tuple[int | str, ...]) -> list[str] | None:
+    """The field names of the model found at `path` inside `schema`, or None where that is not a model."""
+    for step in path:
+        if typing.get_origin(schema) is dict:  # a mapping's values: any key leads to the value type
+            schema = typing.get_args(schema)[1]
+            continue
+        fields = _fields(schema)
+        if fields is None or step not in fields:
+            return None
+        schema = _without_none(fields[step].annotation)
+    fields = _fields(_without_none(schema))
+    return sorted(fields) if fields else None
+
+
+def _fields(schema: Any) -> dict[str, Any] | None:
+    """A pydantic model's or pydantic dataclass's fields."""
+    return getattr(schema, "model_fields", None) or getattr(schema, "__pydantic_fields__", None)
+
+
+def _without_none(annotation: Any) -> Any:
+    """`X | None` as `X` (an optional nested section is still that section)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        others = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        if len(others) == 1:
+            return others[0]
+    return annotation
 
 
 def route(operation: Operation) -> web.RouteDef:

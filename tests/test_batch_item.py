@@ -1,7 +1,7 @@
 """What every training backend derives alike from a weighed trajectory (`BatchItem`): loss weights, per-token
 versions from each turn's span, truncation, the GRPO group; and the trainer-side helpers beside it."""
 
-from prorl_adapter.models import GROUP_LABEL, BatchItem, TrajectoryWeight, Turn
+from prorl_adapter.models import BatchItem, JobRequest, Trajectory, TrajectoryWeight, Turn
 from prorl_adapter.trainer.samples import group_neutral_rewards, job_request, trajectory_from_tensors
 
 
@@ -63,19 +63,32 @@ def test_truncation_cuts_every_aligned_list_and_keeps_the_reward():
     assert sample.token_versions() == [3, 3, None]  # the second turn's span lies past the cut
 
 
-def test_group_is_the_label_a_backend_set_else_the_instance():
+def test_group_is_the_one_a_backend_set_else_the_instance():
     request = job_request("relay", {"word": "red"}, group="prompt-7", sampling={"max_tokens": 8})
-    assert request.labels[GROUP_LABEL] == "prompt-7" and request.sampling.max_tokens == 8
-    trajectory = two_turn_trajectory().model_copy(update={"labels": {GROUP_LABEL: "prompt-7"}})
+    assert request.group == "prompt-7" and request.sampling.max_tokens == 8
+    trajectory = two_turn_trajectory().model_copy(update={"group": "prompt-7"})
     assert item(trajectory).group == "prompt-7"
     unlabelled = two_turn_trajectory().model_copy(update={"instance_id": "i-1", "task": "relay"})
     assert item(unlabelled).group == "relay:i-1"
+    # A label is the client's own: one named `group` groups nothing, there and back through JSON (Redis).
+    own = unlabelled.model_copy(update={"labels": {"group": "mine"}})
+    assert item(Trajectory.model_validate_json(own.model_dump_json())).group == "relay:i-1"
+
+
+def test_what_an_earlier_version_wrote_is_read_with_its_group_and_run():
+    """Redis outlives an upgrade: a trajectory or prompt written when the group and a retried prompt's run were
+    labels is read back with the typed fields."""
+    earlier = two_turn_trajectory().model_dump(exclude={"group", "attempt", "retry_of"})
+    earlier["labels"] = {"group": "prompt-7", "prorl_prompt": "p0", "prorl_attempt": "2"}
+    trajectory = Trajectory.model_validate(earlier)
+    assert (item(trajectory).group, trajectory.attempt, trajectory.retry_of) == ("prompt-7", 2, "p0")
+    prompt = JobRequest.model_validate({"task": "t", "labels": {"prorl_prompt": "p0", "prorl_attempt": "3"}})
+    assert (prompt.attempt, prompt.retry_of, prompt.group) == (3, "p0", None)
 
 
 def test_untrainable_samples_get_their_groups_trainable_mean():
     def sample(reward, group, weight=1.0, failed=False):
-        labels = {GROUP_LABEL: group}
-        trajectory = two_turn_trajectory().model_copy(update={"reward": reward, "labels": labels, "filter": failed})
+        trajectory = two_turn_trajectory().model_copy(update={"reward": reward, "group": group, "filter": failed})
         return item(trajectory, TrajectoryWeight(sample=weight))
 
     samples = [sample(1.0, "a"), sample(0.0, "a"), sample(1.0, "a", weight=0.0), sample(0.0, "a", failed=True)]

@@ -90,7 +90,7 @@ async def test_every_rollout_client_method_speaks_the_service_models():
         [again] = await client.run_many([shell_job()], wait=600)
         assert isinstance(again, Trajectory) and again.error is None
         group = await client.run_samples(shell_job(job_id="g", num_samples=2), wait=600)
-        assert [t.job_id for t in group] == ["g.0", "g.1"] and {t.labels["group"] for t in group} == {"g"}
+        assert [t.job_id for t in group] == ["g.0", "g.1"] and {t.group for t in group} == {"g"}
         job = await client.submit(shell_job(job_id="by-hand"))
         assert isinstance(job, JobStatus) and job.job_id == "by-hand"
         assert (await client.result(job.job_id, wait=600)).job_id == "by-hand"

@@ -5,7 +5,7 @@ import torch
 
 pytest.importorskip("verl", reason="the CPU trainer uses verl's core_algos: install the project's [train] extra")
 
-from prorl_adapter.models import GROUP_LABEL, TrajectoryWeight
+from prorl_adapter.models import TrajectoryWeight
 from prorl_plugins.cpu_trainer.batch import pad_items
 from prorl_plugins.cpu_trainer.constrained import FiniteActionMask
 from tests.test_batch_item import item, two_turn_trajectory
@@ -56,7 +56,7 @@ def test_an_episode_of_two_sequences_is_two_rows_with_one_advantage():
     from tests.test_batch_item import two_segment_trajectory
 
     def in_group(trajectory, **update):
-        return item(trajectory.model_copy(update={"labels": {GROUP_LABEL: "g"}, **update}))
+        return item(trajectory.model_copy(update={"group": "g", **update}))
 
     split = in_group(two_segment_trajectory())  # reward 0.75
     plain = in_group(two_turn_trajectory(), reward=0.25, job_id="other")

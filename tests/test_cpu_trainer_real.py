@@ -13,15 +13,14 @@ import torch
 pytest.importorskip("verl", reason="the CPU trainer uses verl's core_algos: install the project's [train] extra")
 
 from prorl_adapter.dev import localstack
-from prorl_adapter.models import GROUP_LABEL
 from prorl_adapter.service.actions import FORMATS
 from prorl_adapter.tasks import EpisodeState
+from prorl_adapter.testing import ScriptedSandbox
 from prorl_adapter.trainer.samples import trajectory_from_tensors
 from prorl_plugins.cpu_trainer.batch import pad_items
 from prorl_plugins.cpu_trainer.train import TrainSettings, episode_requests
 from prorl_plugins.cpu_trainer.workloads import CLOSING_FENCE, workload
 from prorl_plugins.tasks.arithmetic import PROGRAM_PATH, ArithmeticLevel, ArithmeticTask, arithmetic_instances
-from sandbox_runtime.models import ExecResult, RunResult
 from tests.test_batch_item import item
 
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
@@ -61,24 +60,14 @@ def test_an_arithmetic_level_rejects_what_it_cannot_draw():
         ArithmeticLevel(operators=("/",))
 
 
-class ProgramSandbox:
-    """An Environment's file and run calls, the run answering as python3 would for the programs below."""
+PRINTED = {"print(12 * 34 - 5)": ("Calculating\n403\n", 0), "print(404)": ("404\n", 0)}
 
-    def __init__(self):
-        self.files, self.runs = {}, []
 
-    async def write_file(self, path, data):
-        self.files[path] = data
-
-    async def exec(self, command, timeout=30.0, max_output_bytes=None):
-        return ExecResult(output="", exit_code=0, status="completed", truncated=False, duration_s=0.0, cwd="/")
-
-    async def run(self, *, argv, timeout=60.0, max_output_bytes=None, **_):
-        self.runs.append(argv)
-        code = self.files[argv[-1]]
-        printed = {"print(12 * 34 - 5)": ("Calculating\n403\n", 0), "print(404)": ("404\n", 0)}
-        output, status = printed.get(code, ("Traceback ...\nNameError\n", 1))
-        return RunResult(output=output, exit_code=status, status="completed", truncated=False, duration_s=0.0)
+def python3(call, sandbox):
+    """Runs answered as python3 would answer them for the programs below (a script: nothing runs)."""
+    if call.kind == "run":
+        return PRINTED.get(sandbox.files[call.argv[-1]].decode(), ("Traceback ...\nNameError\n", 1))
+    return None
 
 
 def test_arithmetic_grades_the_finish_answer_and_asks_for_the_blocks():
@@ -106,13 +95,14 @@ def test_without_a_finish_answer_the_last_program_is_run_again_and_its_last_line
     python = {tool.name: tool for tool in task.tools(instance)}["python"]
 
     def episode(*programs, answer=None):
-        sandbox, state = ProgramSandbox(), EpisodeState(answer=answer)
+        sandbox, state = ScriptedSandbox(python3), EpisodeState(answer=answer)
         for code in programs:  # the policy's python blocks, through the task's own tool
             asyncio.run(python.run(sandbox, {"code": code}, state))
         return asyncio.run(task.evaluate(sandbox, instance, state))["outcome"], sandbox
 
     right, sandbox = episode("print(404)", "print(12 * 34 - 5)")
-    assert right == 1.0 and sandbox.runs == [["python3", PROGRAM_PATH]]  # run at eval, the last block
+    runs = [call.argv for call in sandbox.calls if call.kind == "run"]
+    assert right == 1.0 and runs == [["python3", PROGRAM_PATH]]  # run at eval, the last block
     assert episode("print(12 * 34 - 5)", "print(404)")[0] == 0.0
     assert episode("print(undefined)")[0] == 0.0  # a program that fails scores nothing
     assert episode("print(12 * 34 - 5)", answer="404")[0] == 0.0  # a finish answer is what is graded
@@ -130,7 +120,7 @@ def test_the_real_workload_asks_for_fenced_actions_without_a_grammar():
         for r in requests
     )
     assert all(r.sampling.stop == [CLOSING_FENCE] for r in requests)  # a turn ends where its first block does
-    assert [r.labels[GROUP_LABEL] for r in requests] == [rows[0]["id"]] * 4 + [rows[1]["id"]] * 4
+    assert [r.group for r in requests] == [rows[0]["id"]] * 4 + [rows[1]["id"]] * 4
     assert settings.micro_batch_rows and settings.max_tokens_per_turn >= 128
     # the tiny model's workload keeps its grammar
     relay = episode_requests(TrainSettings(group_size=2), workload("relay").rows(1, TrainSettings()))
@@ -148,7 +138,7 @@ def test_settings_for_a_workload_take_its_defaults_then_the_overrides():
 def episode(prompt, response, mask, reward, group, job):
     logprobs = [-1.0 if m else 0.0 for m in mask]
     trajectory = trajectory_from_tensors(prompt, response, mask, logprobs, 0, 0, reward=reward, job_id=job)
-    return item(trajectory.model_copy(update={"labels": {GROUP_LABEL: group}}))
+    return item(trajectory.model_copy(update={"group": group}))
 
 
 def episodes():

@@ -25,7 +25,7 @@ def rig(rule: str) -> tuple[Producer, Episodes]:
     section = {"mode": "pace", "max_staleness": K, "batch_size": B, "pace_rule": rule}
     plugins = PluginSet.load(objects=[StalenessControl(section)], entry_points=False)
     episodes = Episodes(plugins)
-    producer = Producer(episodes, MemoryBuffer())  # type: ignore[arg-type]
+    producer = Producer(episodes, MemoryBuffer(), coordination=episodes.coordination)
     plugins.register(producer, name="decoupled-producer")
     producer.start()
     return producer, episodes
@@ -52,8 +52,7 @@ async def to_version_one(producer: Producer, episodes: Episodes, consumed: list[
     batch = await producer.take_batch(B, timeout=5)
     consumed += [0 - item.trajectory.policy_version_min for item in batch]
     assert len(batch) == B
-    episodes.policy_version = 1
-    producer.wake()  # as PUT /v1/policy-version does, through prorl_policy_version_changed
+    await episodes.new_version(1)  # as PUT /v1/policy-version does: the producer hears of it
     await producer.ack([item.id for item in batch])
 
 
@@ -95,8 +94,7 @@ async def test_deadline_take_admits_more_waits_for_the_episode_at_its_limit_and_
         batch = await asyncio.wait_for(waiting, 5)  # woken by the finished episode, long before its timeout
         assert sorted(item.trajectory.job_id for item in batch) == ["p0", "p3"]
         consumed += [1 - item.trajectory.policy_version_min for item in batch]
-        episodes.policy_version = 2
-        producer.wake()
+        await episodes.new_version(2)
         await producer.ack([item.id for item in batch])
 
         batch = await producer.take_batch(B, timeout=5)
@@ -155,7 +153,7 @@ async def test_any_take_keeps_the_newest_first_take_that_waits_for_nothing():
         episodes.finish(by_job(episodes, "p0"), version=0)
         episodes.finish(by_job(episodes, "p1"), version=1)
         await until(lambda: producer.stats.produced == 2)
-        episodes.policy_version = 1
+        await episodes.new_version(1)
         [newest] = await producer.take_batch(1, timeout=0)
         assert newest.trajectory.job_id == "p1"
     finally:

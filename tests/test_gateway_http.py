@@ -171,7 +171,7 @@ async def test_one_submission_of_num_samples_is_one_group_and_idempotent():
         status = await first.json()
         assert first.status == 202 and status["samples"] == ["row-7.0", "row-7.1", "row-7.2"]
         trajectories = [await stack.client.result(job_id, wait=60) for job_id in status["samples"]]
-        assert {t.labels["group"] for t in trajectories} == {"row-7"}
+        assert {t.group for t in trajectories} == {"row-7"}
         seeds = [r["seed"] for r in stack.llm.requests]
         assert sorted(set(seeds)) == [10, 11, 12]  # one seed per sample, or they would all be one episode
         again = await stack.http.post("/v1/jobs", json=request.model_dump(mode="json"))

@@ -24,6 +24,7 @@ from prorl_adapter.models import AdmissionState, SamplingParams, StageTimings, T
 from prorl_adapter.service.cli import main
 from prorl_adapter.service.llm import LLMPool, Pin
 from prorl_adapter.service.pipeline import RolloutPipeline
+from prorl_adapter.service.storage.coordination import MemoryCoordination
 from prorl_adapter.tasks import Environment, EpisodeState, TaskHandler
 from prorl_adapter.trainer.driver import RolloutDriver
 from tests.fakes import Fail, ScriptedLLM, on_virtual_time
@@ -571,10 +572,12 @@ def test_notify_calls_every_observer_and_a_raising_one_is_logged_and_skipped(cap
     assert all(r.exc_info and "observer bug" in str(r.exc_info[1]) for r in failures)
 
 
-def test_a_new_api_version_is_announced_to_the_observers():
+async def test_a_new_api_version_is_announced_to_the_observers():
     recorder, failing = Recorder(), Recorder(fail=True)
-    pipeline = RolloutPipeline(plugin_set(failing, recorder), {}, sandboxes=None, llm=None, chat=None)
-    pipeline.policy_version = 3  # as PUT /v1/policy-version does
+    coordination = MemoryCoordination("r")  # the version's owner; the pipeline reads it
+    plugins = plugin_set(failing, recorder)
+    pipeline = RolloutPipeline(plugins, {}, sandboxes=None, llm=None, chat=None, coordination=coordination)
+    await coordination.set_policy_version(3, raise_only=False)  # as PUT /v1/policy-version does
     assert pipeline.policy_version == 3 and recorder.versions == [3]  # a failing observer changes nothing
 
 
@@ -650,7 +653,7 @@ def test_prorl_rollout_plugins_checks_a_configuration_file_as_start_up_would(cap
     assert capsys.readouterr().out.splitlines()[-1] == f"configuration {good}: accepted"
     assert main(["plugins", "--plugin-config", str(bad)]) == 2
     assert capsys.readouterr().out == (
-        "prorl-rollout: staleness plugin: staleness.max_staleness is required in mode 'drop'\n"
+        "prorl-rollout: staleness plugin: staleness.max_staleness: required in mode 'drop'\n"
     )
     assert main(["plugins", "--plugin-config", str(typo)]) == 2
     assert "has unknown section(s) 'stalenes'; the loaded plugins read: " in capsys.readouterr().out

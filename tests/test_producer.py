@@ -1,77 +1,40 @@
-"""Decoupled mode's liveness: the real Producer and MemoryBuffer with the real staleness plugin, on a pipeline
-stand-in whose episodes finish when the test says (`Episodes`), and a buffer fault injector (`Outage`) that
-makes the buffer unreachable on cue, as a dead Redis does."""
+"""Decoupled mode's liveness: the real Producer and MemoryBuffer with the real staleness plugin, on a simulated job
+runner whose episodes end when the test says (`Episodes`), and a buffer fault injector (`Outage`) that makes the
+buffer unreachable on cue, as a dead Redis does."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 from prorl_adapter.hooks import PluginSet
-from prorl_adapter.models import JobError, JobRequest, JobState, StageTimings, Trajectory
+from prorl_adapter.models import JobError, JobRequest, JobState, Trajectory
 from prorl_adapter.service.decoupled import Producer, ProducerConfig
+from prorl_adapter.service.job_runner import JobRunner
+from prorl_adapter.service.pipeline import RolloutPipeline
 from prorl_adapter.service.storage.buffer import BufferUnavailable, ExperienceBuffer
 from prorl_adapter.service.storage.memory_buffer import MemoryBuffer
 from prorl_adapter.service.storage.prompts import MemoryPromptQueue
+from prorl_adapter.testing import SimJob, SimulatedRunner, sim_trajectory
 from prorl_plugins.staleness import StalenessControl
 
 
-@dataclass
-class StandInJob:
-    id: str
-    request: JobRequest
-    state: JobState = JobState.running
-    result: Trajectory | None = None
+class Episodes(SimulatedRunner):
+    """A simulated job runner whose episodes end when the test says (`finish`, `fail`)."""
 
-
-@dataclass
-class Episodes:
-    """The pipeline as the producer sees it: submitted jobs run until `finish` is called."""
-
-    plugins: PluginSet
-    policy_version: int = 0
-    jobs: dict[str, StandInJob] = field(default_factory=dict)
-
-    def submit(self, request: JobRequest) -> tuple[StandInJob, bool]:
-        if request.job_id in self.jobs:
-            return self.jobs[request.job_id], False
-        job = self.jobs[request.job_id] = StandInJob(request.job_id, request)
-        return job, True
-
-    def running(self) -> list[StandInJob]:
+    def running(self) -> list[SimJob]:
         return [j for j in self.jobs.values() if j.state is JobState.running]
 
-    def fail(self, job: StandInJob) -> None:
+    def fail(self, job: SimJob) -> None:
         """The episode failed for the infrastructure (its sandbox runtime died, say)."""
-        self.finish(job, notify=False)
-        job.state = JobState.failed
-        job.result = job.result.model_copy(
-            update={"error": JobError(error_class="init", message="sandbox runtime gone"), "filter": True}
-        )
-        self.plugins.notify("prorl_job_finished", trajectory=job.result, state=job.state)
+        error = JobError(error_class="init", message="sandbox runtime gone")
+        self.end(job, sim_trajectory(job, self.policy_version, self.policy_version, error), JobState.failed)
 
-    def finish(self, job: StandInJob, version: int | None = None, notify: bool = True) -> None:
+    def finish(self, job: SimJob, version: int | None = None) -> None:
         v = self.policy_version if version is None else version
-        job.state = JobState.done
-        job.result = Trajectory(
-            job_id=job.id,
-            task="t",
-            prompt_ids=[1],
-            response_ids=[2],
-            response_mask=[1],
-            response_logprobs=[0.0],
-            turns=[],
-            num_turns=0,
-            finish_reason="finish",
-            policy_version_min=v,
-            policy_version_max=v,
-            timings=StageTimings(),
-        )
-        if notify:
-            self.plugins.notify("prorl_job_finished", trajectory=job.result, state=job.state)
+        self.end(job, sim_trajectory(job, v, v))
 
 
 class Outage(ExperienceBuffer):
@@ -134,7 +97,7 @@ def rig(staleness: dict | None = None, **config: Any) -> tuple[Producer, Episode
     plugins = PluginSet.load(objects=[control], entry_points=False)
     episodes = Episodes(plugins)
     buffer = Outage(MemoryBuffer())
-    producer = Producer(episodes, buffer, config=ProducerConfig(**config))  # type: ignore[arg-type]
+    producer = Producer(episodes, buffer, config=ProducerConfig(**config), coordination=episodes.coordination)
     plugins.register(producer, name="decoupled-producer")
     producer.start()
     return producer, episodes, buffer
@@ -176,8 +139,7 @@ async def test_an_acknowledged_batch_is_never_delivered_again_and_a_held_lease_b
         again = await producer.take_batch(2, timeout=5, lease_s=60)
         assert {t.id for t in again} == {t.id for t in batch}
         await producer.ack([t.id for t in again])
-        episodes.policy_version = 1
-        producer.wake()
+        await episodes.new_version(1)
         await until(lambda: len(episodes.running()) == 2)  # admission was never deadlocked
         assert await producer.take_batch(2, timeout=0) == []
     finally:
@@ -213,7 +175,7 @@ async def test_entries_too_stale_to_weigh_are_removed_at_take_time_even_when_not
         for version, job in zip([0, 0, 3, 4], list(episodes.running())):
             episodes.finish(job, version=version)
         await until(lambda: producer.stats.produced == 4)
-        episodes.policy_version = 4
+        await episodes.new_version(4)
         batch = await producer.take_batch(1, timeout=0)  # newest first: version 4; versions 0 are expired
         assert [t.trajectory.policy_version_min for t in batch] == [4]
         assert producer.stats.expired == 2
@@ -246,7 +208,7 @@ async def test_a_prompt_whose_episode_failed_for_the_infrastructure_runs_again_u
         for attempt in (1, 2, 3):
             await until(lambda: len(episodes.running()) == 1)
             [job] = episodes.running()
-            assert job.request.labels.get("prorl_attempt", "1") == str(attempt)
+            assert job.request.attempt == attempt and job.request.retry_of == (None if attempt == 1 else "p0")
             episodes.fail(job)
         await until(lambda: producer.stats.filtered == 1)
         assert (producer.stats.retried, len(episodes.jobs), producer.stats.produced) == (2, 3, 0)
@@ -294,7 +256,7 @@ async def test_a_prompt_whose_pop_reply_was_lost_still_runs():
     prompts_queue = LossyPrompts()
     plugins = PluginSet.load(objects=[StalenessControl({"mode": "off"})], entry_points=False)
     episodes = Episodes(plugins)
-    producer = Producer(episodes, MemoryBuffer(), prompts_queue)  # type: ignore[arg-type]
+    producer = Producer(episodes, MemoryBuffer(), prompts_queue, coordination=episodes.coordination)
     plugins.register(producer, name="decoupled-producer")
     prompts_queue.lose_next_reply = True
     producer.start()
@@ -308,3 +270,14 @@ async def test_a_prompt_whose_pop_reply_was_lost_still_runs():
         assert prompts_queue.running == {}
     finally:
         await producer.stop()
+
+
+def test_the_pipeline_and_every_simulated_runner_are_job_runners():
+    """The producer, the job boards and ProRL's API reach jobs only through `JobRunner`: the pipeline implements
+    it, and so do the simulations that stand in for it here and in the benchmarks. A member added to the
+    protocol and not to one of them fails here."""
+    plugins = PluginSet.load(entry_points=False)
+    pipeline = RolloutPipeline(plugins, {}, sandboxes=None, llm=None, chat=None)  # type: ignore[arg-type]
+    for runner in (pipeline, Episodes(plugins), SimulatedRunner(plugins)):
+        assert isinstance(runner, JobRunner), type(runner).__name__
+    assert not isinstance(object(), JobRunner)

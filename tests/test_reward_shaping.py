@@ -396,59 +396,68 @@ def weights(**values: Any) -> dict[str, Any]:
 
 
 CONFIG_ERRORS = [
-    ("not a mapping", ["weights"], r"reward: expected a mapping, got list"),
+    ("not a mapping", ["weights"], r"reward: Input should be a valid dictionary"),
     (
         "unknown section key",
         {"weights": {}, "shaping": {}},
-        r"reward\.shaping: unknown key; known: weights, safety, concision, user$",
+        r"reward\.shaping: Extra inputs are not permitted \(known: concision, safety, user, weights\)$",
     ),
-    ("missing weights", {"safety": {}}, r"reward\.weights: missing; .*known: outcome, safety"),
+    ("missing weights", {"safety": {}}, r"reward\.weights: Field required"),
     (
         "unknown component",
         weights(concison=0.1),
-        r"reward\.weights\.concison: unknown component; known: outcome, safety, concision, format, step_cost, user$",
+        r"reward\.weights\.concison: Extra inputs are not permitted \(known: concision, format, outcome, safety, "
+        r"step_cost, user\)$",
     ),
-    ("non-numeric weight", weights(safety="high"), r"reward\.weights\.safety: expected a number, got str 'high'"),
-    ("boolean weight", weights(format=True), r"reward\.weights\.format: expected a number, got bool True"),
-    ("infinite weight", weights(outcome=float("inf")), r"reward\.weights\.outcome: expected a finite number"),
-    ("null weight", weights(step_cost=None), r"reward\.weights\.step_cost: missing weight"),
-    ("negative penalty", weights(safety=-1), r"reward\.weights\.safety: expected a number >= 0"),
+    ("non-numeric weight", weights(safety="high"), r"reward\.weights\.safety: Input should be a valid number"),
+    ("boolean weight", weights(format=True), r"reward\.weights\.format: Input should be a valid number"),
+    ("infinite weight", weights(outcome=float("inf")), r"reward\.weights\.outcome: Input should be a finite number"),
+    ("null weight", weights(step_cost=None), r"reward\.weights\.step_cost: Input should be a valid number"),
+    ("negative penalty", weights(safety=-1), r"reward\.weights\.safety: Input should be greater than or equal to 0"),
     (
         "section without a weight",
         {"weights": {}, "concision": {"budget_tokens": 5}},
-        r"reward\.weights\.concision: missing weight; reward\.concision is configured",
+        r"reward: concision is configured: give weights\.concision too",
     ),
     (
         "unknown component setting",
         {"weights": {"concision": 1}, "concision": {"budget": 5}},
-        r"reward\.concision\.budget: unknown key; known: budget_tokens$",
+        r"reward\.concision\.budget: Extra inputs are not permitted \(known: budget_tokens\)$",
     ),
-    ("section not a mapping", {"weights": {"safety": 1}, "safety": ["x"]}, r"reward\.safety: expected a mapping"),
+    (
+        "section not a mapping",
+        {"weights": {"safety": 1}, "safety": ["x"]},
+        r"reward\.safety: Input should be a valid dictionary",
+    ),
     (
         "bad regex",
         {"weights": {"safety": 1}, "safety": {"patterns": ["ok", "rm -rf (/"]}},
-        r"reward\.safety\.patterns\[1\]: bad regular expression 'rm -rf \(/': missing \)",
+        r"reward\.safety\.patterns\.1: bad regular expression 'rm -rf \(/': missing \)",
     ),
     (
         "patterns not a list",
         {"weights": {"safety": 1}, "safety": {"patterns": "rm"}},
-        r"reward\.safety\.patterns: expected a list",
+        r"reward\.safety\.patterns: Input should be a valid tuple",
     ),
-    ("empty patterns", {"weights": {"safety": 1}, "safety": {"patterns": []}}, r"reward\.safety\.patterns: empty"),
+    (
+        "empty patterns",
+        {"weights": {"safety": 1}, "safety": {"patterns": []}},
+        r"reward\.safety\.patterns: Tuple should have at least 1 item",
+    ),
     (
         "missing budget",
         {"weights": {"concision": 0.1}},
-        r"reward\.concision\.budget_tokens: missing; required when reward\.weights\.concision",
+        r"reward: concision\.budget_tokens is required when weights\.concision is non-zero",
     ),
     (
         "negative budget",
         {"weights": {"concision": 0.1}, "concision": {"budget_tokens": -1}},
-        r"reward\.concision\.budget_tokens: expected an integer >= 0",
+        r"reward\.concision\.budget_tokens: Input should be greater than or equal to 0",
     ),
     (
         "missing user function",
         weights(user=1),
-        r"reward\.user\.function: missing; required when reward\.weights\.user",
+        r"reward: user\.function is required when weights\.user is non-zero",
     ),
     (
         "user function not a path",

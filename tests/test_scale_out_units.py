@@ -1,5 +1,6 @@
-"""Scale-out in one process: where sandboxes are placed, when a runtime counts as alive, what the registration
-flags accept, and the counts admission weighs (the Redis side: integration_tests/test_coordination_redis.py)."""
+"""Scale-out in one process: where sandboxes are placed, when a runtime counts as alive, and what the registration
+flags accept (the Redis side: integration_tests/test_coordination_redis.py). The coordination's and the prompt
+queue's contracts, counts admission weighs included, are tested over both in tests/storage/."""
 
 from __future__ import annotations
 
@@ -7,10 +8,8 @@ import asyncio
 
 import pytest
 
-from prorl_adapter.models import JobRequest
-from prorl_adapter.service.sandboxes import SandboxPool, SandboxServerError
-from prorl_adapter.service.storage.coordination import LocalCoordination, RuntimeRecord
-from prorl_adapter.service.storage.prompts import MemoryPromptQueue
+from prorl_adapter.service.sandboxes import RuntimeFailed, SandboxPool
+from prorl_adapter.service.storage.coordination import MemoryCoordination, RuntimeRecord
 from sandbox_runtime.config import ServerConfig
 from sandbox_runtime.models import RuntimeHeartbeat
 
@@ -34,7 +33,7 @@ async def swept(pool: SandboxPool) -> None:
     no sandbox goes there. Nothing listens on these ports: the look fails fast, and counts as done."""
     await pool.refresh()
     await asyncio.gather(*pool._sweeps)
-    assert all(server.swept for server in pool.servers.values())
+    assert all(runtime.swept for runtime in pool.runtimes.values())
 
 
 def test_a_runtime_is_alive_for_three_heartbeats_and_not_once_leaving():
@@ -45,7 +44,7 @@ def test_a_runtime_is_alive_for_three_heartbeats_and_not_once_leaving():
 
 async def test_sandboxes_go_to_the_runtime_with_the_most_free_room():
     clock = Clock()
-    coordination = LocalCoordination("r0", clock=clock)
+    coordination = MemoryCoordination("r0", clock=clock)
     pool = SandboxPool([], coordination=coordination, wait_for_runtime_s=0.0)
     try:
         await coordination.runtime_heard("a", heartbeat("http://127.0.0.1:1", capacity=10, sandboxes=8))
@@ -55,7 +54,7 @@ async def test_sandboxes_go_to_the_runtime_with_the_most_free_room():
         assert chosen.url == "http://127.0.0.1:2"  # 3 free against 2
         assert (await pool._choose(exclude={"http://127.0.0.1:2"})).url == "http://127.0.0.1:1"
         # What this replica holds there counts when the runtime's own report is older than its creations.
-        pool.servers["http://127.0.0.1:2"].active = 4
+        pool.runtimes["http://127.0.0.1:2"].active = 4
         assert (await pool._choose(exclude=set())).url == "http://127.0.0.1:1"
         states = {s.name: s for s in pool.describe()}
         assert states["b"].placed == 4 and states["b"].capacity == 4 and states["b"].source == "registered"
@@ -65,7 +64,7 @@ async def test_sandboxes_go_to_the_runtime_with_the_most_free_room():
 
 async def test_a_silent_or_leaving_runtime_gets_no_sandbox():
     clock = Clock()
-    coordination = LocalCoordination("r0", clock=clock)
+    coordination = MemoryCoordination("r0", clock=clock)
     pool = SandboxPool([], coordination=coordination, wait_for_runtime_s=0.0)
     try:
         await coordination.runtime_heard("a", heartbeat("http://127.0.0.1:1"))
@@ -78,14 +77,14 @@ async def test_a_silent_or_leaving_runtime_gets_no_sandbox():
         await pool.refresh()
         # a: silent, still listed; b: left, unused here, so forgotten
         assert [(s.url, s.alive) for s in pool.describe()] == [("http://127.0.0.1:1", False)]
-        with pytest.raises(SandboxServerError, match="no sandbox runtime is alive"):
+        with pytest.raises(RuntimeFailed, match="no sandbox runtime is alive"):
             await pool._choose(exclude=set())
     finally:
         await pool.close()
 
 
 async def test_runtimes_given_by_url_stay_usable_beside_registered_ones():
-    coordination = LocalCoordination("r0")
+    coordination = MemoryCoordination("r0")
     pool = SandboxPool(["http://static:1/"], coordination=coordination, wait_for_runtime_s=0.0)
     try:
         await pool.refresh()
@@ -141,37 +140,15 @@ def test_a_heartbeat_is_validated_as_a_wire_model():
         )
 
 
-async def test_the_memory_queue_counts_running_prompts_by_the_version_they_were_admitted_at():
-    queue = MemoryPromptQueue()
-    await queue.push([JobRequest(task="t", job_id=f"p{i}") for i in range(3)])
-    first, second = await queue.pop(2), await queue.pop(3)
-    await queue.pop(3)
-    assert await queue.running_versions() == {2: 1, 3: 2}
-    await queue.done(second.job_id)
-    await queue.done(first.job_id)
-    await queue.done(first.job_id)  # twice: counted once
-    assert await queue.running_versions() == {3: 1}
-
-
-async def test_the_local_coordination_sets_versions_as_asked_and_tells_its_listeners():
-    coordination = LocalCoordination("r0")
-    heard: list[int] = []
-    coordination.on_policy_version(heard.append)
-    assert await coordination.set_policy_version(5, raise_only=False) == 5
-    assert await coordination.set_policy_version(3, raise_only=True) == 5
-    assert await coordination.set_policy_version(2, raise_only=False) == 2
-    assert heard == [5, 2] and await coordination.claim_dead(hold_s=60) == []
-
-
 async def test_when_every_runtime_is_full_an_init_waits_for_room_then_tries_one_all_the_same():
-    coordination = LocalCoordination("r0")
+    coordination = MemoryCoordination("r0")
     pool = SandboxPool([], coordination=coordination, wait_for_runtime_s=0.0)
     try:
         await coordination.runtime_heard("a", heartbeat("http://127.0.0.1:1", capacity=2, sandboxes=2))
         await coordination.runtime_heard("b", heartbeat("http://127.0.0.1:2", capacity=2, sandboxes=1))
         await swept(pool)
         assert (await pool._choose(exclude=set())).url == "http://127.0.0.1:2"  # the one with room
-        pool.servers["http://127.0.0.1:2"].active = 2
+        pool.runtimes["http://127.0.0.1:2"].active = 2
         # Both full: with no time left to wait, the fullest-but-least-loaded one is tried (it may answer 429).
         assert (await pool._choose(exclude=set())).url in {"http://127.0.0.1:1", "http://127.0.0.1:2"}
     finally:

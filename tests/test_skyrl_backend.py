@@ -13,7 +13,7 @@ pytest.importorskip("skyrl", reason="SkyRL is not installed: pip install -e '.[t
 pytest.importorskip("loguru", reason="SkyRL's trainer needs loguru: pip install -e '.[skyrl]'")
 
 from prorl_adapter.hooks import PluginConfigError, PluginSet
-from prorl_adapter.models import GROUP_LABEL, BatchItem, TrajectoryWeight
+from prorl_adapter.models import BatchItem, TrajectoryWeight
 from prorl_adapter.trainer.samples import trajectory_from_tensors
 from prorl_plugins.skyrl import compat  # noqa: F401  (SkyRL on Python 3.11: before any skyrl import)
 
@@ -64,7 +64,7 @@ def test_real_generator_input_becomes_one_job_per_row():
     jobs = backend.prorl_backend_requests(batch=batch, config={"max_turns": 3, "max_context_tokens": 1024})
     assert [j.task for j in jobs] == ["shell", "shell", "python_math", "python_math"]  # env_class, else default
     assert [j.instance for j in jobs] == [SHELL, SHELL, MATH, MATH]
-    assert [j.labels[GROUP_LABEL] for j in jobs] == ["0", "0", "1", "1"]  # SkyRL's uid groups GRPO samples
+    assert [j.group for j in jobs] == ["0", "0", "1", "1"]  # SkyRL's uid groups GRPO samples
     assert [j.labels[TRAJECTORY_LABEL] for j in jobs] == ["0_0", "0_1", "1_0", "1_1"]
     assert {j.labels[STEP_LABEL] for j in jobs} == {"5"}
     sampling = jobs[0].sampling

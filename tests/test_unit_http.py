@@ -146,6 +146,8 @@ async def test_a_job_is_cancelled_through_the_api():
         (b'{"task": "shell", "max_turns": 0}', "application/json", 400, "max_turns"),
         (b'{"task": "shell", "job_id": "a/b"}', "application/json", 400, "job_id"),
         (b'{"instance": {}}', "application/json", 400, "task"),
+        (b'{"task": "shell", "attempt": 5}', "application/json", 400, "attempt and retry_of are set by the service"),
+        (b'{"task": "shell", "retry_of": "p0"}', "application/json", 400, "attempt and retry_of"),
     ],
 )
 @on_virtual_time
@@ -265,6 +267,7 @@ async def test_the_decoupled_endpoints_answer_and_refuse_bad_bodies():
             ("/v1/batches", {"size": 1, "lease_s": 0}),
             ("/v1/batches/ack", {"ids": []}),
             ("/v1/prompts", {"requests": [{"task": "shell", "max_turns": -1}]}),
+            ("/v1/prompts", {"requests": [{"task": "shell", "attempt": 1000}]}),
         ]:
             assert (await error_of(await stack.http.post(path, json=bad)))[0] == 400, (path, bad)
 

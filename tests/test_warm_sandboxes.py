@@ -21,7 +21,7 @@ from prorl_adapter.models import ServiceStatus
 from prorl_adapter.service.config import RolloutConfig
 from prorl_adapter.service.metrics import RolloutMetrics
 from prorl_adapter.service.pipeline import PipelineConfig
-from prorl_adapter.service.sandboxes import OWNER_LABEL, SandboxPool, SandboxServerError
+from prorl_adapter.service.sandboxes import OWNER_LABEL, RuntimeFailed, SandboxPool
 from prorl_adapter.service.server import SANDBOXES, create_app
 from prorl_adapter.service.warm_sandboxes import (
     WARM_LABEL,
@@ -103,7 +103,7 @@ async def test_off_by_default_nothing_is_created_ahead(runtime):
         assert info.labels == {"job_id": "j", "task": "t", OWNER_LABEL: "r-test"} and info.ttl_s == TTL
         await pool.release(env)
         assert await listed(client) == set()
-        assert pool.servers[url].gate.limit is None
+        assert pool.runtimes[url].gate.limit is None
     finally:
         await pool.close()
 
@@ -233,11 +233,11 @@ async def test_an_excluded_or_dead_runtime_is_not_served_from(runtime):
         box = warm.ready[0]
         assert pool.warm.take(ask(), exclude={url}) is None  # excluded: kept for another episode
         assert list(warm.ready) == [box] and warm.misses == 2
-        pool.servers[url].alive = False  # its heartbeats stopped
+        pool.runtimes[url].alive = False  # its heartbeats stopped
         assert pool.warm.take(ask(), exclude=set()) is None
         assert not warm.ready and warm.expired == 1
         await until_listed(client, lambda ids: box.sandbox_id not in ids)
-        pool.servers[url].alive = True
+        pool.runtimes[url].alive = True
         await pool.release(own)
     finally:
         await pool.close()
@@ -247,7 +247,7 @@ async def test_an_excluded_or_dead_runtime_is_not_served_from(runtime):
 async def test_close_deletes_every_warm_sandbox_even_those_being_created(runtime):
     url, client = runtime
     pool = warm_pool(url, size=3)
-    server = pool.servers[url]
+    server = pool.runtimes[url]
     create, held, release = server.client.create_sandbox, [], asyncio.Event()
 
     async def slow_after_the_first(**spec):
@@ -297,7 +297,7 @@ async def test_a_spec_the_runtime_refuses_pauses_its_refills_until_asked_again(r
     pool = warm_pool(url, size=1)  # one refill at a time: the first one's failure is seen before another starts
     bad = {"image": "no-such-image.sif"}
     try:
-        with pytest.raises(SandboxServerError, match="no-such-image"):
+        with pytest.raises(RuntimeFailed, match="no-such-image"):
             await pool.acquire(ask(bad), exclude=set())
         warm = state(pool, bad)
         await until(lambda: warm.paused and warm.creating == 0, "refills paused")
@@ -311,7 +311,7 @@ async def test_a_spec_the_runtime_refuses_pauses_its_refills_until_asked_again(r
 async def test_the_runtimes_state_shows_the_creations_in_flight_and_those_the_limit_holds_back(runtime):
     url, client = runtime
     pool = SandboxPool([url], owner="r-test", max_concurrent_creates=1, wait_for_runtime_s=0.0)
-    gate = pool.servers[url].gate
+    gate = pool.runtimes[url].gate
     try:
         (idle,) = pool.describe()
         assert (idle.creating, idle.creations_waiting, idle.max_concurrent_creates) == (0, 0, 1)
@@ -356,7 +356,7 @@ async def test_the_gate_lets_an_episode_go_before_any_waiting_refill():
 async def test_at_most_max_concurrent_creates_are_in_flight_on_a_runtime(runtime):
     url, client = runtime
     pool = SandboxPool([url], owner="r-test", max_concurrent_creates=2, wait_for_runtime_s=0.0)
-    server = pool.servers[url]
+    server = pool.runtimes[url]
     create, in_flight, most = server.client.create_sandbox, [0], [0]
 
     async def counted(**spec):

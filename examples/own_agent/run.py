@@ -53,7 +53,7 @@ def request(samples: int) -> JobRequest:
 async def run(url: str, samples: int) -> None:
     async with RolloutClient(url) as client:
         trajectories = await client.run_samples(request(samples), wait=900)
-    table = Table(title=f"{samples} episodes of one instance (group {trajectories[0].labels['group']!r})")
+    table = Table(title=f"{samples} episodes of one instance (group {trajectories[0].group!r})")
     for column in ("job", "reward", "calls", "sequences", "policy tokens", "context tokens", "commands"):
         table.add_column(column)
     for t in trajectories:

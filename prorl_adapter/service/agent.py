@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from server_kit.errors import ProrlError
 
 from ..models import FinishReason, JobRequest, SamplingParams, Segment, ToolCall, Turn
-from ..tasks import Environment, EpisodeState, TaskHandler, Tool
+from ..tasks import EpisodeState, SandboxHandle, TaskHandler, Tool
 from .actions import FORMATS, ActionFormat
 from .chat import ChatTokenizer, text_size
 from .llm import Generation, LLMPool, Pin
@@ -151,7 +151,7 @@ async def tool_turn(
     episode: Episode,
     pending: PolicyTurn,
     tools: dict[str, Tool],
-    env: Environment,
+    env: SandboxHandle,
     chat: ChatTokenizer,
     limit: int,
     last: bool = False,
@@ -186,7 +186,7 @@ async def tool_turn(
 async def run_episode(
     request: JobRequest,
     handler: TaskHandler,
-    env: Environment,
+    env: SandboxHandle,
     chat: ChatTokenizer,
     llm: LLMPool,
     policy_version: Callable[[], int],
@@ -202,7 +202,7 @@ async def run_episode(
 
 
 async def _run_tools(
-    calls: list, tools: dict[str, Tool], env: Environment, state: EpisodeState
+    calls: list, tools: dict[str, Tool], env: SandboxHandle, state: EpisodeState
 ) -> tuple[list[str], bool]:
     results: list[str] = []
     for call in calls:

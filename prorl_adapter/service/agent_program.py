@@ -16,7 +16,7 @@ import time
 from server_kit.errors import ProrlError
 
 from ..models import JobRequest
-from ..tasks import Environment, TaskHandler
+from ..tasks import SandboxHandle, TaskHandler
 from .agent import Episode, clip
 from .gateway import Gateway
 
@@ -48,7 +48,7 @@ def program_command(command: str, env: dict[str, str]) -> str:
 
 
 async def run_program(
-    job_id: str, request: JobRequest, handler: TaskHandler, env: Environment, gateway: Gateway, budget_s: float
+    job_id: str, request: JobRequest, handler: TaskHandler, env: SandboxHandle, gateway: Gateway, budget_s: float
 ) -> Episode:
     agent = request.agent
     episode = gateway.open(job_id, request)

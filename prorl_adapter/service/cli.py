@@ -96,14 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="what a runtime started with --register must present (env PRORL_REGISTRATION_TOKEN; default: the "
         "sandbox token; with neither, no runtime may register); a registered runtime is called with its own token",
     )
+    pipeline = PipelineConfig()  # the defaults below are the configuration dataclasses' own, written there once
     serve.add_argument(
-        "--timeout", type=_positive_float, default=1800.0, help="default time budget of a job, in seconds"
+        "--timeout",
+        type=_positive_float,
+        default=pipeline.default_timeout_s,
+        help="default time budget of a job, in seconds",
     )
-    serve.add_argument("--max-init-workers", type=_at_least(1), default=32)
+    serve.add_argument("--max-init-workers", type=_at_least(1), default=pipeline.max_init_workers)
     serve.add_argument(
         "--max-run-workers",
         type=int,
-        default=256,
+        default=pipeline.max_run_workers,
         help="episodes in the run stage at once; with --target-engine-batch, the most (default %(default)s)",
     )
     adaptive = AdaptiveConfig()
@@ -128,34 +132,34 @@ def build_parser() -> argparse.ArgumentParser:
         default=adaptive.poll_s,
         help="with --target-engine-batch: seconds between reads of the LLM servers' /metrics (default %(default)s)",
     )
-    serve.add_argument("--max-eval-workers", type=_at_least(1), default=32)
+    serve.add_argument("--max-eval-workers", type=_at_least(1), default=pipeline.max_eval_workers)
     serve.add_argument("--plugin", action="append", default=[], help="import path of a plugin (repeatable)")
     serve.add_argument("--block-plugin", action="append", default=[], help="name of a plugin not to load")
     serve.add_argument(
         "--buffer",
-        default=os.environ.get("PRORL_BUFFER_URL", "memory://"),
+        default=os.environ.get("PRORL_BUFFER_URL", RolloutConfig.buffer_url),
         help="the service's state (experience buffer, upcoming prompts, jobs, runtimes, policy version): "
         "memory:// or redis://host:port/db (survives a restart; replicas given the same URL share the work); "
         "env PRORL_BUFFER_URL (keeps a Redis password off the command line)",
     )
-    defaults = ProducerConfig()
+    producer = ProducerConfig()
     serve.add_argument(
         "--lease-s",
         type=float,
-        default=defaults.lease_s,
+        default=producer.lease_s,
         help="how long a taken batch may stay unacknowledged before its entries are delivered again "
         "(default %(default)s; POST /v1/batches may ask otherwise)",
     )
     serve.add_argument(
         "--max-deliveries",
         type=int,
-        default=defaults.max_deliveries,
+        default=producer.max_deliveries,
         help="deliveries after which an unacknowledged entry is a dead letter (default %(default)s)",
     )
     serve.add_argument(
         "--max-buffered",
         type=int,
-        default=defaults.max_buffered,
+        default=producer.max_buffered,
         help="admission pauses while the buffer holds this many entries (default %(default)s)",
     )
     serve.add_argument("--plugin-config", type=Path, default=None, help="JSON file: plugin settings by section")
@@ -173,13 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--result-ttl-s",
         type=float,
-        default=86_400.0,
+        default=RolloutConfig.result_ttl_s,
         help="with a Redis --buffer: how long a finished job's result stays readable (default %(default)s)",
     )
     serve.add_argument(
         "--gateway-host", default=None, help="where the LLM gateway for agent programs listens (default: --host)"
     )
-    serve.add_argument("--gateway-port", type=int, default=0, help="its port (default: a free one)")
+    serve.add_argument(
+        "--gateway-port", type=int, default=RolloutConfig.gateway_port, help="its port (default: a free one)"
+    )
     serve.add_argument(
         "--gateway-address",
         default=None,
@@ -216,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-concurrent-creates",
         type=int,
-        default=0,
+        default=RolloutConfig.max_concurrent_creates,
         help="sandbox creations in flight on one runtime from this replica at most, episodes' before warm "
         "refills (default %(default)s: no limit)",
     )

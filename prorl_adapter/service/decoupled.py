@@ -46,9 +46,9 @@ from server_kit.errors import ApiError
 
 from ..hooks.specs import hookimpl
 from ..models import AdmissionState, BatchItem, JobRequest, JobState, ProducerStats, Trajectory
-from .pipeline import Job, JobConflict, RolloutPipeline, UnknownTask
+from .job_runner import JobConflict, JobRunner, RunnerJob, UnknownTask
 from .storage.buffer import ExperienceBuffer, ExperienceBufferError
-from .storage.coordination import Coordination, LocalCoordination
+from .storage.coordination import Coordination, MemoryCoordination
 from .storage.prompts import MemoryPromptQueue, PromptQueue
 
 log = logging.getLogger(__name__)
@@ -56,8 +56,6 @@ log = logging.getLogger(__name__)
 RETRY_MAX_S = 30.0  # the longest pause between two attempts at an unreachable buffer
 ADMIT_PER_LOCK = 32  # prompts one replica may admit per hold of the shared admission lock
 SHARED_WAKE_S = 1.0  # with replicas, admission is asked again at least this often
-# Labels of a prompt that runs again: the job id it was first admitted under, and which run this is.
-PROMPT_LABEL, ATTEMPT_LABEL = "prorl_prompt", "prorl_attempt"
 
 
 @dataclass
@@ -94,19 +92,21 @@ class Producer:
 
     def __init__(
         self,
-        pipeline: RolloutPipeline,
+        runner: JobRunner,
         buffer: ExperienceBuffer,
         prompts: PromptQueue | None = None,
         config: ProducerConfig | None = None,
         coordination: Coordination | None = None,
     ) -> None:
-        self.pipeline = pipeline
+        self.runner = runner
         self.buffer = buffer
         self.prompts = prompts or MemoryPromptQueue()
         self.config = config or ProducerConfig()
-        self.coordination = coordination or LocalCoordination("prorl-rollout")
+        # The admission lock, and the policy version admission and takes weigh against (in the service, the same
+        # coordination the runner reads the version from).
+        self.coordination = coordination or MemoryCoordination("prorl-rollout")
         self._in_flight: set[str] = set()  # job ids of the prompts this replica runs
-        self._finished: deque[Job] = deque()  # waiting to be put into the buffer, in order
+        self._finished: deque[RunnerJob] = deque()  # waiting to be put into the buffer, in order
         self._leases: dict[str, Lease] = {}
         self._wakeup = asyncio.Event()
         self._delivery = asyncio.Event()
@@ -136,7 +136,7 @@ class Producer:
 
     @hookimpl
     def prorl_job_finished(self, trajectory: Trajectory, state: JobState) -> None:
-        job = self.pipeline.jobs.get(trajectory.job_id)
+        job = self.runner.job(trajectory.job_id)
         if job is not None:
             self._on_finished(job)
 
@@ -206,8 +206,8 @@ class Producer:
         deliver none of them (the other runs them; the queue refuses to end another's run anyway)."""
         disowned, self._in_flight = self._in_flight, set()  # what waits for delivery is skipped
         for job_id in disowned:
-            if job_id in self.pipeline.jobs:
-                task = asyncio.ensure_future(self.pipeline.cancel(job_id))
+            if self.runner.job(job_id) is not None:
+                task = asyncio.ensure_future(self.runner.cancel(job_id))
                 self._retries.add(task)
                 task.add_done_callback(self._retries.discard)
         self.wake()
@@ -226,10 +226,10 @@ class Producer:
             admitted: list[JobRequest] = []
             async with self.coordination.admission_lock():
                 if self.coordination.shared:  # read under the lock: what another replica set a moment ago counts
-                    self.pipeline.policy_version = await self.coordination.policy_version()
+                    await self.coordination.policy_version()  # `version` follows the read
                 # Several per hold (the counts change with each pop): the lock is shared by every replica.
                 while len(admitted) < ADMIT_PER_LOCK and await self._admitted(len(admitted)):
-                    request = await self.prompts.pop(self.pipeline.policy_version)
+                    request = await self.prompts.pop(self.coordination.version)
                     if request is None:
                         break
                     admitted.append(request)
@@ -240,7 +240,7 @@ class Producer:
 
     async def _submit(self, request: JobRequest) -> None:
         try:
-            job, _ = self.pipeline.submit(request)  # a known job id gives back that job (idempotent)
+            job, _ = self.runner.submit(request)  # a known job id gives back that job (idempotent)
         except (JobConflict, UnknownTask) as exc:  # this prompt can never run; the others can
             log.error("prompt %s dropped: %s", request.job_id, exc)
             self.stats.filtered += 1
@@ -249,7 +249,7 @@ class Producer:
         if job.id in self._in_flight:
             return
         self._in_flight.add(job.id)
-        if job.state.finished:  # a prompt enqueued again under the id of a job that has finished: deliver it
+        if job.result is not None:  # a prompt enqueued again under the id of a job that has ended: deliver it
             self._on_finished(job)
 
     async def _admitted(self, popped: int = 0) -> bool:
@@ -262,16 +262,16 @@ class Producer:
             held = f"the buffer holds or is about to hold max_buffered={self.config.max_buffered} entries"
         elif len(self._finished) >= self.config.max_undelivered:
             held = f"{len(self._finished)} finished trajectories wait for the buffer"
-        elif self.coordination.shared and (running_here := len(self._in_flight) + popped) >= self._capacity():
+        elif self.coordination.shared and (running_here := len(self._in_flight) + popped) >= self.runner.capacity():
             # Replicas share the upcoming prompts: each admits what its own workers can run, and the others the rest.
             held = f"this replica runs {running_here} episodes, what its workers take; the others admit"
-        elif self.coordination.shared and not self.pipeline.llm.any_healthy():
+        elif self.coordination.shared and not self.runner.can_generate():
             # Replicas share the prompts, not the LLM servers: one without any leaves them to the others.
             held = "this replica has no healthy LLM server (PUT /v1/llm-servers); the other replicas admit"
         else:
-            state = AdmissionState(self.pipeline.policy_version, running, buffered)
+            state = AdmissionState(self.coordination.version, running, buffered)
             try:
-                if not self.pipeline.plugins.admits(state):
+                if not self.runner.plugins.admits(state):
                     held = "admission control (a plugin) holds new episodes back"
             except Exception as exc:  # a plugin's bug: hold (the pace guarantee stands), say why, ask again later
                 log.exception("an admission plugin failed")
@@ -280,11 +280,7 @@ class Producer:
         self.stats.held_back = held is not None and await self.prompts.size() > 0
         return held is None
 
-    def _capacity(self) -> int:
-        config = self.pipeline.config
-        return config.max_init_workers + config.max_run_workers
-
-    def _on_finished(self, job: Job) -> None:
+    def _on_finished(self, job: RunnerJob) -> None:
         if job.id in self._in_flight:
             self._finished.append(job)
             self._delivery.set()
@@ -314,43 +310,41 @@ class Producer:
         await self._settle(job)
         self._finished.popleft()
 
-    async def _settle(self, job: Job) -> None:
+    async def _settle(self, job: RunnerJob) -> None:
         """The job's prompt is done with; only now does it stop counting as in flight for admission."""
         await self.prompts.done(job.id)
         self._in_flight.discard(job.id)
         self.wake()
 
-    def _retry_later(self, job: Job, again: JobRequest) -> None:
+    def _retry_later(self, job: RunnerJob, again: JobRequest) -> None:
         """Queue the prompt anew after a backoff (an outage that failed this run may fail the next at once).
         Until then it stays recorded as running, so a restart in between runs it again."""
-        attempt = int(again.labels[ATTEMPT_LABEL])
-        delay = min(self.config.retry_delay_s * 2 ** (attempt - 2), RETRY_MAX_S)
+        delay = min(self.config.retry_delay_s * 2 ** (again.attempt - 2), RETRY_MAX_S)
         task = asyncio.ensure_future(self._requeue_after(job, again, delay))
         self._retries.add(task)
         task.add_done_callback(self._retries.discard)
 
-    async def _requeue_after(self, job: Job, again: JobRequest, delay: float) -> None:
+    async def _requeue_after(self, job: RunnerJob, again: JobRequest, delay: float) -> None:
         await asyncio.sleep(delay)
         await self._retrying("queueing a failed prompt to run again", partial(self._requeue, job, again))
 
-    async def _requeue(self, job: Job, again: JobRequest) -> None:
+    async def _requeue(self, job: RunnerJob, again: JobRequest) -> None:
         await self.prompts.push([again])
         self.stats.retried += 1
         await self._settle(job)
 
-    def _another_attempt(self, job: Job) -> JobRequest | None:
+    def _another_attempt(self, job: RunnerJob) -> JobRequest | None:
         """The prompt of an episode that failed for the infrastructure, to run again under a job id of its own;
         None once it has failed max_attempts times, or when it was cancelled."""
         error = job.result.error if job.result is not None else None
         if error is None or error.error_class == "cancelled":
             return None
-        labels = job.request.labels
-        attempt = int(labels.get(ATTEMPT_LABEL, "1")) + 1
+        attempt = job.request.attempt + 1
         if attempt > self.config.max_attempts:
             return None
-        prompt = labels.get(PROMPT_LABEL, job.id)
-        labels = {**labels, PROMPT_LABEL: prompt, ATTEMPT_LABEL: str(attempt)}
-        return job.request.model_copy(update={"job_id": f"{prompt[:120]}:{attempt}", "labels": labels})
+        first = job.request.retry_of or job.id
+        update = {"job_id": f"{first[:120]}:{attempt}", "attempt": attempt, "retry_of": first}
+        return job.request.model_copy(update=update)
 
     # -- consuming --------------------------------------------------------------------------------------
     async def take_batch(
@@ -366,14 +360,14 @@ class Producer:
         The newest version first, waiting up to `timeout` for `size` (then what there is), unless a plugin
         demands a deadline take (`prorl_take_demands`, e.g. pace's `deadline-take` rule): see
         `_take_serving_deadlines`."""
-        plugins = self.pipeline.plugins
-        expired_before = plugins.expired_before(self.pipeline.policy_version)
+        plugins = self.runner.plugins
+        expired_before = plugins.expired_before(self.coordination.version)
         if expired_before is not None:
             self.stats.expired += await self.buffer.expire(expired_before)
         entries = await self._take_serving_deadlines(size, timeout)
         if entries is None:
             entries = await self.buffer.take(size, timeout)
-        version = self.pipeline.policy_version
+        version = self.coordination.version
         try:
             for entry in entries:
                 logprobs = (current_logprobs or {}).get(entry.id)
@@ -422,7 +416,7 @@ class Producer:
             remaining = None if deadline is None else deadline - loop.time()
             timed_out = remaining is not None and remaining <= 0
             async with self._deadline_take:
-                demands = self.pipeline.plugins.take_demands(await self._take_state())
+                demands = self.runner.plugins.take_demands(await self._take_state())
                 if demands is None:
                     return None
                 # A demand beyond the take's size (a take smaller than the rule's batch size, or a lease run out
@@ -452,7 +446,7 @@ class Producer:
             if buffered.get(lease.version, 0) > 0:
                 buffered[lease.version] -= 1
         buffered = {version: n for version, n in buffered.items() if n > 0}
-        return AdmissionState(self.pipeline.policy_version, await self.prompts.running_versions(), buffered)
+        return AdmissionState(self.coordination.version, await self.prompts.running_versions(), buffered)
 
     async def ack(self, ids: list[str]) -> int:
         acknowledged = await self.buffer.ack(ids)

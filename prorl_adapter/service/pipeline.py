@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from sandbox_runtime.client import SandboxAPIError, SandboxUnreachable
-from server_kit.errors import ApiError, ProrlError
+from server_kit.errors import ProrlError
 
 from ..hooks.plugin_set import PluginSet, RewardComponentConflict
 from ..models import ErrorClass, JobError, JobRequest, JobState, JobStatus, StageTimings, Trajectory
@@ -35,8 +35,10 @@ from .agent import Episode, PromptTooLong, run_episode
 from .agent_program import ProgramFailed, run_program
 from .chat import ChatTokenizer
 from .gateway import SANDBOX_PORT, Gateway
+from .job_runner import JobConflict, UnknownTask
 from .llm import LLMPool, LLMRequestError, LLMUnavailable
-from .sandboxes import SandboxPool, SandboxServerError
+from .sandboxes import RuntimeFailed, SandboxPool
+from .storage.coordination import Coordination, MemoryCoordination
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,7 @@ class RuntimeLost(StageFailed):
 class Job:
     id: str
     request: JobRequest
-    handler: TaskHandler
+    handler: TaskHandler | None  # None only for a job that never runs here (`not_run`)
     submitted_at: float = field(default_factory=time.time)
     submitted_mono: float = field(default_factory=time.monotonic)
     state: JobState = JobState.queued
@@ -113,17 +115,10 @@ class Job:
 _STAGE_NAMES = {JobState.init: "init", JobState.running: "run", JobState.evaluating: "eval"}
 
 
-class UnknownTask(ApiError, ValueError):
-    status = 400
-
-
-class JobConflict(ApiError, ValueError):
-    """A job id already taken by a different request: the id is an idempotency key, not a name to reuse."""
-
-    status = 409
-
-
 class RolloutPipeline:
+    """The job runner of the service (`job_runner.JobRunner`): its clients submit, cancel and wait through that
+    protocol; the sandbox pool, the LLM pool and the chat tokenizer are the service's, lent to it."""
+
     def __init__(
         self,
         plugins: PluginSet,
@@ -132,6 +127,7 @@ class RolloutPipeline:
         llm: LLMPool,
         chat: ChatTokenizer,
         config: PipelineConfig | None = None,
+        coordination: Coordination | None = None,
     ) -> None:
         self.plugins = plugins
         self.tasks = tasks
@@ -139,7 +135,11 @@ class RolloutPipeline:
         self.llm = llm
         self.chat = chat
         self.config = config or PipelineConfig()
-        self._policy_version = 0  # the version new turns are tagged with, set through the API
+        # The owner of the policy version (set through the API at any replica); the pipeline only reads it, and
+        # tells plugins when it changes.
+        self._coordination = coordination or MemoryCoordination("prorl-rollout")
+        self._coordination.on_policy_version(self._version_changed)
+        self._told_version = 0  # the version plugins last heard of
         self.jobs: OrderedDict[str, Job] = OrderedDict()
         self.counts = {state: 0 for state in (JobState.done, JobState.failed, JobState.cancelled)}
         self._finish_times: deque[float] = deque(maxlen=10_000)
@@ -153,17 +153,19 @@ class RolloutPipeline:
 
     @property
     def policy_version(self) -> int:
-        return self._policy_version
+        """The version new turns are tagged with: the coordination's, as this process last heard it."""
+        return self._coordination.version
 
-    @policy_version.setter
-    def policy_version(self, version: int) -> None:
-        """Set by the coordination (the shared version, however it was set): plugins hear of a change."""
-        if version != self._policy_version:
-            self._policy_version = version
+    def _version_changed(self, version: int) -> None:
+        if version != self._told_version:
+            self._told_version = version
             self.plugins.notify("prorl_policy_version_changed", version=version)
 
     # -- life cycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
+        # The shared state may have a version already (a Redis the replicas kept using), read before this pipeline
+        # listened: plugins hear of it now.
+        self._version_changed(self.policy_version)
         c = self.config
         stages = [
             ("init", JobState.init, self._init, "run", c.max_init_workers),
@@ -193,14 +195,17 @@ class RolloutPipeline:
         known = self._known_job(request)
         if known is not None:
             return known, False
-        handler = self.handler_for(request)
+        handler = self._handler(request)
         job = Job(request.job_id or uuid.uuid4().hex, request, handler)
         self.jobs[job.id] = job
         self._forget_old_jobs()
         self._queues["init"].put_nowait(job)
         return job, True
 
-    def handler_for(self, request: JobRequest) -> TaskHandler:
+    def check(self, request: JobRequest) -> None:
+        self._handler(request)
+
+    def _handler(self, request: JobRequest) -> TaskHandler:
         """The request's task handler; a 400 for a task this service does not have, or cannot run this way."""
         handler = self.tasks.get(request.task)
         if handler is None:
@@ -220,13 +225,18 @@ class RolloutPipeline:
             self._known_job(sample)
         return [self.submit(sample) for sample in samples]
 
-    def cancelled_before_start(self, request: JobRequest, submitted_at: float) -> Job:
-        """A job that was cancelled before it started anywhere (a replica sharing a queue with others):
-        final, with a cancelled job's trajectory; not kept among this pipeline's jobs."""
-        job = Job(request.job_id or uuid.uuid4().hex, request, self.handler_for(request), submitted_at=submitted_at)
-        job.state = JobState.cancelled
-        job.error = JobError(error_class="cancelled", message="cancelled by request")
-        job.result = self._trajectory(job)
+    def not_run(self, request: JobRequest, submitted_at: float, state: JobState, error: JobError) -> Job:
+        """A job that ended without running here (cancelled before it started anywhere, or one this replica
+        cannot run, of a queue shared with others): final, with its trajectory; not kept among this pipeline's
+        jobs. Its task may be unknown here, and its instance unreadable."""
+        job = Job(request.job_id or uuid.uuid4().hex, request, self.tasks.get(request.task), submitted_at=submitted_at)
+        job.state, job.error = state, error
+        try:
+            job.result = self._trajectory(job)
+        except Exception:  # the handler cannot read the instance (its id): the job ends all the same
+            log.exception("job %s: its task cannot read its instance", job.id)
+            job.handler = None
+            job.result = self._trajectory(job)
         return job
 
     def _known_job(self, request: JobRequest) -> Job | None:
@@ -235,6 +245,15 @@ class RolloutPipeline:
         if job is not None and job.request != request:
             raise JobConflict(f"job id {request.job_id!r} is taken by a different request; use a new id")
         return job
+
+    def job(self, job_id: str) -> Job | None:
+        return self.jobs.get(job_id)
+
+    def capacity(self) -> int:
+        return self.config.max_init_workers + self.config.max_run_workers
+
+    def can_generate(self) -> bool:
+        return self.llm.any_healthy()
 
     async def cancel(self, job_id: str) -> Job:
         job = self.jobs[job_id]
@@ -306,9 +325,9 @@ class RolloutPipeline:
                 return
             except TaskConfigError as exc:
                 raise StageFailed("init", f"task set-up failed: {exc}") from exc
-            except (SandboxServerError, SandboxAPIError) as exc:
+            except (RuntimeFailed, SandboxAPIError) as exc:
                 last_error = str(exc)
-                failed_on.add(exc.url if isinstance(exc, SandboxServerError) else job.env.server_url)
+                failed_on.add(exc.url if isinstance(exc, RuntimeFailed) else job.env.server_url)
                 await self._release(job)
                 log.warning("job %s: init attempt %d failed: %s", job.id, job.attempts, exc)
         raise StageFailed("init", f"no sandbox after {job.attempts} attempts: {last_error}")
@@ -496,7 +515,7 @@ class RolloutPipeline:
         return Trajectory(
             job_id=job.id,
             task=job.request.task,
-            instance_id=job.handler.instance_id(job.request.instance),
+            instance_id=job.handler.instance_id(job.request.instance) if job.handler else None,
             prompt_ids=episode.prompt_ids,
             response_ids=episode.response_ids,
             response_mask=episode.response_mask,
@@ -512,6 +531,9 @@ class RolloutPipeline:
             error=job.error,
             filter=job.error is not None,
             labels=job.request.labels,
+            group=job.request.group,
+            attempt=job.request.attempt,
+            retry_of=job.request.retry_of,
             artifacts=episode.state.artifacts,
             segments=episode.segments,
         )

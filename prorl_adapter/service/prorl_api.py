@@ -12,7 +12,6 @@ An episode of `/process` is an ordinary job of the pipeline: nothing here runs a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -29,9 +28,10 @@ from server_kit.openapi import Operation, Reply, describe_validation
 from server_kit.webapp import json_response
 
 from ..models import JobRequest, JobState, LLMServerURL, SamplingParams, Trajectory
-from ..tasks import TaskConfigError
+from ..tasks import TaskConfigError, TaskHandler
 from .chat import ChatTokenizer
-from .pipeline import Job, RolloutPipeline
+from .job_runner import JobRunner, RunnerJob
+from .llm import LLMPool
 
 log = logging.getLogger(__name__)
 
@@ -181,10 +181,19 @@ class CallerGone(ProrlError):
 
 
 class ProRLLegacy:
-    """ProRL's server state over the pipeline: whether it was started, and the /process calls in flight."""
+    """ProRL's server state over the job runner: whether it was started, and the /process calls in flight. It
+    reads the service's tasks (to map data sources), LLM pool (ProRL's LLM server calls) and chat template (the
+    result's messages), and waits up to twice the job budget (`budget_s`) for an episode, as ProRL's own
+    coordinator does."""
 
-    def __init__(self, pipeline: RolloutPipeline) -> None:
-        self.pipeline = pipeline
+    def __init__(
+        self, runner: JobRunner, tasks: dict[str, TaskHandler], llm: LLMPool, chat: ChatTokenizer, budget_s: float
+    ) -> None:
+        self.runner = runner
+        self.tasks = tasks
+        self.llm = llm
+        self.chat = chat
+        self.budget_s = budget_s
         self.running = False
         self.calls: dict[str, set[str]] = defaultdict(set)  # ProRL job id -> our job ids in flight
         self.stopping: set[str] = set()  # our job ids cancelled by /stop: their calls answer 500
@@ -225,7 +234,7 @@ class ProRLLegacy:
             raise web.HTTPBadRequest(text=f"invalid sampling_params: {describe_validation(exc)}") from None
 
     def _task_and_instance(self, source: str, row: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        tasks = self.pipeline.tasks
+        tasks = self.tasks
         if source in tasks:
             return source, row
         for name, handler in tasks.items():
@@ -237,25 +246,24 @@ class ProRLLegacy:
         known = sorted({*tasks, *(s for h in tasks.values() for s in h.prorl_data_sources)})
         raise web.HTTPBadRequest(text=f"data_source {source!r} has no task here; known: {', '.join(known)}")
 
-    async def process(self, request: JobRequest, wait_s: float, caller_gone: Callable[[], bool]) -> Job:
+    async def process(self, request: JobRequest, wait_s: float, caller_gone: Callable[[], bool]) -> RunnerJob:
         """Run the job to its end and return it. It is cancelled when `wait_s` passes (TimeoutError) and when the
         caller goes away (CallerGone): aiohttp does not cancel a handler whose client disconnects, so the call
         looks at its connection every CALLER_CHECK_S."""
-        job, _ = self.pipeline.submit(request)
+        job, _ = self.runner.submit(request)
         name = request.labels.get("prorl_job_id", job.id)
         self.calls[name].add(job.id)
         deadline = time.monotonic() + wait_s
         try:
-            while not job.finished.is_set():
+            while job.result is None:
                 if caller_gone():
                     raise CallerGone(job.id)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(job.id)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(job.finished.wait(), min(left, CALLER_CHECK_S))
+                job = await self.runner.wait(job.id, min(left, CALLER_CHECK_S))
         except (asyncio.CancelledError, TimeoutError, CallerGone):
-            await asyncio.shield(self.pipeline.cancel(job.id))
+            await asyncio.shield(self.runner.cancel(job.id))
             raise
         finally:
             self.calls[name].discard(job.id)
@@ -265,17 +273,17 @@ class ProRLLegacy:
 
     async def cancel(self, name: str) -> None:
         for job_id in list(self.calls.get(name, ())):
-            await self.pipeline.cancel(job_id)
+            await self.runner.cancel(job_id)
 
     async def stop(self) -> None:
         self.running = False
         for job_ids in list(self.calls.values()):
             for job_id in list(job_ids):
                 self.stopping.add(job_id)
-                await self.pipeline.cancel(job_id)
+                await self.runner.cancel(job_id)
 
     def status(self) -> ProRLStatus:
-        active = self.pipeline.status()["active"]
+        active = self.runner.status()["active"]
         return ProRLStatus(
             pending_jobs=sum(len(ids) for ids in self.calls.values()),
             jobs=sum(active.values()),
@@ -286,9 +294,11 @@ class ProRLLegacy:
 
 
 # -- the result, from the trajectory ----------------------------------------------------------------------
-async def prorl_result(job: Job, prorl_instance: dict[str, Any], chat: ChatTokenizer) -> ProRLResult:
+async def prorl_result(
+    job: RunnerJob, handler: TaskHandler, prorl_instance: dict[str, Any], chat: ChatTokenizer
+) -> ProRLResult:
     t: Trajectory = job.result
-    handler, instance = job.handler, job.request.instance
+    instance = job.request.instance
     try:
         tools = [tool.schema() for tool in handler.tools(instance)]
     except Exception:  # a row the handler could not read: there were no turns either
@@ -397,12 +407,12 @@ async def prorl_status(request: web.Request) -> web.Response:
 
 
 async def prorl_add_llm_server(request: web.Request, body: ProRLAddress) -> web.Response:
-    await request.app[LEGACY].pipeline.llm.check(body.address)
+    await request.app[LEGACY].llm.check(body.address)
     return json_response(ProRLReply(status=f"Added LLM server address: {body.address}"))
 
 
 async def prorl_clear_llm_server(request: web.Request) -> web.Response:
-    request.app[LEGACY].pipeline.llm.replace([])
+    request.app[LEGACY].llm.replace([])
     return json_response(ProRLReply(status="Cleared all LLM server addresses"))
 
 
@@ -419,14 +429,14 @@ async def prorl_process(request: web.Request, body: ProRLProcessRequest) -> web.
     if not legacy.running:
         return _refuse(503, NOT_RUNNING)
     job_request = legacy.job_request_for(body)
-    budget = legacy.pipeline.config.default_timeout_s
     started = time.monotonic()
 
     def caller_gone() -> bool:
         return request.transport is None or request.transport.is_closing()
 
     try:
-        job = await legacy.process(job_request, 2 * budget + 10.0, caller_gone)  # ProRL's coordinator waits as long
+        # ProRL's coordinator waits as long
+        job = await legacy.process(job_request, 2 * legacy.budget_s + 10.0, caller_gone)
     except TimeoutError:
         return _refuse(504, f"Processing timed out after {time.monotonic() - started:.0f} s")
     except CallerGone:
@@ -437,7 +447,8 @@ async def prorl_process(request: web.Request, body: ProRLProcessRequest) -> web.
         legacy.stopping.discard(job_request.job_id)
     if stopped:
         return _refuse(500, "Failed to process job: Server is stopping; job cancelled")
-    return json_response(await prorl_result(job, body.instance, legacy.pipeline.chat))
+    handler = legacy.tasks[job.request.task]
+    return json_response(await prorl_result(job, handler, body.instance, legacy.chat))
 
 
 _NOT_RUNNING_REPLY = Reply(503, "the API is not started (POST /start)", ProRLDetail)

@@ -1,5 +1,5 @@
-"""This process as one replica of the rollout service: it says it is alive, follows the shared policy version,
-and takes over the work of replicas that die.
+"""This process as one replica of the rollout service: it says it is alive, and takes over the work of replicas
+that die. (The shared policy version is the coordination's, which every replica reads.)
 
 Every `interval_s` a replica beats (with its figures, which `GET /v1/status` of any replica shows) and asks the
 coordination for replicas whose beats lapsed; each dead one is handed to exactly one survivor, which
@@ -24,11 +24,11 @@ import logging
 
 from ..models import ReplicaState
 from .decoupled import Producer
-from .job_board import JobBoard
-from .pipeline import RolloutPipeline
+from .job_runner import JobRunner
 from .sandboxes import SandboxPool
 from .storage.buffer import ExperienceBufferError
 from .storage.coordination import Coordination
+from .storage.job_board import JobBoard
 
 log = logging.getLogger(__name__)
 TAKEOVER_S = 120.0  # a takeover that takes longer is given up, to be claimed again; the claim holds as long
@@ -38,7 +38,7 @@ class Replica:
     def __init__(
         self,
         coordination: Coordination,
-        pipeline: RolloutPipeline,
+        runner: JobRunner,
         board: JobBoard,
         producer: Producer,
         sandboxes: SandboxPool,
@@ -46,7 +46,7 @@ class Replica:
         interval_s: float = 1.0,
     ) -> None:
         self.coordination = coordination
-        self.pipeline = pipeline
+        self.runner = runner
         self.board = board
         self.producer = producer
         self.sandboxes = sandboxes
@@ -60,9 +60,8 @@ class Replica:
         return self.coordination.replica_id
 
     async def start(self) -> None:
-        self.coordination.on_policy_version(self._follow_version)
-        with contextlib.suppress(ExperienceBufferError):  # Redis away: the loop keeps trying
-            self._follow_version(await self.coordination.policy_version())
+        with contextlib.suppress(ExperienceBufferError):  # Redis away: the coordination hears of it later
+            await self.coordination.policy_version()  # what it reads is the version this replica tags turns with
         for loop in (self._beat_forever, self._watch_forever):
             self._spawn(loop())
 
@@ -77,11 +76,8 @@ class Replica:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _follow_version(self, version: int) -> None:
-        self.pipeline.policy_version = version
-
     def figures(self) -> dict:
-        status = self.pipeline.status()
+        status = self.runner.status()
         return {
             "active": sum(status["active"].values()),
             "episodes_per_s_last_60s": status["episodes_per_s_last_60s"],

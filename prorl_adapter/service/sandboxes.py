@@ -1,4 +1,4 @@
-"""Sandboxes for episodes, spread over the sandbox runtime servers: those given at start (`--sandbox-url`) and
+"""Sandboxes for episodes, spread over the sandbox runtimes: those given at start (`--sandbox-url`) and
 those that register themselves (heartbeats, `sandbox_runtime.registration`), as the coordination records them.
 
 A new sandbox goes to the live runtime with the most free room (its capacity less the larger of what it last
@@ -34,7 +34,7 @@ from server_kit.errors import DownstreamError
 from ..models import RuntimeState, WarmSandboxState
 from ..tasks import Environment
 from .storage.buffer import ExperienceBufferError
-from .storage.coordination import Coordination, LocalCoordination
+from .storage.coordination import Coordination, MemoryCoordination
 from .warm_sandboxes import CreateGate, WarmBox, WarmConfig, WarmSandboxes
 
 log = logging.getLogger(__name__)
@@ -46,8 +46,8 @@ HEALTH_CHECK_S = 5.0  # how long a runtime suspected lost has to answer its heal
 SWEEP_S = 30.0  # how long a new runtime has to list its sandboxes before it is used all the same
 
 
-class SandboxServerError(DownstreamError):
-    """A runtime server could not create or prepare a sandbox; `url` names it so a retry can avoid it."""
+class RuntimeFailed(DownstreamError):
+    """A runtime could not create or prepare a sandbox; `url` names it so a retry can avoid it."""
 
     def __init__(self, url: str, message: str):
         super().__init__(f"{url}: {message}")
@@ -55,7 +55,9 @@ class SandboxServerError(DownstreamError):
 
 
 @dataclass
-class RuntimeServer:
+class Runtime:
+    """A sandbox runtime (a `prorl-sandbox` server) as this replica places sandboxes on it."""
+
     name: str
     url: str
     client: SandboxClient
@@ -88,13 +90,13 @@ class SandboxPool:
     ) -> None:
         self.owner = owner
         self._token = token  # for the runtimes given by URL only; a registered one is called with its own
-        self.coordination = coordination or LocalCoordination(owner)
+        self.coordination = coordination or MemoryCoordination(owner)
         self.wait_for_runtime_s = wait_for_runtime_s
         self.max_concurrent_creates = max_concurrent_creates
-        self.servers: dict[str, RuntimeServer] = {}
+        self.runtimes: dict[str, Runtime] = {}
         for url in urls:
             url = url.rstrip("/")
-            self.servers[url] = self._server(url, url, static=True)
+            self.runtimes[url] = self._runtime(url, url, static=True)
         self.warm: WarmSandboxes | None = None
         if warm is not None and warm.size > 0:
             self.warm = WarmSandboxes(warm, self._create_warm, self._delete_warm, self._serves)
@@ -105,14 +107,14 @@ class SandboxPool:
         self._creations: set[asyncio.Future[SandboxInfo]] = set()  # awaited at close: their sandboxes are deleted
         self._refresh_lock = asyncio.Lock()
 
-    def _server(self, name: str, url: str, static: bool, swept: bool = True, token: str | None = None) -> RuntimeServer:
+    def _runtime(self, name: str, url: str, static: bool, swept: bool = True, token: str | None = None) -> Runtime:
         """A runtime and its client. A registered one is sent only its own token, the one its (authenticated)
         heartbeats carry: never the runtimes' token given for the static ones, nor the registration token, which
         every registered runtime holds. Whatever registers (at whatever URL it names) learns no credential that
         opens another runtime."""
         gate = CreateGate(self.max_concurrent_creates or None)
         client = SandboxClient(url, token=self._token if static else token, timeout=120)
-        return RuntimeServer(name, url, client, static=static, swept=swept, gate=gate, token=token)
+        return Runtime(name, url, client, static=static, swept=swept, gate=gate, token=token)
 
     # -- the runtimes -----------------------------------------------------------------------------------
     async def refresh(self) -> None:
@@ -127,24 +129,24 @@ class SandboxPool:
             self._now, self._refreshed = now, time.monotonic()
             heard = {record.heartbeat.url.rstrip("/"): record for record in records}
             for url, record in heard.items():
-                server = self.servers.get(url)
-                if server is None:
-                    server = self._server(record.name, url, static=False, swept=False, token=record.heartbeat.token)
-                    self.servers[url] = server
-                    self._in_background(self._delete_leftovers_on(server), self._sweeps)
-                elif not server.static and server.token != record.heartbeat.token:  # restarted with a new token
-                    old, server.token = server.client, record.heartbeat.token
-                    server.client = SandboxClient(url, token=server.token, timeout=120)
+                runtime = self.runtimes.get(url)
+                if runtime is None:
+                    runtime = self._runtime(record.name, url, static=False, swept=False, token=record.heartbeat.token)
+                    self.runtimes[url] = runtime
+                    self._in_background(self._delete_leftovers_on(runtime), self._sweeps)
+                elif not runtime.static and runtime.token != record.heartbeat.token:  # restarted with a new token
+                    old, runtime.token = runtime.client, record.heartbeat.token
+                    runtime.client = SandboxClient(url, token=runtime.token, timeout=120)
                     self._in_background(old.aclose())
-                if not server.static:
-                    server.capacity, server.reported = record.heartbeat.capacity, record.heartbeat.sandboxes
-                    server.seen_at, server.alive = record.seen_at, record.alive(now)
-            for url, server in list(self.servers.items()):
-                if not server.static and url not in heard:
-                    server.alive = False
-                    if server.active == 0:  # forgotten by the registry and unused here: let it go
-                        del self.servers[url]
-                        self._in_background(server.client.aclose())
+                if not runtime.static:
+                    runtime.capacity, runtime.reported = record.heartbeat.capacity, record.heartbeat.sandboxes
+                    runtime.seen_at, runtime.alive = record.seen_at, record.alive(now)
+            for url, runtime in list(self.runtimes.items()):
+                if not runtime.static and url not in heard:
+                    runtime.alive = False
+                    if runtime.active == 0:  # forgotten by the registry and unused here: let it go
+                        del self.runtimes[url]
+                        self._in_background(runtime.client.aclose())
 
     async def _refresh_if_stale(self) -> None:
         if time.monotonic() - self._refreshed >= REFRESH_S:
@@ -166,77 +168,75 @@ class SandboxPool:
                 creations_waiting=s.gate.waiting(True) + s.gate.waiting(False),
                 max_concurrent_creates=s.gate.limit,
             )
-            for s in self.servers.values()
+            for s in self.runtimes.values()
         ]
 
-    async def _choose(self, exclude: set[str]) -> RuntimeServer:
+    async def _choose(self, exclude: set[str]) -> Runtime:
         """The live runtime with the most room, avoiding `exclude`; with none alive, or every one full, wait for
         one to register or for room (up to `wait_for_runtime_s`; then a full one is tried all the same)."""
         deadline = time.monotonic() + self.wait_for_runtime_s
         while True:
             await self._refresh_if_stale()
-            alive = [s for s in self.servers.values() if s.alive and s.swept]
+            alive = [s for s in self.runtimes.values() if s.alive and s.swept]
             candidates = [s for s in alive if s.url not in exclude] or alive
             roomy = [s for s in candidates if s.free() > 0]
             waited_out = time.monotonic() >= deadline
             if roomy or (candidates and waited_out):
                 return max(roomy or candidates, key=lambda s: (s.free(), -s.active, -s.failures))
             if waited_out:
-                raise SandboxServerError(
-                    "(none)", f"no sandbox runtime is alive (waited {self.wait_for_runtime_s:g} s)"
-                )
+                raise RuntimeFailed("(none)", f"no sandbox runtime is alive (waited {self.wait_for_runtime_s:g} s)")
             await asyncio.sleep(REFRESH_S)  # a period: a runtime may register, or room free up, meanwhile
 
     # -- sandboxes --------------------------------------------------------------------------------------
     async def acquire(self, spec: dict[str, Any], exclude: set[str]) -> Environment:
         if self.warm is not None and (box := self.warm.take(spec, exclude)) is not None:
-            server = self.servers[box.server_url]  # counted in `active` since it was created
-            return Environment(server.client, box.sandbox_id, server.url, box.workdir)
-        server = await self._choose(exclude)
-        info = await self._create(server, spec, urgent=True)
-        return Environment(server.client, info.id, server.url, info.workdir)
+            runtime = self.runtimes[box.server_url]  # counted in `active` since it was created
+            return Environment(runtime.client, box.sandbox_id, runtime.url, box.workdir)
+        runtime = await self._choose(exclude)
+        info = await self._create(runtime, spec, urgent=True)
+        return Environment(runtime.client, info.id, runtime.url, info.workdir)
 
-    async def _create(self, server: RuntimeServer, spec: dict[str, Any], urgent: bool) -> SandboxInfo:
-        """A sandbox on `server`, counted there; through its gate (an episode's creation is `urgent`)."""
+    async def _create(self, runtime: Runtime, spec: dict[str, Any], urgent: bool) -> SandboxInfo:
+        """A sandbox on `runtime`, counted there; through its gate (an episode's creation is `urgent`)."""
         spec = {**spec, "labels": {**spec.get("labels", {}), OWNER_LABEL: self.owner}}
-        server.active += 1  # counted before the request, so concurrent inits spread over the servers
+        runtime.active += 1  # counted before the request, so concurrent inits spread over the runtimes
         try:
-            await server.gate.enter(urgent)
+            await runtime.gate.enter(urgent)
         except asyncio.CancelledError:
-            server.active -= 1
+            runtime.active -= 1
             raise
-        creation = asyncio.ensure_future(server.client.create_sandbox(**spec))
-        creation.add_done_callback(lambda _: server.gate.leave())
+        creation = asyncio.ensure_future(runtime.client.create_sandbox(**spec))
+        creation.add_done_callback(lambda _: runtime.gate.leave())
         self._creations.add(creation)
         creation.add_done_callback(self._creations.discard)
         try:
             # Shielded: a cancel here must not abandon a sandbox the runtime goes on creating.
             info = await asyncio.shield(creation)
         except asyncio.CancelledError:
-            server.active -= 1
-            creation.add_done_callback(lambda done: self._delete_when_created(server, done))
+            runtime.active -= 1
+            creation.add_done_callback(lambda done: self._delete_when_created(runtime, done))
             raise
         except SandboxAPIError as exc:
-            server.active -= 1
-            server.failures += 1
-            raise SandboxServerError(server.url, f"cannot create a sandbox: {exc}") from exc
-        server.created.add(info.id)
+            runtime.active -= 1
+            runtime.failures += 1
+            raise RuntimeFailed(runtime.url, f"cannot create a sandbox: {exc}") from exc
+        runtime.created.add(info.id)
         return info
 
     # -- warm sandboxes (see warm_sandboxes) ----------------------------------------------------------------
     def _serves(self, url: str) -> bool:
-        server = self.servers.get(url)
-        return server is not None and server.alive
+        runtime = self.runtimes.get(url)
+        return runtime is not None and runtime.alive
 
     async def _create_warm(self, spec: dict[str, Any]) -> WarmBox | None:
         """A warm sandbox on the live runtime with the most room, None when none has room; it does not wait."""
         await self._refresh_if_stale()
-        roomy = [s for s in self.servers.values() if s.alive and s.swept and s.free() > 0]
+        roomy = [s for s in self.runtimes.values() if s.alive and s.swept and s.free() > 0]
         if not roomy:
             return None
-        server = max(roomy, key=lambda s: (s.free(), -s.active, -s.failures))
-        info = await self._create(server, spec, urgent=False)
-        return WarmBox(info.id, server.url, info.workdir, started=0.0, ttl_s=spec["ttl_s"])
+        runtime = max(roomy, key=lambda s: (s.free(), -s.active, -s.failures))
+        info = await self._create(runtime, spec, urgent=False)
+        return WarmBox(info.id, runtime.url, info.workdir, started=0.0, ttl_s=spec["ttl_s"])
 
     async def _delete_warm(self, box: WarmBox) -> None:
         await self._delete_placed(box.server_url, box.sandbox_id)
@@ -250,45 +250,45 @@ class SandboxPool:
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    def _delete_when_created(self, server: RuntimeServer, creation: asyncio.Future[SandboxInfo]) -> None:
+    def _delete_when_created(self, runtime: Runtime, creation: asyncio.Future[SandboxInfo]) -> None:
         if creation.cancelled() or creation.exception() is not None:
             return
-        self._in_background(self._delete_quietly(server, creation.result().id))
+        self._in_background(self._delete_quietly(runtime, creation.result().id))
 
-    async def _delete_quietly(self, server: RuntimeServer, sandbox_id: str) -> None:
+    async def _delete_quietly(self, runtime: Runtime, sandbox_id: str) -> None:
         with contextlib.suppress(SandboxAPIError):
-            await server.client.delete_sandbox(sandbox_id)
+            await runtime.client.delete_sandbox(sandbox_id)
 
-    async def _delete_owned(self, server: RuntimeServer, owner: str) -> int:
+    async def _delete_owned(self, runtime: Runtime, owner: str) -> int:
         """Delete the sandboxes labelled with `owner` on one runtime, but for this incarnation's own."""
         try:
             boxes = [
                 box
-                for box in await server.client.list_sandboxes()
-                if box.labels.get(OWNER_LABEL) == owner and box.id not in server.created
+                for box in await runtime.client.list_sandboxes()
+                if box.labels.get(OWNER_LABEL) == owner and box.id not in runtime.created
             ]
         except SandboxAPIError as exc:  # a runtime that is down took its sandboxes with it (or reaps them)
-            log.warning("could not look for sandboxes of %s on %s: %s", owner, server.url, exc)
+            log.warning("could not look for sandboxes of %s on %s: %s", owner, runtime.url, exc)
             return 0
-        await asyncio.gather(*(self._delete_quietly(server, box.id) for box in boxes))
+        await asyncio.gather(*(self._delete_quietly(runtime, box.id) for box in boxes))
         return len(boxes)
 
-    async def _delete_leftovers_on(self, server: RuntimeServer) -> None:
+    async def _delete_leftovers_on(self, runtime: Runtime) -> None:
         deleted = 0
         try:
             async with asyncio.timeout(SWEEP_S):  # one that does not answer has nothing of ours worth waiting for
-                deleted = await self._delete_owned(server, self.owner)
+                deleted = await self._delete_owned(runtime, self.owner)
         except TimeoutError:
-            log.warning("no answer from %s within %g s while looking for leftovers", server.url, SWEEP_S)
+            log.warning("no answer from %s within %g s while looking for leftovers", runtime.url, SWEEP_S)
         finally:
-            server.swept = True
+            runtime.swept = True
         if deleted:
-            log.warning("deleted %d sandboxes an earlier run of %s left on %s", deleted, self.owner, server.url)
+            log.warning("deleted %d sandboxes an earlier run of %s left on %s", deleted, self.owner, runtime.url)
 
     async def delete_leftovers(self) -> int:
         """Delete every sandbox labelled with this replica's id on the runtimes given by URL (the registered
         ones are cleaned when first seen): a previous incarnation's, left by a crash."""
-        counts = await asyncio.gather(*(self._delete_owned(s, self.owner) for s in self.servers.values() if s.static))
+        counts = await asyncio.gather(*(self._delete_owned(s, self.owner) for s in self.runtimes.values() if s.static))
         if sum(counts):
             log.warning("deleted %d sandboxes left by an earlier run of %s", sum(counts), self.owner)
         return sum(counts)
@@ -296,29 +296,29 @@ class SandboxPool:
     async def delete_owned_by(self, owner: str) -> int:
         """Delete a dead replica's sandboxes on every runtime alive (its episodes run again elsewhere)."""
         await self.refresh()
-        servers = [s for s in self.servers.values() if s.alive]
-        return sum(await asyncio.gather(*(self._delete_owned(s, owner) for s in servers)))
+        alive = [runtime for runtime in self.runtimes.values() if runtime.alive]
+        return sum(await asyncio.gather(*(self._delete_owned(runtime, owner) for runtime in alive)))
 
     async def lost(self, url: str) -> bool:
         """Whether the runtime at `url` is gone (not merely slow to answer one call): a registered one that is
         no longer alive, or one that does not answer its health check either."""
         await self.refresh()
-        server = self.servers.get(url)
-        if server is None or not server.alive:
+        runtime = self.runtimes.get(url)
+        if runtime is None or not runtime.alive:
             return True
-        return not await server.client.healthy(HEALTH_CHECK_S)
+        return not await runtime.client.healthy(HEALTH_CHECK_S)
 
     async def release(self, env: Environment) -> None:
-        """Delete the episode's sandbox. A server that is gone took its sandboxes with it."""
+        """Delete the episode's sandbox. A runtime that is gone took its sandboxes with it."""
         await self._delete_placed(env.server_url, env.sandbox_id)
 
     async def _delete_placed(self, url: str, sandbox_id: str) -> None:
-        server = self.servers.get(url)
-        if server is None:  # forgotten meanwhile: gone, with its sandboxes
+        runtime = self.runtimes.get(url)
+        if runtime is None:  # forgotten meanwhile: gone, with its sandboxes
             return
-        server.active -= 1
-        server.created.discard(sandbox_id)
-        await self._delete_quietly(server, sandbox_id)
+        runtime.active -= 1
+        runtime.created.discard(sandbox_id)
+        await self._delete_quietly(runtime, sandbox_id)
 
     async def close(self) -> None:
         if self.warm is not None:
@@ -329,5 +329,5 @@ class SandboxPool:
         # this gather's): wait for both.
         await asyncio.gather(*self._sweeps, *self._creations, return_exceptions=True)
         await asyncio.gather(*self._late_deletes, return_exceptions=True)
-        for server in self.servers.values():
-            await server.client.aclose()
+        for runtime in self.runtimes.values():
+            await runtime.client.aclose()

@@ -67,7 +67,6 @@ from . import gateway, prorl_api
 from .chat import ChatTokenizer
 from .config import RolloutConfig
 from .decoupled import Producer
-from .job_board import JobBoard, LocalJobBoard
 from .llm import LLMPool
 from .metrics import RolloutMetrics
 from .pipeline import RolloutPipeline
@@ -76,6 +75,7 @@ from .sandboxes import SandboxPool
 from .storage import create_buffer, create_coordination, create_prompt_queue
 from .storage.buffer import ExperienceBuffer, ExperienceBufferError
 from .storage.coordination import Coordination
+from .storage.job_board import JobBoard, MemoryJobBoard
 from .storage.prompts import PromptQueue
 
 PLUGINS = web.AppKey("plugins", PluginSet)
@@ -91,6 +91,8 @@ REPLICA = web.AppKey("replica", Replica)
 METRICS = web.AppKey("metrics", RolloutMetrics)
 GATEWAY_APP = web.AppKey("gateway_app", web.Application)
 REGISTRATION_CREDENTIAL = web.AppKey("registration_credential", str)
+TASKS = web.AppKey("tasks", dict)  # task name -> TaskHandler, from the plugins
+GATEWAY_ADDRESS: web.AppKey[str | None] = web.AppKey("gateway_address")  # where runtimes reach the LLM gateway
 MAX_WAIT_S = 3600.0
 DECOUPLED_FIGURES = (
     "upcoming",
@@ -124,21 +126,30 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    app_metrics, pipeline = request.app[METRICS], request.app[PIPELINE]
-    for state, count in pipeline.status()["active"].items():
+    app_metrics, runner = request.app[METRICS], request.app[PIPELINE]
+    status = runner.status()
+    for state, count in status["active"].items():
         app_metrics.in_flight.labels(state).set(count)
-    app_metrics.policy_version.set(pipeline.policy_version)
-    app_metrics.set_run_concurrency(pipeline.run_concurrency.describe())
+    app_metrics.policy_version.set(status["policy_version"])
+    app_metrics.set_run_concurrency(status["run_concurrency"])
     figures = await request.app[PRODUCER].snapshot()
     for figure in DECOUPLED_FIGURES:
         app_metrics.decoupled.labels(figure).set(getattr(figures, figure))
     app_metrics.degraded.set(figures.degraded is not None)
-    if pipeline.sandboxes.warm is not None:
-        app_metrics.count_warm(pipeline.sandboxes.warm.hits, pipeline.sandboxes.warm.misses)
+    warm = request.app[SANDBOXES].warm
+    if warm is not None:
+        app_metrics.count_warm(warm.hits, warm.misses)
     return web.Response(body=app_metrics.render(), content_type="text/plain")
 
 
+def refuse_service_fields(request: JobRequest) -> None:
+    """`attempt` and `retry_of` are the service's: set by a client, they would change how often its prompt runs."""
+    if request.attempt != 1 or request.retry_of is not None:
+        raise BadRequest("attempt and retry_of are set by the service (a prompt run again): leave them out")
+
+
 async def submit_job(request: web.Request, body: JobRequest) -> web.Response:
+    refuse_service_fields(body)
     statuses, created = await request.app[BOARD].submit(body)
     status = statuses[0]
     if body.num_samples > 1:
@@ -161,8 +172,9 @@ async def cancel_job(request: web.Request) -> web.Response:
 
 async def service_status(request: web.Request) -> web.Response:
     """This replica's queues and jobs, every replica sharing its state, and the runtimes it may use."""
-    pipeline, producer, replica = request.app[PIPELINE], request.app[PRODUCER], request.app[REPLICA]
-    await pipeline.sandboxes.refresh()
+    runner, producer, replica = request.app[PIPELINE], request.app[PRODUCER], request.app[REPLICA]
+    sandboxes = request.app[SANDBOXES]
+    await sandboxes.refresh()
     degraded = producer.stats.degraded
     try:
         replicas = await replica.describe()
@@ -171,14 +183,14 @@ async def service_status(request: web.Request) -> web.Response:
         degraded = degraded or f"reading the replicas: {exc}"
     return json_response(
         ServiceStatus(
-            **pipeline.status(),
-            llm_servers=pipeline.llm.servers(),
+            **runner.status(),
+            llm_servers=request.app[LLM].servers(),
             degraded=degraded,
-            gateway_address=pipeline.config.gateway_address,
+            gateway_address=request.app[GATEWAY_ADDRESS],
             replica=replica.id,
             replicas=replicas,
-            runtimes=pipeline.sandboxes.describe(),
-            warm_sandboxes=pipeline.sandboxes.describe_warm(),
+            runtimes=sandboxes.describe(),
+            warm_sandboxes=sandboxes.describe_warm(),
         )
     )
 
@@ -208,13 +220,13 @@ async def runtime_heartbeat(request: web.Request, body: RuntimeHeartbeat) -> web
 
 
 async def list_runtimes(request: web.Request) -> web.Response:
-    sandboxes = request.app[PIPELINE].sandboxes
+    sandboxes = request.app[SANDBOXES]
     await sandboxes.refresh()
     return json_response(RuntimeStateList(runtimes=sandboxes.describe()))
 
 
 async def list_tasks(request: web.Request) -> web.Response:
-    return json_response(TaskList(tasks=sorted(request.app[PIPELINE].tasks)))
+    return json_response(TaskList(tasks=sorted(request.app[TASKS])))
 
 
 async def list_plugins(request: web.Request) -> web.Response:
@@ -225,23 +237,23 @@ async def list_plugins(request: web.Request) -> web.Response:
 
 
 async def list_llm_servers(request: web.Request) -> web.Response:
-    return json_response(LLMServerList(servers=request.app[PIPELINE].llm.servers()))
+    return json_response(LLMServerList(servers=request.app[LLM].servers()))
 
 
 async def add_llm_server(request: web.Request, body: LLMServerRequest) -> web.Response:
-    info = await request.app[PIPELINE].llm.check(body.url)
+    info = await request.app[LLM].check(body.url)
     request.app[PRODUCER].wake()  # a replica held for want of an LLM server admits again
     return json_response(info, status=201)
 
 
 async def remove_llm_server(request: web.Request, query: LLMServerQuery) -> web.Response:
-    removed = request.app[PIPELINE].llm.remove(query.url)  # removing one that is not there is done already
+    removed = request.app[LLM].remove(query.url)  # removing one that is not there is done already
     return json_response(LLMServerRemoved(url=query.url, removed=removed))
 
 
 async def set_llm_servers(request: web.Request, body: LLMServersRequest) -> web.Response:
     """Replace the whole set at once: idempotent, so trainer workers that each set it cannot race."""
-    llm = request.app[PIPELINE].llm
+    llm = request.app[LLM]
     llm.replace(body.urls)
     await llm.check_health()
     request.app[PRODUCER].wake()
@@ -256,7 +268,8 @@ async def set_policy_version(request: web.Request, body: PolicyVersion) -> web.R
 
 async def enqueue_prompts(request: web.Request, body: PromptsRequest) -> web.Response:
     for prompt in body.requests:  # a prompt that can never run is refused now, not dropped later
-        request.app[PIPELINE].handler_for(prompt)
+        refuse_service_fields(prompt)
+        request.app[PIPELINE].check(prompt)
     samples = [sample for r in body.requests for sample in r.samples()]
     return json_response(PromptsQueued(upcoming=await request.app[PRODUCER].enqueue(samples)), status=202)
 
@@ -536,6 +549,7 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
         ROLLOUT_API, config.token, config.max_body_bytes, app_metrics.requests, gates, frozenset({REGISTRATION_PATH})
     )
     app[METRICS] = app_metrics
+    app[GATEWAY_ADDRESS] = config.pipeline.gateway_address  # `serve` has set it by now: the socket is bound first
     app[REGISTRATION_CREDENTIAL] = config.registration_credential  # type: ignore[assignment]
     app[GATEWAY_APP] = gateway.create_gateway_app(app_metrics.requests)
 
@@ -586,10 +600,13 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
         await app[PROMPTS].close()
 
     async def pipeline(app: web.Application):
-        tasks = app[PLUGINS].tasks()
+        app[TASKS] = tasks = app[PLUGINS].tasks()
         tokenizer = chat or ChatTokenizer(config.tokenizer)
-        app[PIPELINE] = RolloutPipeline(app[PLUGINS], tasks, app[SANDBOXES], app[LLM], tokenizer, config.pipeline)
-        app[prorl_api.LEGACY] = prorl_api.ProRLLegacy(app[PIPELINE])
+        app[PIPELINE] = RolloutPipeline(
+            app[PLUGINS], tasks, app[SANDBOXES], app[LLM], tokenizer, config.pipeline, app[COORDINATION]
+        )
+        budget_s = config.pipeline.default_timeout_s
+        app[prorl_api.LEGACY] = prorl_api.ProRLLegacy(app[PIPELINE], tasks, app[LLM], tokenizer, budget_s)
         app[GATEWAY_APP][gateway.GATEWAY] = app[PIPELINE].gateway  # set before the gateway's app starts
         await app[PIPELINE].start()
         yield
@@ -597,11 +614,11 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
 
     async def job_board(app: web.Application):
         if app[COORDINATION].shared:
-            from .storage.redis_jobs import RedisJobBoard  # the redis package is an optional extra
+            from .storage.redis_job_board import RedisJobBoard  # the redis package is an optional extra
 
             app[BOARD] = RedisJobBoard(app[PIPELINE], app[COORDINATION], result_ttl_s=config.result_ttl_s)
         else:
-            app[BOARD] = LocalJobBoard(app[PIPELINE])
+            app[BOARD] = MemoryJobBoard(app[PIPELINE])
         await app[BOARD].start()
         yield
         await app[BOARD].stop()

@@ -11,7 +11,6 @@ from statistics import fmean
 from typing import Any
 
 from ..models import (
-    GROUP_LABEL,
     AgentProgram,
     BatchItem,
     FinishReason,
@@ -58,7 +57,8 @@ def job_request(
         max_turns=max_turns,
         max_context_tokens=max_context_tokens,
         timeout_s=timeout_s,
-        labels={**(labels or {}), GROUP_LABEL: group},
+        labels=dict(labels or {}),
+        group=group,
         agent=agent,
     )
 

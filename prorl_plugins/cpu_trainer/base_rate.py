@@ -14,7 +14,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from prorl_adapter.models import GROUP_LABEL, Trajectory
+from prorl_adapter.models import Trajectory
 from prorl_adapter.trainer import RolloutClient
 
 from .train import TrainSettings, episode_requests
@@ -50,7 +50,7 @@ def outcome(trajectory: Trajectory) -> float:
 def summarize(trajectories: list[Trajectory], seconds: float) -> BaseRate:
     groups: dict[str, set[float]] = defaultdict(set)
     for t in trajectories:
-        groups[t.labels.get(GROUP_LABEL, t.job_id)].add(outcome(t))
+        groups[t.group or t.job_id].add(outcome(t))
     turns = [turn for t in trajectories for turn in t.turns]
     return BaseRate(
         episodes=len(trajectories),

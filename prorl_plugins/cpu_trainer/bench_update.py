@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from prorl_adapter.dev import localstack
-from prorl_adapter.models import GROUP_LABEL, BatchItem, TrajectoryWeight
+from prorl_adapter.models import BatchItem, TrajectoryWeight
 from prorl_adapter.trainer.samples import trajectory_from_tensors
 
 from .actor import TorchActor
@@ -41,7 +41,7 @@ def synthetic_batch(episodes: int, prompt: int, response: int, vocab: int, seed:
         ids = torch.randint(100, vocab, (prompt + response,), generator=generator).tolist()
         logprobs = [-2.0 if m else 0.0 for m in mask]
         t = trajectory_from_tensors(ids[:prompt], ids[prompt:], mask, logprobs, 0, 0, reward=float(k % 3 == 0))
-        t = t.model_copy(update={"job_id": f"e{k}", "labels": {GROUP_LABEL: f"g{k % 2}"}})
+        t = t.model_copy(update={"job_id": f"e{k}", "group": f"g{k % 2}"})
         items.append(BatchItem(id=t.job_id, trajectory=t, weight=TrajectoryWeight()))
     return pad_items(items, pad_token_id=0)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from skyrl.train.config import BaseConfig, SkyRLTrainConfig
 
-from prorl_adapter.service.cli import read_plugin_config
+from prorl_adapter.hooks.manager import read_plugin_config
 
 from . import compat  # noqa: F401  (before the first skyrl import)
 

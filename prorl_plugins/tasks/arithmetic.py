@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass, replace
 from typing import Any
 
-from prorl_adapter.tasks import Environment, EpisodeState, Tool
+from prorl_adapter.tasks import EpisodeState, SandboxHandle, Tool
 
 from .python_math import PythonMathTask, answers_match
 
@@ -77,7 +77,7 @@ class ArithmeticTask(PythonMathTask):
     SmolLM2-135M-Instruct at temperature 1.0 wrote no ```finish block in 64 episodes of 2-3 turns, so a task
     graded on `finish` alone starts at 0% and GRPO has nothing to compare; its python blocks print the right
     number often enough to learn from. The program is the policy's own text, rerun after every process it
-    started has ended (`Environment.run`), so no output it left behind is trusted."""
+    started has ended (`SandboxHandle.run`), so no output it left behind is trusted."""
 
     name = "arithmetic"
     prorl_data_sources = ()
@@ -87,7 +87,7 @@ class ArithmeticTask(PythonMathTask):
         python, finish = super().tools(instance)
         inner = python.run
 
-        async def run(env: Environment, args: dict[str, Any], state: EpisodeState) -> str:
+        async def run(env: SandboxHandle, args: dict[str, Any], state: EpisodeState) -> str:
             state.artifacts[PROGRAM] = str(args.get("code", ""))
             return await inner(env, args, state)
 
@@ -106,7 +106,7 @@ class ArithmeticTask(PythonMathTask):
             f"Question: {instance['question']}"
         )
 
-    async def evaluate(self, env: Environment, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
+    async def evaluate(self, env: SandboxHandle, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
         if state.answer is not None or PROGRAM not in state.artifacts:
             return await super().evaluate(env, instance, state)
         await env.write_file(PROGRAM_PATH, state.artifacts[PROGRAM])

@@ -1,7 +1,7 @@
 """How a task's eval runs a check command in the agent's sandbox so that nothing the agent left there runs in its
 place: the workspace is data the check reads, never code it imports.
 
-A one-shot run (`Environment.run`) already starts from the sandbox's own environment, not the agent's shell: no
+A one-shot run (`SandboxHandle.run`) already starts from the sandbox's own environment, not the agent's shell: no
 variable the agent exported, no BASH_ENV or ENV, `bash --norc --noprofile`, PATH as the sandbox's spec sets it. What
 is left is Python's habit of importing from where it stands: `python3 -c` and `python3 -m` put the working
 directory (the workspace) first on sys.path, and `python3 script.py` the script's directory, so a planted `json.py`
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import uuid
 
-from prorl_adapter.tasks import Environment
+from prorl_adapter.tasks import SandboxHandle
 from sandbox_runtime.models import RunResult
 
 CHECK_ENV = {
@@ -49,6 +49,6 @@ def check_script(script: str) -> str:
     return f'mkdir -p -m 700 -- "$HOME" || exit 1\n{script}'
 
 
-async def run_check(env: Environment, script: str, timeout: float = 60.0) -> RunResult:
+async def run_check(env: SandboxHandle, script: str, timeout: float = 60.0) -> RunResult:
     """`script` run by bash as a one-shot process in the workspace, with `check_env()`: what a check should use."""
     return await env.run(script=check_script(script), env=check_env(), timeout=timeout)

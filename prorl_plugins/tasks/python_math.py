@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any
 
-from prorl_adapter.tasks import FINISH, Environment, EpisodeState, TaskConfigError, TaskHandler, Tool, python_tool
+from prorl_adapter.tasks import FINISH, EpisodeState, SandboxHandle, TaskConfigError, TaskHandler, Tool, python_tool
 
 BOX = "\\boxed{"
 
@@ -81,9 +81,9 @@ class PythonMathTask(TaskHandler):
     def user_prompt(self, instance: dict[str, Any]) -> str:
         return str(instance["question"])
 
-    async def init(self, env: Environment, instance: dict[str, Any]) -> None:
+    async def init(self, env: SandboxHandle, instance: dict[str, Any]) -> None:
         if "question" not in instance or "answer" not in instance:
             raise TaskConfigError("a python_math instance needs 'question' and 'answer'")
 
-    async def evaluate(self, env: Environment, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
+    async def evaluate(self, env: SandboxHandle, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
         return {"outcome": 1.0 if answers_match(state.answer, str(instance["answer"])) else 0.0}

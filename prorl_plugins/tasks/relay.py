@@ -26,7 +26,7 @@ import shlex
 from typing import Any
 
 from prorl_adapter.service.chat import tool_call_regex, tool_call_texts
-from prorl_adapter.tasks import Environment, EpisodeState, TaskConfigError, TaskHandler, Tool, bash_tool
+from prorl_adapter.tasks import EpisodeState, SandboxHandle, TaskConfigError, TaskHandler, Tool, bash_tool
 from sandbox_runtime.client import SandboxAPIError
 
 WORDS = ("fix", "log", "bug", "url")
@@ -78,7 +78,7 @@ def with_latency(tool: Tool, latencies: list[float]) -> Tool:
     """`tool`, its n-th call first sleeping `latencies[n]` seconds in the sandbox (none past the list's end)."""
     inner = tool.run
 
-    async def run(env: Environment, args: dict[str, Any], state: EpisodeState) -> str:
+    async def run(env: SandboxHandle, args: dict[str, Any], state: EpisodeState) -> str:
         calls = len(state.commands)  # the bash tool records each command it runs
         if calls < len(latencies) and latencies[calls] > 0:
             await env.exec(f"sleep {latencies[calls]:.3f}", timeout=latencies[calls] + 10)
@@ -102,7 +102,7 @@ class RelayTask(TaskHandler):
     def user_prompt(self, instance: dict[str, Any]) -> str:
         return f"{BOX} holds {NOTE}. Put the word in it into {ANSWER}."
 
-    async def init(self, env: Environment, instance: dict[str, Any]) -> None:
+    async def init(self, env: SandboxHandle, instance: dict[str, Any]) -> None:
         word = instance.get("word")
         if not isinstance(word, str) or not word.isalnum():
             raise TaskConfigError("a relay instance needs 'word': letters and digits only")
@@ -116,7 +116,7 @@ class RelayTask(TaskHandler):
         if result.exit_code != 0:
             raise TaskConfigError(f"could not pack {BOX}: {result.output[-200:]}")
 
-    async def evaluate(self, env: Environment, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
+    async def evaluate(self, env: SandboxHandle, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
         try:  # read by the runtime itself: a link planted as answer.txt is refused, not followed
             answer = (await env.read_file(ANSWER)).decode(errors="replace")
         except SandboxAPIError:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prorl_adapter.tasks import Environment, EpisodeState, TaskConfigError, TaskHandler
+from prorl_adapter.tasks import EpisodeState, SandboxHandle, TaskConfigError, TaskHandler
 
 from .clean_check import run_check
 
@@ -24,7 +24,7 @@ class ShellTask(TaskHandler):
     def user_prompt(self, instance: dict[str, Any]) -> str:
         return str(instance["goal"])
 
-    async def init(self, env: Environment, instance: dict[str, Any]) -> None:
+    async def init(self, env: SandboxHandle, instance: dict[str, Any]) -> None:
         for field in ("goal", "check"):
             if not instance.get(field):
                 raise TaskConfigError(f"a shell task instance needs {field!r}")
@@ -33,6 +33,6 @@ class ShellTask(TaskHandler):
             if result.exit_code != 0:
                 raise TaskConfigError(f"setup failed with exit code {result.exit_code}: {result.output[-500:]}")
 
-    async def evaluate(self, env: Environment, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
+    async def evaluate(self, env: SandboxHandle, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
         result = await run_check(env, instance["check"])
         return {"outcome": 1.0 if result.status == "completed" and result.exit_code == 0 else 0.0}

@@ -41,7 +41,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from prorl_adapter.tasks import Environment, EpisodeState, TaskConfigError, TaskHandler
+from prorl_adapter.tasks import EpisodeState, SandboxHandle, TaskConfigError, TaskHandler
 from sandbox_runtime.client import SandboxAPIError
 
 from . import swe_bench
@@ -118,7 +118,7 @@ class SweTask(TaskHandler):
             return swe_bench.user_prompt(row)
         return f"{instance['problem_statement']}\n\nRun the tests with: cd {REPO} && {instance['test_command']}"
 
-    async def init(self, env: Environment, instance: dict[str, Any]) -> None:
+    async def init(self, env: SandboxHandle, instance: dict[str, Any]) -> None:
         if row := self._bench_row(instance):
             return await swe_bench.init(env, row)
         check_row(instance)
@@ -132,7 +132,7 @@ class SweTask(TaskHandler):
         if not result.output.endswith("ok\n"):
             raise TaskConfigError(f"could not create the repository: {result.output[-500:]}")
 
-    async def evaluate(self, env: Environment, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
+    async def evaluate(self, env: SandboxHandle, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
         if row := self._bench_row(instance):
             return await swe_bench.evaluate(env, row, state)
         repo = f"{env.workdir}/{REPO}"  # absolute: nothing depends on a session's cwd

@@ -79,7 +79,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prorl_adapter.tasks import Environment, EpisodeState, TaskConfigError
+from prorl_adapter.tasks import EpisodeState, SandboxHandle, TaskConfigError
 from sandbox_runtime.client import SandboxAPIError
 from sandbox_runtime.models import SandboxSpec
 
@@ -460,7 +460,7 @@ def sandbox_spec(row: Mapping[str, Any], image_template: str | None) -> dict[str
     }
 
 
-async def init(env: Environment, row: BenchRow) -> None:
+async def init(env: SandboxHandle, row: BenchRow) -> None:
     """The image's repository, seeded into the sandbox's workspace, at base_commit, and the test patch checked
     to apply there (then removed: the agent never sees it). TaskConfigError for an image or row that cannot
     serve."""
@@ -477,7 +477,7 @@ async def init(env: Environment, row: BenchRow) -> None:
         raise TaskConfigError(f"'test_patch' does not apply at base_commit {row.base_commit}: {check.output[-800:]}")
 
 
-async def fresh_checkout(env: Environment, row: BenchRow) -> None:
+async def fresh_checkout(env: SandboxHandle, row: BenchRow) -> None:
     """The repository the runtime seeded from the image (at creation, or at a wipe: only what the image holds,
     so git runs here without the agent's config or hooks; the image's own hooks are switched off too), checked
     out at base_commit unless its HEAD is there already (SWE-bench's images: their tree's uncommitted changes,
@@ -520,7 +520,7 @@ def user_prompt(row: BenchRow) -> str:
 # --- eval ---------------------------------------------------------------------------------------------------------
 
 
-async def evaluate(env: Environment, row: BenchRow, state: EpisodeState) -> dict[str, float]:
+async def evaluate(env: SandboxHandle, row: BenchRow, state: EpisodeState) -> dict[str, float]:
     # 1. The agent's tree, read by the runtime; its git objects and index are nothing to grade and may be large.
     repo = row.repo_path
     agent_tree: bytes | None = None
@@ -605,7 +605,7 @@ def graded_changes(row: BenchRow, original_archive: bytes, agent_tree: bytes) ->
     return GradedChanges(patch, kept, tuple(truncated))
 
 
-async def plant_canaries(env: Environment, row: BenchRow) -> Planted:
+async def plant_canaries(env: SandboxHandle, row: BenchRow) -> Planted:
     """The grader's canary tests (swe_canary) added to the test patch's Python files that hold a named test, as
     they are in the sandbox now, with the test patch applied."""
     test_files = {}
@@ -622,7 +622,7 @@ async def plant_canaries(env: Environment, row: BenchRow) -> Planted:
     return planted
 
 
-async def _checked_run(env: Environment, argv: list[str], cwd: str | None = None, timeout: float = 300) -> None:
+async def _checked_run(env: SandboxHandle, argv: list[str], cwd: str | None = None, timeout: float = 300) -> None:
     """A step of eval's own on the fresh copy, which must succeed (a failure is the runtime's or the image's)."""
     result = await env.run(argv=argv, cwd=cwd, timeout=timeout)
     if result.status != "completed" or result.exit_code != 0:

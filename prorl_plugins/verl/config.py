@@ -32,18 +32,31 @@ compares the service's sections (`GET /v1/plugins`) with the block, and its task
 from __future__ import annotations
 
 import difflib
-import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from functools import partial
+from typing import Annotated, Any, Literal
 from urllib.parse import urlparse
 
+import pydantic.dataclasses
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    TypeAdapter,
+    ValidationError,
+)
+from pydantic_core import PydanticCustomError
 
 from prorl_adapter.hooks import PluginConfigError, PluginLoadError, PluginSet
 from prorl_adapter.models import LLM_PROTOCOLS, AgentProgram, SamplingParams
 from prorl_plugins.staleness import StalenessConfig
 from server_kit.errors import ProrlError
+from server_kit.openapi import describe_validation
 
 AGENT_LOOP_NAME = "prorl_agent"
 PLUGIN_MODULE = "prorl_plugins.verl"
@@ -52,34 +65,11 @@ SAMPLER_NAME = "StalenessReplayBuffer"
 REWARD_PATH = "pkg://prorl_plugins.verl.reward"
 REWARD_NAME = "compute_score"
 BLOCK = "prorl"
-REWARD_SOURCES = ("service", "verl")
 # verl's rollout sampling settings win over the block's: one place per setting.
 _VERL_OWNED_SAMPLING = {
     "temperature": "actor_rollout_ref.rollout.temperature",
     "top_p": "actor_rollout_ref.rollout.top_p",
 }
-_KEYS = (
-    "service_url",
-    "sandbox_url",
-    "token",
-    "task",
-    "llm_servers",
-    "sampling",
-    "max_turns",
-    "max_context_tokens",
-    "timeout_s",
-    "reward_source",
-    "staleness",
-    "reward",
-    "agent",
-    "launch",
-    "launch_replicas",
-    "runtime_resource",
-    "launch_namespace",
-    "runtime_host_paths",
-)
-LAUNCHERS = ("ray",)  # prorl.launch: who starts the rollout stack for the run (the module docstring)
-# settings of a launched stack
 _LAUNCH_KEYS = ("launch_replicas", "runtime_resource", "launch_namespace", "runtime_host_paths")
 
 
@@ -87,107 +77,83 @@ class ProrlVerlConfigError(ProrlError, ValueError):
     """A wrong plugin line; the message names the verl config key and what to write."""
 
 
-def _url(value: Any, key: str, protocols: tuple[str, ...] = ()) -> str:
-    parsed = urlparse(value) if isinstance(value, str) else None
-    named, plus, scheme = parsed.scheme.rpartition("+") if parsed is not None else ("", "", "")
-    if parsed is None or scheme not in ("http", "https") or (plus and named not in protocols) or not parsed.netloc:
-        raise ProrlVerlConfigError(f"{key}={value!r} is not an http(s) URL; write e.g. {key}=http://127.0.0.1:8766")
+def _http_url(value: str, protocols: tuple[str, ...] = ()) -> str:
+    """An http(s) URL, without a trailing slash; `protocols`: the prefixes it may name (`sglang+http://...`)."""
     try:
-        parsed.port  # noqa: B018 - raises ValueError on a port that is not a number
+        parsed = urlparse(value)
+        parsed.port  # noqa: B018 - raises ValueError on a port that is not a number, as urlparse on a bad IPv6 host
     except ValueError as exc:
-        raise ProrlVerlConfigError(f"{key}={value!r} has a bad port: {exc}") from exc
+        raise PydanticCustomError("url", f"{value!r} is not a URL: {exc}") from None
+    named, plus, scheme = parsed.scheme.rpartition("+")
+    if scheme not in ("http", "https") or (plus and named not in protocols) or not parsed.netloc:
+        raise PydanticCustomError("url", f"{value!r} is not an http(s) URL; write e.g. http://127.0.0.1:8766")
     return value.rstrip("/")
 
 
-def _agent(value: Any) -> AgentProgram | None:
-    if value is None:
-        return None
-    try:
-        return AgentProgram.model_validate(dict(value) if isinstance(value, Mapping) else value)
-    except ValueError as exc:
-        raise ProrlVerlConfigError(
-            f"{BLOCK}.agent is not an agent program: {exc}; write e.g. +{BLOCK}.agent.command='python3 agent.py'"
-        ) from exc
+def _absolute(path: str) -> str:
+    """The runtime checks the rest of a host path (that it exists, and is not its own) when it starts."""
+    if not path.startswith("/"):
+        raise PydanticCustomError("absolute_path", f"{path!r} is not an absolute path, e.g. /opt/prorl-agent")
+    return path
 
 
-def _positive_int(value: Any, key: str, allow_none: bool = True) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ProrlVerlConfigError(f"{key}={value!r} must be an integer > 0")
+def _per_turn_sampling(value: Any) -> dict[str, Any]:
+    """The settings given (none: verl's and the service's defaults), valid as `SamplingParams`; verl's rollout
+    sampling settings win over the block's: one place per setting."""
+    for name, owner in _VERL_OWNED_SAMPLING.items():
+        if isinstance(value, Mapping) and name in value:
+            raise PydanticCustomError("owned_by_verl", f"{name}: set {owner} instead (verl's setting is used)")
+    return SamplingParams.model_validate(value or {}).model_dump(exclude_unset=True)
+
+
+def _named(value: str) -> str:
+    if not value.strip():
+        raise PydanticCustomError("name", "must be a name, not blank")
     return value
 
 
-def _name(value: Any, key: str) -> str | None:
-    if value is not None and (not isinstance(value, str) or not value.strip()):
-        raise ProrlVerlConfigError(f"{key}={value!r} must be a name")
-    return value
-
-
-def _host_paths(value: Any, key: str) -> tuple[str, ...]:
-    """Absolute paths; the runtime checks the rest (that they exist, and are not its own) when it starts."""
+def _path_list(value: Any) -> Any:
+    """None: no paths. One path alone (a string) is a mistake to tell, not a sequence of characters."""
     if value is None:
         return ()
-    if isinstance(value, str) or not isinstance(value, (list, tuple)):
-        raise ProrlVerlConfigError(f"{key}={value!r} must be a list of absolute paths, e.g. [/opt/prorl-agent]")
-    for path in value:
-        if not isinstance(path, str) or not path.startswith("/"):
-            raise ProrlVerlConfigError(f"{key}: {path!r} is not an absolute path")
-    return tuple(value)
+    if isinstance(value, str):
+        raise PydanticCustomError("host_paths", "must be a list of absolute paths, e.g. [/opt/prorl-agent]")
+    return value
 
 
-def _launch(block: Mapping[str, Any]) -> str | None:
-    """Who provides the rollout service: a running one (`service_url`), or a stack the run starts itself
-    (`launch=ray`); exactly one of them, and the launch settings only with a launch."""
-    launch = block.get("launch")
-    if launch is not None and launch not in LAUNCHERS:
-        raise ProrlVerlConfigError(
-            f"{BLOCK}.launch={launch!r}: expected {' or '.join(LAUNCHERS)} (the run starts the rollout stack on "
-            f"verl's Ray cluster), or leave it out and give +{BLOCK}.service_url"
-        )
-    if launch is None and block.get("service_url") is None:
-        raise ProrlVerlConfigError(
-            f"{BLOCK}.service_url is missing: add +{BLOCK}.service_url=http://<rollout-host>:<port> "
-            f"(the rollout service, started with `prorl-rollout`), or +{BLOCK}.launch=ray to start it on verl's "
-            "Ray cluster"
-        )
-    if launch is not None:
-        for key in ("service_url", "sandbox_url"):
-            if block.get(key) is not None:
-                raise ProrlVerlConfigError(
-                    f"{BLOCK}.{key} and {BLOCK}.launch={launch} both say where the rollout stack is: drop "
-                    f"+{BLOCK}.{key} (the launched stack's is used) or +{BLOCK}.launch"
-                )
-    else:
-        for key in _LAUNCH_KEYS:
-            if block.get(key) is not None:
-                raise ProrlVerlConfigError(f"{BLOCK}.{key} is a setting of a launched stack: add +{BLOCK}.launch=ray")
-    return launch
+Url = Annotated[StrictStr, AfterValidator(_http_url)]
+LlmUrl = Annotated[StrictStr, AfterValidator(partial(_http_url, protocols=LLM_PROTOCOLS))]
+Name = Annotated[StrictStr, AfterValidator(_named)]
+HostPaths = Annotated[tuple[Annotated[StrictStr, AfterValidator(_absolute)], ...], BeforeValidator(_path_list)]
+Launcher = Literal["ray"]  # prorl.launch: who starts the rollout stack for the run (the module docstring)
+RewardSource = Literal["service", "verl"]
 
 
-@dataclass(frozen=True)
+# A dataclass (pydantic's: it validates), so that a launched block takes its stack's URL with dataclasses.replace.
+# An unknown key is a typo; a number given as a string or a boolean a mistake (Hydra gives numbers as numbers).
+@pydantic.dataclasses.dataclass(frozen=True, kw_only=True, config=ConfigDict(extra="forbid"))
 class ProrlVerlConfig:
     """The validated `prorl` block."""
 
-    service_url: str | None  # None with launch=ray: the launched stack's, once it is up
-    task: str
-    sandbox_url: str | None = None
-    token: str | None = None
-    llm_servers: tuple[str, ...] | None = None  # None: verl's own vLLM replicas
-    sampling: dict[str, Any] = field(default_factory=dict)
-    max_turns: int = 8
-    max_context_tokens: int | None = None  # None: verl's prompt_length + response_length
-    timeout_s: float | None = None
-    reward_source: str = "service"
-    staleness: dict[str, Any] | None = None
+    service_url: Url | None = None  # None with launch=ray: the launched stack's, once it is up
+    task: StrictStr = Field(min_length=1)  # a dataset row may override it with extra_info.task
+    sandbox_url: Annotated[Url | None, BeforeValidator(lambda value: value or None)] = None  # empty: none
+    token: StrictStr | StrictInt | None = None  # Hydra reads a token of digits as a number
+    llm_servers: Annotated[tuple[LlmUrl, ...], Field(min_length=1)] | None = None  # None: verl's own vLLM replicas
+    sampling: Annotated[dict[str, Any], BeforeValidator(_per_turn_sampling)] = Field(default_factory=dict)
+    max_turns: int = Field(8, gt=0, strict=True)
+    max_context_tokens: int | None = Field(None, gt=0, strict=True)  # None: verl's prompt_length + response_length
+    timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False, strict=True)
+    reward_source: RewardSource = "service"
+    staleness: dict[str, Any] | None = None  # validated by the plugins, as the service's section is
     reward: dict[str, Any] | None = None
     agent: AgentProgram | None = None  # an agent program of the user's own runs each episode (docs/gateway.md)
     # launch=ray: the agent loop workers start the rollout stack on verl's own Ray cluster, once per run
-    launch: str | None = None
-    launch_replicas: int = 1
-    runtime_resource: str | None = None  # None: a sandbox runtime on every node
-    launch_namespace: str | None = None  # None: prorl-<the Ray job id>, one stack per training run
-    runtime_host_paths: tuple[str, ...] = ()  # the launched runtimes' --host-path (image-less sandboxes see them)
+    launch: Launcher | None = None
+    launch_replicas: int = Field(1, gt=0, strict=True)
+    runtime_resource: Name | None = None  # None: a sandbox runtime on every node
+    launch_namespace: Name | None = None  # None: prorl-<the Ray job id>, one stack per training run
+    runtime_host_paths: HostPaths = ()  # the launched runtimes' --host-path (image-less sandboxes see them)
 
     @classmethod
     def from_block(cls, block: Any) -> ProrlVerlConfig:
@@ -198,65 +164,16 @@ class ProrlVerlConfig:
             )
         if isinstance(block, DictConfig):
             block = OmegaConf.to_container(block, resolve=True)
-        if not isinstance(block, Mapping):
-            raise ProrlVerlConfigError(f"`{BLOCK}` must be a mapping of settings, got {block!r}")
-        for key in block:
-            if key not in _KEYS:
-                raise ProrlVerlConfigError(f"unknown key {BLOCK}.{key}; known keys: {', '.join(_KEYS)}")
-        launch = _launch(block)
-        if not isinstance(block.get("task"), str) or not block["task"]:
+        if isinstance(block, Mapping) and block.get("task") is None:  # what to write, not only that it is missing
             raise ProrlVerlConfigError(
-                f"{BLOCK}.task is missing: add +{BLOCK}.task=<a task the rollout service serves, e.g. shell, "
-                "python_math, swe> (a dataset row may override it with extra_info.task)"
+                f"{BLOCK}.task is missing: add +{BLOCK}.task=<task name, e.g. python_math> (a dataset row may name "
+                "its own in extra_info.task)"
             )
-        llm_servers = block.get("llm_servers")
-        if llm_servers is not None:
-            if isinstance(llm_servers, str) or not isinstance(llm_servers, (list, tuple)) or not llm_servers:
-                raise ProrlVerlConfigError(
-                    f"{BLOCK}.llm_servers={llm_servers!r} must be a non-empty list of URLs, or left out to use "
-                    "verl's own vLLM replicas"
-                )
-            llm_servers = tuple(_url(u, f"{BLOCK}.llm_servers[{i}]", LLM_PROTOCOLS) for i, u in enumerate(llm_servers))
-        sampling = dict(block.get("sampling") or {})
-        for name, owner in _VERL_OWNED_SAMPLING.items():
-            if name in sampling:
-                raise ProrlVerlConfigError(f"{BLOCK}.sampling.{name}: set {owner} instead (verl's setting is used)")
-        try:
-            SamplingParams.model_validate(sampling)
-        except ValueError as exc:
-            raise ProrlVerlConfigError(f"{BLOCK}.sampling is not valid per-turn sampling: {exc}") from exc
-        timeout = block.get("timeout_s")
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout)
-        ):
-            raise ProrlVerlConfigError(f"{BLOCK}.timeout_s={timeout!r} must be a number of seconds")
-        if timeout is not None and timeout <= 0:
-            raise ProrlVerlConfigError(f"{BLOCK}.timeout_s={timeout!r} must be > 0")
-        reward_source = block.get("reward_source", "service")
-        if reward_source not in REWARD_SOURCES:
-            raise ProrlVerlConfigError(
-                f"{BLOCK}.reward_source={reward_source!r}: expected one of {', '.join(REWARD_SOURCES)}"
-            )
-        config = cls(
-            service_url=None if launch else _url(block["service_url"], f"{BLOCK}.service_url"),
-            task=block["task"],
-            sandbox_url=_url(block["sandbox_url"], f"{BLOCK}.sandbox_url") if block.get("sandbox_url") else None,
-            token=block.get("token"),
-            llm_servers=llm_servers,
-            sampling=sampling,
-            max_turns=_positive_int(block.get("max_turns", 8), f"{BLOCK}.max_turns", allow_none=False),
-            max_context_tokens=_positive_int(block.get("max_context_tokens"), f"{BLOCK}.max_context_tokens"),
-            timeout_s=float(timeout) if timeout is not None else None,
-            reward_source=reward_source,
-            staleness=dict(block["staleness"]) if block.get("staleness") is not None else None,
-            reward=dict(block["reward"]) if block.get("reward") is not None else None,
-            agent=_agent(block.get("agent")),
-            launch=launch,
-            launch_replicas=_positive_int(block.get("launch_replicas", 1), f"{BLOCK}.launch_replicas", False),
-            runtime_resource=_name(block.get("runtime_resource"), f"{BLOCK}.runtime_resource"),
-            launch_namespace=_name(block.get("launch_namespace"), f"{BLOCK}.launch_namespace"),
-            runtime_host_paths=_host_paths(block.get("runtime_host_paths"), f"{BLOCK}.runtime_host_paths"),
-        )
+        try:  # validated under its name, so that each error names the key as written: prorl.max_turns
+            config = _BLOCK.validate_python({BLOCK: block})[BLOCK]
+        except ValidationError as exc:
+            raise ProrlVerlConfigError(describe_validation(exc, _BLOCK_TYPE)) from None
+        _check_provider(block)
         config.plugins()  # the shared plugins validate their own sections now, not mid-training
         return config
 
@@ -274,6 +191,34 @@ class ProrlVerlConfig:
     @property
     def staleness_config(self) -> StalenessConfig:
         return StalenessConfig.from_section(self.staleness)
+
+
+_BLOCK_TYPE = dict[str, ProrlVerlConfig]
+_BLOCK = TypeAdapter(_BLOCK_TYPE)
+
+
+def _check_provider(block: Mapping[str, Any]) -> None:
+    """Who provides the rollout service: a running one (`service_url`), or a stack the run starts itself
+    (`launch=ray`); exactly one of them, and the launch settings only with a launch. A check of the block as
+    written, not of the config: a launched block takes its stack's URL (agent_loop.launched_block)."""
+    launch = block.get("launch")
+    if launch is None and block.get("service_url") is None:
+        raise ProrlVerlConfigError(
+            f"{BLOCK}.service_url is missing: add +{BLOCK}.service_url=http://<rollout-host>:<port> "
+            f"(the rollout service, started with `prorl-rollout`), or +{BLOCK}.launch=ray to start it on verl's "
+            "Ray cluster"
+        )
+    if launch is not None:
+        for key in ("service_url", "sandbox_url"):
+            if block.get(key) is not None:
+                raise ProrlVerlConfigError(
+                    f"{BLOCK}.{key} and {BLOCK}.launch={launch} both say where the rollout stack is: drop "
+                    f"+{BLOCK}.{key} (the launched stack's is used) or +{BLOCK}.launch"
+                )
+    else:
+        for key in _LAUNCH_KEYS:
+            if block.get(key) is not None:
+                raise ProrlVerlConfigError(f"{BLOCK}.{key} is a setting of a launched stack: add +{BLOCK}.launch=ray")
 
 
 def plugin_set(sections: Mapping[str, Any], objects: tuple[object, ...] = ()) -> PluginSet:

@@ -16,7 +16,7 @@ from collections import Counter
 from fractions import Fraction
 from typing import Any
 
-from prorl_adapter.tasks import Environment, EpisodeState, TaskConfigError, TaskHandler
+from prorl_adapter.tasks import EpisodeState, SandboxHandle, TaskConfigError, TaskHandler
 
 PUZZLE_FILE = "puzzle.txt"
 MAX_ANSWER_CHARS = 200
@@ -85,11 +85,11 @@ class CountdownTask(TaskHandler):
         numbers, target = puzzle(instance)
         return f"Numbers: {' '.join(map(str, numbers))}. Target: {target}."
 
-    async def init(self, env: Environment, instance: dict[str, Any]) -> None:
+    async def init(self, env: SandboxHandle, instance: dict[str, Any]) -> None:
         numbers, target = puzzle(instance)  # a bad instance fails the job here, with the message above
         await env.write_file(PUZZLE_FILE, f"numbers: {' '.join(map(str, numbers))}\ntarget: {target}\n")
 
-    async def evaluate(self, env: Environment, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
+    async def evaluate(self, env: SandboxHandle, instance: dict[str, Any], state: EpisodeState) -> dict[str, float]:
         numbers, target = puzzle(instance)
         return {"outcome": 1.0 if solves(state.answer, numbers, target) else 0.0}
 

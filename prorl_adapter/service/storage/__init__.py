@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .buffer import ExperienceBuffer, ExperienceBufferError
-from .coordination import Coordination, LocalCoordination
+from .coordination import Coordination, MemoryCoordination
 from .memory_buffer import MemoryBuffer
 from .prompts import MemoryPromptQueue, PromptQueue
 
@@ -54,7 +54,7 @@ def create_coordination(url: str | None, replica: str) -> Coordination:
     url = url or "memory://"
     _check_url(url)
     if url == "memory://":
-        return LocalCoordination(replica)
+        return MemoryCoordination(replica)
     from .redis_coordination import RedisCoordination
 
     return RedisCoordination(url, replica)

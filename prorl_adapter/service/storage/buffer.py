@@ -94,12 +94,14 @@ class ExperienceBuffer(abc.ABC):
         """Wait until `n` entries are ready or `timeout` seconds pass, then return up to `n` of them, in
         `order` (`"newest"`: newest version first; `"oldest"`: oldest version first; FIFO within a version
         either way). They stay pending until `ack`ed. `timeout=None` waits for all `n`; `timeout=0` returns at
-        once with what is ready."""
+        once with what is ready. The wait is for `n` ready at once: among takes of fewer, a large take may wait
+        for its timeout."""
 
     @abc.abstractmethod
     async def ack(self, ids: Iterable[str]) -> int:
         """Acknowledge taken entries (the trainer consumed them): they leave the buffer for good. Returns how
-        many were acknowledged now; ids already acknowledged, unknown or never taken count 0."""
+        many were acknowledged now; ids of this buffer's form already acknowledged, unknown or never taken count
+        0, and an id of another form is refused (`MalformedEntryId`, nothing of the call done)."""
 
     @abc.abstractmethod
     async def reclaim(self, idle_s: float) -> int:

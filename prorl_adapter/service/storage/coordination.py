@@ -6,7 +6,7 @@ heard from, the policy version, and one lock for admission.
     replica C ──┘   (memory | Redis)    ├── the policy version (set through any replica, seen by all)
                                         └── the admission lock (pace holds across replicas)
 
-`LocalCoordination` (here, with `memory://`) is one process: it is alone, always alive, and the lock is an
+`MemoryCoordination` (here, with `memory://`) is one process: it is alone, always alive, and the lock is an
 asyncio lock. `RedisCoordination` (`redis_coordination.py`, with a Redis URL) is shared by every replica
 given the same URL. A replica whose heartbeat lapses is *dead*: `claim_dead()` hands each dead replica to
 exactly one survivor, which takes over its work (runs its jobs and prompts again, hands back its leased
@@ -63,6 +63,9 @@ class Coordination(abc.ABC):
 
     def __init__(self, replica_id: str) -> None:
         self.replica_id = replica_id
+        self._version = 0  # the shared policy version as this process last heard it
+        self._change = 0  # the shared state's number for that version's change, where it numbers them
+        self._change_heard_at = 0.0  # when (monotonic) this process heard that change
         self._version_listeners: list[Callable[[int], None]] = []
         self._prompt_listeners: list[Callable[[], None]] = []
 
@@ -103,9 +106,17 @@ class Coordination(abc.ABC):
         """(now on the coordination's clock, every runtime heard from and not forgotten)."""
 
     # -- the policy version ------------------------------------------------------------------------------
+    # The coordination is the version's one owner: it is set here (`set_policy_version`, from the API at any
+    # replica), and everyone else reads `version` (the pipeline tags new turns with it).
+    @property
+    def version(self) -> int:
+        """The shared version as this process last heard it (set here, read, or announced by another replica);
+        0 before any. Read without a round trip: every turn is tagged with it."""
+        return self._version
+
     @abc.abstractmethod
     async def policy_version(self) -> int:
-        """The version as set through any replica (0 before any)."""
+        """The version as set through any replica (0 before any), read afresh; `version` follows it."""
 
     @abc.abstractmethod
     async def set_policy_version(self, version: int, raise_only: bool) -> int:
@@ -113,18 +124,31 @@ class Coordination(abc.ABC):
         hear of a change."""
 
     def on_policy_version(self, listener: Callable[[int], None]) -> None:
-        """Call `listener(version)` in this process whenever the shared version changes."""
+        """Call `listener(version)` in this process whenever the version it knows changes."""
         self._version_listeners.append(listener)
 
-    def _version_changed(self, version: int) -> None:
-        for listener in self._version_listeners:
-            listener(version)
+    def _heard_version(self, version: int, change: int | None = None, asked_at: float | None = None) -> int:
+        """The version as just learnt (however): `version` follows, and listeners hear of a change.
+
+        Where the shared state numbers its changes (`change`), news can arrive out of order: a read that raced a
+        change, or this replica's own message arriving after its next set. Older news is ignored, unless it is a
+        read asked (`asked_at`, monotonic) after the newest change heard here: that read saw every change up to
+        it, so an older number means the shared state was lost (a Redis restarted empty), and it is believed."""
+        if change is not None:
+            if change < self._change and (asked_at is None or asked_at < self._change_heard_at):
+                return self._version
+            self._change, self._change_heard_at = change, time.monotonic()
+        if version != self._version:
+            self._version = version
+            for listener in self._version_listeners:
+                listener(version)
+        return version
 
     # -- upcoming prompts --------------------------------------------------------------------------------
     async def prompts_added(self) -> None:
-        """Prompts were added to the shared queue: every replica's listeners hear of it, so that each admits
-        what its workers can run now rather than at its next look (here, alone, nobody else is told)."""
-        return None
+        """Prompts were added to the shared queue: every replica's listeners hear of it (this one's included),
+        so that each admits what its workers can run now rather than at its next look."""
+        self._prompts_were_added()
 
     def on_prompts_added(self, listener: Callable[[], None]) -> None:
         """Call `listener()` in this process when any replica adds prompts to the shared queue."""
@@ -147,7 +171,7 @@ class Coordination(abc.ABC):
         return None
 
 
-class LocalCoordination(Coordination):
+class MemoryCoordination(Coordination):
     """One process alone (`memory://`): nothing is shared, nobody else can die."""
 
     def __init__(self, replica_id: str, clock: Callable[[], float] = time.time) -> None:
@@ -155,7 +179,6 @@ class LocalCoordination(Coordination):
         self._clock = clock
         self._me = ReplicaRecord(replica_id, None)
         self._runtimes: dict[str, RuntimeRecord] = {}
-        self._version = 0
         self._lock = asyncio.Lock()
 
     async def beat(self, url: str | None, figures: dict, interval_s: float) -> bool:
@@ -181,10 +204,9 @@ class LocalCoordination(Coordination):
         return self._version
 
     async def set_policy_version(self, version: int, raise_only: bool) -> int:
-        if not (raise_only and version <= self._version) and version != self._version:
-            self._version = version
-            self._version_changed(version)
-        return self._version
+        if raise_only and version <= self._version:
+            return self._version
+        return self._heard_version(version)
 
     @contextlib.asynccontextmanager
     async def admission_lock(self) -> AsyncIterator[None]:

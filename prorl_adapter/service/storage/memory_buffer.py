@@ -7,6 +7,7 @@ import bisect
 import contextlib
 import heapq
 import itertools
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from .buffer import (
     BufferClosed,
     BufferStats,
     ExperienceBuffer,
+    MalformedEntryId,
     check_n,
     check_order,
     check_trajectory,
@@ -157,7 +159,7 @@ class MemoryBuffer(ExperienceBuffer):
         return out
 
     async def ack(self, ids: Iterable[str]) -> int:
-        ids = id_list(ids)
+        ids = _checked_ids(ids)
         async with self._cond:
             self._check_open()
             done = 0
@@ -184,7 +186,7 @@ class MemoryBuffer(ExperienceBuffer):
             return self._hand_back(stale)
 
     async def release(self, ids: Iterable[str]) -> int:
-        ids = id_list(ids)
+        ids = _checked_ids(ids)
         async with self._cond:
             self._check_open()
             pending = {entry_id: self._pending[entry_id] for entry_id in ids if entry_id in self._pending}
@@ -254,3 +256,17 @@ class MemoryBuffer(ExperienceBuffer):
         self._closed = True
         async with self._cond:
             self._cond.notify_all()  # waiting take/put raise BufferClosed
+
+
+_ENTRY_ID = re.compile(r"m[0-9]{1,20}")  # what `put` hands out: m<sequence number>
+
+
+def _checked_ids(ids: Iterable[str]) -> list[str]:
+    """The ids, each of the form this buffer hands out: another is a client's mistake (400), not an entry that
+    was acknowledged already (which counts 0), as in the Redis buffer."""
+    ids = id_list(ids)
+    for entry_id in ids:
+        if not isinstance(entry_id, str) or not _ENTRY_ID.fullmatch(entry_id):
+            shown = str(entry_id) if len(str(entry_id)) <= 80 else f"{str(entry_id)[:80]}..."
+            raise MalformedEntryId(f"not an entry id of this buffer: {shown!r} (expected m<number>)")
+    return ids

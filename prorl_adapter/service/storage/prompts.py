@@ -63,7 +63,7 @@ class PromptQueue(abc.ABC):
 class MemoryPromptQueue(PromptQueue):
     def __init__(self) -> None:
         self._upcoming: deque[JobRequest] = deque()
-        self._running: dict[str, int] = {}  # job id -> version admitted at
+        self._running: dict[str, tuple[int, JobRequest]] = {}  # job id -> (version admitted at, the prompt)
         self._versions: Counter[int] = Counter()
 
     async def push(self, requests: list[JobRequest]) -> int:
@@ -74,12 +74,13 @@ class MemoryPromptQueue(PromptQueue):
         if not self._upcoming:
             return None
         request = self._upcoming.popleft()
-        self._running[request.job_id] = version
-        self._versions[version] += 1
+        if request.job_id not in self._running:  # pushed twice (a retried push): one run, counted where it began
+            self._running[request.job_id] = (version, request)
+            self._versions[version] += 1
         return request
 
     async def done(self, job_id: str) -> None:
-        version = self._running.pop(job_id, None)
+        version, _ = self._running.pop(job_id, (None, None))
         if version is not None:
             self._versions[version] -= 1
             if not self._versions[version]:
@@ -89,7 +90,7 @@ class MemoryPromptQueue(PromptQueue):
         return dict(sorted(self._versions.items()))
 
     async def recover(self) -> list[JobRequest]:
-        return []  # nothing of an earlier process survives in memory
+        return [request for _, request in self._running.values()]
 
     async def size(self) -> int:
         return len(self._upcoming)

@@ -15,14 +15,16 @@ Operations (each multi-key step is one Lua script, so it is atomic):
 
 - `put`: `XADD` to the version's stream, create the group on it (id 0: it sees every entry), register the
   version, append a wake-up event.
-- `take(n, timeout, order)`: for each version, newest first (`order="oldest"`: oldest first): this consumer's
-  reclaimed entries of that version (see `reclaim`), then `XREADGROUP ... >` (new entries, oldest first);
-  until n are found. If fewer, block
-  on the events stream (from the last event id read *before* looking, so no wake-up is missed) until a
-  `put` or the timeout, and look again (what it read stays taken: entries found later come after it in the
-  batch, whatever their version; `timeout=0` has one look, in order). Entries read are already pending for
-  this consumer, so if the caller is cancelled or Redis fails mid-take, they are not lost: `reclaim` recovers
-  them.
+- `take(n, timeout, order)`: counts what is ready; while fewer than n are, blocks on the events stream (from
+  the last event id read *before* counting, so no wake-up is missed) until a `put` or the timeout, and counts
+  again; then reads, for each version, newest first (`order="oldest"`: oldest first): this consumer's
+  reclaimed entries of that version (see `reclaim`), then `XREADGROUP ... >` (new entries, oldest first),
+  until n are found (`timeout=0`: one look, what there is). Nothing is taken while it waits, so a waiting take
+  holds no entry from other consumers. Another consumer may take some between the count and the read: what was
+  read then stays taken while the take waits for the rest, and the batch is put in `order` at the end. Entries
+  read are pending for this consumer at once, so if the caller is cancelled or Redis fails mid-take, they are
+  not lost: `reclaim` recovers them. Like the memory buffer, a take of n waits until n are ready at once: a
+  large take among small ones may wait for its timeout.
 - `ack(ids)`: `XACK` and then `XDEL` in one script; the entry leaves Redis for good. When a version's
   stream is empty it is deleted and the version unregistered, in the same script (a concurrent `put` is
   either before, and the stream is not empty, or after, and recreates both).
@@ -66,6 +68,7 @@ import asyncio
 import contextlib
 import re
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 from pydantic import ValidationError
@@ -343,15 +346,22 @@ class RedisBuffer(ExperienceBuffer):
             with self._errors(f"reading {self._events_key}"):
                 last = await self._redis.xrevrange(self._events_key, count=1)
             mark = last[0][0] if last else "0-0"
-            got += await self._read(n - len(got), order)
-            if len(got) >= n:
-                return got
             remaining = None if deadline is None else deadline - loop.time()
-            if remaining is not None and remaining <= 0:
-                return got
+            timed_out = remaining is not None and remaining <= 0
+            # Read once enough are ready (or the time is up), not as they come: the n are the first n in `order`
+            # of all there are then, and nothing is held while the take waits (unless a read came up short).
+            if timed_out or sum((await self.ready_counts()).values()) >= n - len(got):
+                got += await self._read(n - len(got), order)
+                if len(got) >= n or timed_out:  # short only when another consumer took some meanwhile
+                    return sorted(got, key=partial(self._place, newest_first=order == "newest"))
             block_s = self._block_s if remaining is None else min(self._block_s, remaining)
             with self._errors(f"waiting for new entries on {self._events_key}"):
                 await self._redis.xread({self._events_key: mark}, count=1, block=max(1, int(block_s * 1000)))
+
+    def _place(self, item: BatchItem, newest_first: bool) -> tuple[int, tuple[int, int]]:
+        """Where an entry comes in a take: by version (newest or oldest first), then in the order it was put."""
+        version, sid = self._split_id(item.id)
+        return (-version if newest_first else version, _sid_key(sid))
 
     async def _read(self, k: int, order: str) -> list[BatchItem]:
         """Up to k entries, in `order` by version, without waiting."""

@@ -3,9 +3,10 @@
 Keys (prefix default `prorl`):
 - `{prefix}:replicas`: a hash, replica id -> JSON {url, figures, seen_at, interval_s, taken_by};
 - `{prefix}:runtimes`: a hash, runtime name -> JSON {heartbeat, seen_at};
-- `{prefix}:policy_version`: the version, as a string;
+- `{prefix}:policy_version`: the version, as a string, and `{prefix}:policy_version_change`: how many times it
+  changed (each change's number travels with it, so that news of it heard out of order is put in order);
 - `{prefix}:admission`: the admission lock (redis-py's `Lock`: it expires if its holder dies);
-- channel `{prefix}:events`: `KIND:PAYLOAD` messages (`version:7`, `finished:<job id>`, `cancel:<job id>`,
+- channel `{prefix}:events`: `KIND:PAYLOAD` messages (`version:7:<change>`, `finished:<job id>`, `cancel:<job id>`,
   `prompts:` when prompts were added to the shared queue), each replica subscribed once.
 
 Every time is Redis's own (`TIME`, read inside the scripts), so nodes whose clocks disagree still agree on who
@@ -19,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -130,13 +132,17 @@ return 1
 )
 
 _SET_VERSION = """
--- KEYS: the version key; ARGV: version, raise_only (1/0), channel. Returns the version in effect.
+-- KEYS: the version key, its change counter; ARGV: version, raise_only (1/0), channel.
+-- Returns {the version in effect, its change's number}.
 local current = tonumber(redis.call('GET', KEYS[1]) or '0')
 local wanted = tonumber(ARGV[1])
-if (ARGV[2] == '1' and wanted <= current) or wanted == current then return current end
+if (ARGV[2] == '1' and wanted <= current) or wanted == current then
+  return {current, tonumber(redis.call('GET', KEYS[2]) or '0')}
+end
+local change = redis.call('INCR', KEYS[2])
 redis.call('SET', KEYS[1], ARGV[1])
-redis.call('PUBLISH', ARGV[3], 'version:' .. ARGV[1])
-return wanted
+redis.call('PUBLISH', ARGV[3], 'version:' .. ARGV[1] .. ':' .. change)
+return {wanted, change}
 """
 
 # A runtime silent this long is dropped from the records altogether (a replica only once it was taken over).
@@ -163,6 +169,7 @@ class RedisCoordination(Coordination):
         self._replicas_key = f"{prefix}:replicas"
         self._runtimes_key = f"{prefix}:runtimes"
         self._version_key = f"{prefix}:policy_version"
+        self._change_key = f"{prefix}:policy_version_change"
         redis = self._connection.redis
         self._beat = redis.register_script(_BEAT)
         self._read = redis.register_script(_READ)
@@ -239,15 +246,22 @@ class RedisCoordination(Coordination):
 
     # -- the policy version ------------------------------------------------------------------------------
     async def policy_version(self) -> int:
-        with self.errors(f"GET {self._version_key}"):
-            return int(await self.redis.get(self._version_key) or 0)
+        asked_at = time.monotonic()
+        with self.errors(f"reading {self._version_key}"):
+            version, change = await self.redis.mget(self._version_key, self._change_key)
+        return self._heard_version(int(version or 0), int(change or 0), asked_at)
 
     async def set_policy_version(self, version: int, raise_only: bool) -> int:
+        asked_at = time.monotonic()  # its answer is as fresh as a read's
         with self.errors(f"setting {self._version_key}"):
             args = [version, "1" if raise_only else "0", self.channel]
-            effective = int(await self._set_version(keys=[self._version_key], args=args))
-        self._version_changed(effective)  # here at once; the other replicas through the channel
-        return effective
+            effective, change = await self._set_version(keys=[self._version_key, self._change_key], args=args)
+        self._heard_version(int(effective), int(change), asked_at)  # here at once; the others through the channel
+        return int(effective)
+
+    def _version_message(self, payload: str) -> None:
+        version, _, change = payload.partition(":")
+        self._heard_version(int(version), int(change) if change else None)
 
     # -- admission ---------------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -285,7 +299,7 @@ class RedisCoordination(Coordination):
             await self.redis.publish(self.channel, f"{kind}:{payload}")
 
     async def start(self) -> None:
-        self.on_event("version", lambda payload: self._version_changed(int(payload)))
+        self.on_event("version", self._version_message)
         self.on_event("prompts", lambda _: self._prompts_were_added())
         self._listening = asyncio.create_task(self._listen_forever())
         with contextlib.suppress(TimeoutError):  # Redis away: the listener keeps trying; start anyway
@@ -300,7 +314,7 @@ class RedisCoordination(Coordination):
                     with keeping_cancellation():  # this loop ends only by cancellation: it must not be lost
                         await pubsub.subscribe(self.channel)
                     self._subscribed.set()
-                    self._version_changed(await self.policy_version())  # what was missed while away
+                    await self.policy_version()  # what was missed while away (`version` follows the read)
                     delay = 0.2
                     while True:
                         # Polled with a timeout below the socket's: `listen()` on an idle channel would hit the

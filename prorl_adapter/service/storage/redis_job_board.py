@@ -26,9 +26,9 @@ import time
 
 from ...hooks.specs import hookimpl
 from ...models import JobError, JobRequest, JobState, JobStatus, Trajectory
-from ..job_board import JobBoard, UnknownJob
-from ..pipeline import Job, JobConflict, RolloutPipeline
+from ..job_runner import JobConflict, JobRunner, RunnerJob
 from .buffer import ExperienceBufferError
+from .job_board import JobBoard, UnknownJob
 from .prompts import with_job_id
 from .redis_connection import RedisConnection
 from .redis_coordination import RedisCoordination
@@ -84,13 +84,13 @@ class RedisJobBoard(JobBoard):
 
     def __init__(
         self,
-        pipeline: RolloutPipeline,
+        runner: JobRunner,
         coordination: RedisCoordination,
         *,
         prefix: str = "prorl:jobs",
         result_ttl_s: float = 86_400.0,
     ) -> None:
-        self.pipeline = pipeline
+        self.runner = runner
         self.coordination = coordination
         self.replica = coordination.replica_id
         self.prefix = prefix
@@ -109,22 +109,18 @@ class RedisJobBoard(JobBoard):
         self._room = asyncio.Event()
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._writes: dict[str, JobStatus] = {}  # statuses to write, latest only
-        self._finished: list[Job] = []  # finished jobs to record, in order
+        self._finished: list[RunnerJob] = []  # finished jobs to record, in order
         self._write_wanted = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
     def _key(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}"
 
-    def _capacity(self) -> int:
-        config = self.pipeline.config
-        return config.max_init_workers + config.max_run_workers
-
     # -- life cycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
         self.coordination.on_event("finished", self._wake_waiter)
         self.coordination.on_event("cancel", self._cancel_here)
-        self.pipeline.plugins.register(self, name="redis-job-board")
+        self.runner.plugins.register(self, name="redis-job-board")
         await self._retrying("queueing again what an earlier run of this replica held", self._requeue_own)
         self._room.set()
         self._tasks = [asyncio.create_task(self._claim_forever()), asyncio.create_task(self._write_forever())]
@@ -142,8 +138,8 @@ class RedisJobBoard(JobBoard):
         self._writes.clear()
         self._finished.clear()
         for job_id in disowned:
-            if job_id in self.pipeline.jobs:
-                self._in_background(self.pipeline.cancel(job_id))
+            if self.runner.job(job_id) is not None:
+                self._in_background(self.runner.cancel(job_id))
         self._room.set()
 
     def _in_background(self, work) -> None:
@@ -174,7 +170,7 @@ class RedisJobBoard(JobBoard):
     async def submit(self, request: JobRequest) -> tuple[list[JobStatus], bool]:
         samples = request.samples()
         for sample in samples:
-            self.pipeline.handler_for(sample)  # 400 for a task this service cannot run, before anything is queued
+            self.runner.check(sample)  # 400 for a task this service cannot run, before anything is queued
         samples = [with_job_id(sample) for sample in samples]
         with self.coordination.errors("reading job records"):
             pipe = self.coordination.redis.pipeline(transaction=False)
@@ -201,10 +197,10 @@ class RedisJobBoard(JobBoard):
             statuses.append(status)
         return statuses, created
 
-    def _local(self, job_id: str) -> Job | None:
+    def _local(self, job_id: str) -> RunnerJob | None:
         """The job as this replica runs it: one of the board's it holds, or one that never went through the
         board (a decoupled prompt's, ProRL's /process)."""
-        return self.pipeline.jobs.get(job_id)
+        return self.runner.job(job_id)
 
     async def status(self, job_id: str) -> JobStatus:
         job = self._local(job_id)
@@ -221,7 +217,7 @@ class RedisJobBoard(JobBoard):
     async def result(self, job_id: str, wait: float) -> Trajectory | JobStatus:
         job = self._local(job_id)
         if job is not None and job_id in self._mine:
-            job = await self.pipeline.wait(job_id, wait)
+            job = await self.runner.wait(job_id, wait)
             return job.result if job.result is not None else self._status(job)
         deadline = time.monotonic() + wait
         event = asyncio.Event()
@@ -232,7 +228,7 @@ class RedisJobBoard(JobBoard):
                 with self.coordination.errors(f"reading job {job_id}"):
                     status, result = await self.coordination.redis.hmget(self._key(job_id), ["status", "result"])
                 if status is None and job is not None:  # not a job of the board: this replica's own
-                    job = await self.pipeline.wait(job_id, max(deadline - time.monotonic(), 0.0))
+                    job = await self.runner.wait(job_id, max(deadline - time.monotonic(), 0.0))
                     return job.result if job.result is not None else self._status(job)
                 if status is None:
                     raise UnknownJob(job_id)
@@ -254,7 +250,7 @@ class RedisJobBoard(JobBoard):
     async def cancel(self, job_id: str) -> JobStatus:
         local = self._local(job_id)
         if local is not None and (job_id in self._mine or not await self._on_board(job_id)):
-            return self._status(await self.pipeline.cancel(job_id))
+            return self._status(await self.runner.cancel(job_id))
         status = await self.status(job_id)
         if status.state.finished:
             return status
@@ -264,7 +260,8 @@ class RedisJobBoard(JobBoard):
             await self.coordination.redis.hset(self._key(job_id), "cancel", "1")
             document = await self.coordination.redis.hget(self._key(job_id), "request")
         if document is not None:
-            job = self.pipeline.cancelled_before_start(JobRequest.model_validate_json(document), status.submitted_at)
+            request = JobRequest.model_validate_json(document)
+            job = self.runner.not_run(request, status.submitted_at, JobState.cancelled, _cancelled())
             with self.coordination.errors(f"cancelling job {job_id}"):
                 args = [job_id, self._status(job).model_dump_json(), job.result.model_dump_json()]
                 done = await self._cancel_queued(
@@ -280,7 +277,7 @@ class RedisJobBoard(JobBoard):
         with self.coordination.errors(f"reading job {job_id}"):
             return bool(await self.coordination.redis.exists(self._key(job_id)))
 
-    def _status(self, job: Job) -> JobStatus:
+    def _status(self, job: RunnerJob) -> JobStatus:
         status = job.status()
         status.replica = self.replica
         return status
@@ -302,7 +299,7 @@ class RedisJobBoard(JobBoard):
                 await asyncio.sleep(1.0)  # a pause before trying again
 
     async def _claim_one(self) -> None:
-        if not self.pipeline.llm.any_healthy():
+        if not self.runner.can_generate():
             # LLM servers are each replica's own (PUT /v1/llm-servers): one without any leaves the jobs to the
             # replicas that have some, rather than failing them.
             await asyncio.sleep(CLAIM_BLOCK_S)  # a period: its servers are checked every few seconds
@@ -332,27 +329,25 @@ class RedisJobBoard(JobBoard):
 
     def _run_here(self, request: JobRequest, cancelled: bool = False) -> None:
         self._mine.add(request.job_id)
-        if len(self._mine) >= self._capacity():
+        if len(self._mine) >= self.runner.capacity():
             self._room.clear()
         if cancelled:  # cancelled while it waited, or while its replica died
-            self._record_finished(self.pipeline.cancelled_before_start(request, time.time()))
+            self._record_finished(self.runner.not_run(request, time.time(), JobState.cancelled, _cancelled()))
             return
         try:
-            job, _ = self.pipeline.submit(request)
+            job, _ = self.runner.submit(request)
         except Exception as exc:  # a request this replica cannot run (a task it lacks): finish it as failed
             log.error("job %s cannot run here: %s", request.job_id, exc)
-            job = self.pipeline.cancelled_before_start(request, time.time())
-            job.state = JobState.failed
-            job.error = JobError(error_class="init", message=f"cannot run: {exc}")
-            self._record_finished(job)
+            error = JobError(error_class="init", message=f"cannot run: {exc}")
+            self._record_finished(self.runner.not_run(request, time.time(), JobState.failed, error))
             return
         self._status_changed(job)
-        if job.state.finished:  # known here already, and finished: record it again
+        if job.result is not None:  # known here already, and ended: record it again
             self._record_finished(job)
 
     def _cancel_here(self, job_id: str) -> None:
-        if job_id in self._mine and job_id in self.pipeline.jobs:
-            self._in_background(self.pipeline.cancel(job_id))
+        if job_id in self._mine and self.runner.job(job_id) is not None:
+            self._in_background(self.runner.cancel(job_id))
 
     def _wake_waiter(self, job_id: str) -> None:
         for event in self._waiters.get(job_id, ()):
@@ -360,21 +355,21 @@ class RedisJobBoard(JobBoard):
 
     @hookimpl
     def prorl_stage_event(self, job_id: str, task: str, stage: str, event: str, seconds: float, error) -> None:
-        job = self.pipeline.jobs.get(job_id)
+        job = self.runner.job(job_id)
         if job is not None and job_id in self._mine and not job.state.finished:
             self._status_changed(job)
 
     @hookimpl
     def prorl_job_finished(self, trajectory: Trajectory, state: JobState) -> None:
-        job = self.pipeline.jobs.get(trajectory.job_id)
+        job = self.runner.job(trajectory.job_id)
         if job is not None and trajectory.job_id in self._mine:
             self._record_finished(job)
 
-    def _status_changed(self, job: Job) -> None:
+    def _status_changed(self, job: RunnerJob) -> None:
         self._writes[job.id] = self._status(job)
         self._write_wanted.set()
 
-    def _record_finished(self, job: Job) -> None:
+    def _record_finished(self, job: RunnerJob) -> None:
         self._writes.pop(job.id, None)
         self._finished.append(job)
         self._write_wanted.set()
@@ -407,10 +402,14 @@ class RedisJobBoard(JobBoard):
                 )
             self._finished.pop(0)
             self._mine.discard(job.id)
-            if len(self._mine) < self._capacity():
+            if len(self._mine) < self.runner.capacity():
                 self._room.set()
 
 
 def _check_same(request: JobRequest, document: str | None) -> None:
     if document is not None and JobRequest.model_validate_json(document) != request:
         raise JobConflict(f"job id {request.job_id!r} is taken by a different request; use a new id")
+
+
+def _cancelled() -> JobError:
+    return JobError(error_class="cancelled", message="cancelled by request")

@@ -2,8 +2,8 @@
 
     client ── POST /v1/jobs ─> JobBoard ─> a replica's pipeline (init -> run -> eval) ─> JobBoard ── result ─> client
 
-`LocalJobBoard` (with `memory://`) is the one-process service as it always was: the pipeline's own jobs are the
-record. `RedisJobBoard` (`storage/redis_jobs.py`, with a Redis URL) records every job in Redis, so that replicas
+`MemoryJobBoard` (with `memory://`) is the one-process service as it always was: the pipeline's own jobs are the
+record. `RedisJobBoard` (`redis_job_board.py`, with a Redis URL) records every job in Redis, so that replicas
 share them: a job waits in one shared queue, the first replica with room takes it, and any replica answers for
 it (its state, its result, a cancel). A replica that dies with jobs in hand loses none: a survivor puts them
 back at the head of the queue (`take_over`), and they run again, at least once.
@@ -15,8 +15,8 @@ import abc
 
 from server_kit.errors import ApiError
 
-from ..models import JobRequest, JobStatus, Trajectory
-from .pipeline import RolloutPipeline
+from ...models import JobRequest, JobStatus, Trajectory
+from ..job_runner import JobRunner
 
 
 class UnknownJob(ApiError, KeyError):
@@ -59,18 +59,18 @@ class JobBoard(abc.ABC):
         return None
 
 
-class LocalJobBoard(JobBoard):
+class MemoryJobBoard(JobBoard):
     """One process: the pipeline's jobs are the record."""
 
-    def __init__(self, pipeline: RolloutPipeline) -> None:
-        self.pipeline = pipeline
+    def __init__(self, runner: JobRunner) -> None:
+        self.runner = runner
 
     async def submit(self, request: JobRequest) -> tuple[list[JobStatus], bool]:
-        submitted = self.pipeline.submit_samples(request)
+        submitted = self.runner.submit_samples(request)
         return [job.status() for job, _ in submitted], any(new for _, new in submitted)
 
     def _job(self, job_id: str):
-        job = self.pipeline.jobs.get(job_id)
+        job = self.runner.job(job_id)
         if job is None:
             raise UnknownJob(job_id)
         return job
@@ -79,8 +79,8 @@ class LocalJobBoard(JobBoard):
         return self._job(job_id).status()
 
     async def result(self, job_id: str, wait: float) -> Trajectory | JobStatus:
-        job = await self.pipeline.wait(self._job(job_id).id, wait)
+        job = await self.runner.wait(self._job(job_id).id, wait)
         return job.result if job.result is not None else job.status()
 
     async def cancel(self, job_id: str) -> JobStatus:
-        return (await self.pipeline.cancel(self._job(job_id).id)).status()
+        return (await self.runner.cancel(self._job(job_id).id)).status()
