@@ -175,7 +175,6 @@ class SimJob:
 
     id: str
     request: JobRequest
-    index: int  # in submission order
     result: Trajectory | None = None
     state: JobState = JobState.running
     finished: asyncio.Event = field(default_factory=asyncio.Event)
@@ -207,7 +206,7 @@ class SimulatedRunner:
     def submit(self, request: JobRequest) -> tuple[SimJob, bool]:
         if request.job_id in self.jobs:
             return self.jobs[request.job_id], False
-        job = self.jobs[request.job_id] = SimJob(request.job_id, request, len(self.jobs))
+        job = self.jobs[request.job_id] = SimJob(request.job_id, request)
         self._started(job)
         return job, True
 
@@ -218,7 +217,7 @@ class SimulatedRunner:
         return [self.submit(sample) for sample in request.samples()]
 
     def not_run(self, request: JobRequest, submitted_at: float, state: JobState, error: JobError) -> SimJob:
-        job = SimJob(request.job_id, request, -1)
+        job = SimJob(request.job_id, request)
         self.end(job, sim_trajectory(job, self.policy_version, self.policy_version, error), state, notify=False)
         return job
 
