@@ -3,7 +3,9 @@ protocol's documented wire format in front of the real vLLM server, which does t
 
 - `sglang`: SGLang's native `POST /generate` (`input_ids`, `sampling_params` with `max_new_tokens`, `return_logprob`;
   answers `text`, `output_ids`, `meta_info.output_token_logprobs` as [logprob, id, null] and `finish_reason` as
-  {type}), `GET /health`, `GET /get_model_info`.
+  {type}, `{"type": "abort", ...}` for an aborted request), `GET /health`, `GET /get_model_info`, and its weight-update
+  routes `POST /pause_generation {"mode": "abort"}`, `/continue_generation`, `/abort_request` (vLLM's `/pause`,
+  `/resume` and `/abort_requests` behind them).
 - `prorl`: ProRL Agent's token-level `POST /generate` (`prompt_ids`, `max_tokens`, `temperature`, `top_p`, `seed`;
   answers `response_ids` and `logprobs`); no health route, as NeMo-RL's server has none.
 
@@ -60,7 +62,10 @@ async def protocol_standin(protocol: str, vllm_url: str) -> AsyncIterator[StandI
                 translated["structured_outputs"] = {"regex": params["regex"]}
             choice = await sample(body["input_ids"], translated)
             entries = [[lp, i, None] for lp, i in zip(choice["logprobs"]["token_logprobs"], choice["token_ids"])]
-            finish = {"type": "length" if choice["finish_reason"] == "length" else "stop"}
+            reason = choice["finish_reason"]
+            finish = {"type": reason} if reason in ("length", "abort") else {"type": "stop"}
+            if reason == "abort":
+                finish["message"] = "Aborted"
             meta = {"id": "standin", "finish_reason": finish, "output_token_logprobs": entries}
             return web.json_response({"text": choice["text"], "output_ids": choice["token_ids"], "meta_info": meta})
 
@@ -75,6 +80,23 @@ async def protocol_standin(protocol: str, vllm_url: str) -> AsyncIterator[StandI
                 {"response_ids": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}
             )
 
+        async def forward(path: str, body: dict | None = None) -> web.Response:
+            async with http.post(f"{vllm_url}{path}", json=body) as response:
+                response.raise_for_status()
+            return web.json_response({"message": "ok", "status": "ok"})
+
+        async def sglang_pause(request: web.Request) -> web.Response:
+            mode = (await request.json()).get("mode", "abort")
+            if mode != "abort":
+                return web.json_response({"error": f"this stand-in pauses in abort mode only, not {mode}"}, status=400)
+            return await forward("/pause?mode=abort")
+
+        async def sglang_continue(request: web.Request) -> web.Response:
+            return await forward("/resume")
+
+        async def sglang_abort(request: web.Request) -> web.Response:
+            return await forward("/abort_requests", {})
+
         async def ok(request: web.Request) -> web.Response:
             return web.Response()
 
@@ -84,7 +106,14 @@ async def protocol_standin(protocol: str, vllm_url: str) -> AsyncIterator[StandI
         app = web.Application()
         if protocol == "sglang":
             app.router.add_routes(
-                [web.post("/generate", sglang_generate), web.get("/health", ok), web.get("/get_model_info", model_info)]
+                [
+                    web.post("/generate", sglang_generate),
+                    web.get("/health", ok),
+                    web.get("/get_model_info", model_info),
+                    web.post("/pause_generation", sglang_pause),
+                    web.post("/continue_generation", sglang_continue),
+                    web.post("/abort_request", sglang_abort),
+                ]
             )
         else:
             app.router.add_routes([web.post("/generate", prorl_generate)])

@@ -15,6 +15,7 @@ from prorl_adapter.hooks.plugin_set import PluginSet
 from prorl_adapter.models import JobRequest
 from prorl_adapter.service import decoupled
 from prorl_adapter.service.decoupled import Producer
+from prorl_adapter.service.storage.coordination import BarrierNews
 from prorl_adapter.service.storage.redis_buffer import RedisBuffer
 from prorl_adapter.service.storage.redis_coordination import RedisCoordination
 from prorl_adapter.service.storage.redis_prompts import RedisPromptQueue
@@ -283,3 +284,53 @@ async def test_prompts_added_through_one_replica_are_admitted_by_the_others_at_o
             await producer.buffer.close()
             await producer.prompts.close()
             await producer.coordination.close()
+
+
+async def test_a_weight_update_barrier_reaches_the_other_replicas_and_one_that_starts_while_it_holds(redis):
+    a, b = await replicas(redis.url, "a", "b")
+    heard: dict[str, list[BarrierNews]] = {"a": [], "b": [], "late": []}
+    a.on_barrier(heard["a"].append)
+    b.on_barrier(heard["b"].append)
+    late = RedisCoordination(redis.url, "late", prefix="t")
+    try:
+        await a.barrier_announce(BarrierNews("pause", "b1", "abort", 60.0))
+        await until(lambda: heard["b"])
+        # (b may hear it twice: its subscription's first read of the barrier held now can race the message)
+        assert {(n.kind, n.barrier, n.mode, n.replica) for n in heard["b"]} == {("pause", "b1", "abort", "a")}
+        late.on_barrier(heard["late"].append)
+        await late.start()  # subscribes, then reads the barrier held now
+        await until(lambda: heard["late"])
+        assert heard["late"][0].barrier == "b1" and 0 < heard["late"][0].expires_in_s <= 60
+        held_now: list[BarrierNews] = []
+        probe = RedisCoordination(redis.url, "probe", prefix="t")
+        probe.on_barrier(held_now.append)
+        await b.barrier_announce(BarrierNews("resume", "other", "abort", 0.0))  # not the barrier held: it stays
+        await probe.barrier_held_now()
+        assert [(n.kind, n.barrier) for n in held_now] == [("pause", "b1")]
+        await a.barrier_announce(BarrierNews("resume", "b1", "abort", 0.0))
+        await until(lambda: ("resume", "b1") in [(n.kind, n.barrier) for n in heard["b"]])
+        held_now.clear()
+        await probe.barrier_held_now()
+        await probe.close()
+        assert held_now == []  # ended: nothing held any more
+        assert all(news.replica != "a" for news in heard["a"])  # a replica acts on its own news where it makes it
+    finally:
+        for replica in (a, b, late):
+            await replica.close()
+
+
+async def test_the_pausing_replica_waits_for_every_live_replica_to_drain(redis):
+    a, b, c = await replicas(redis.url, "a", "b", "c")
+    try:
+        for replica in (a, b, c):
+            await replica.beat(None, {}, interval_s=30)
+        waiting = asyncio.ensure_future(a.barrier_wait_drained("b2", 20))
+        await b.barrier_report_drained("b2")
+        with pytest.raises(TimeoutError):  # c has not drained: a keeps waiting
+            await asyncio.wait_for(asyncio.shield(waiting), 1.0)
+        await c.barrier_report_drained("b2")
+        assert await waiting is True
+        assert await a.barrier_wait_drained("b3", 0.5) is False  # nobody reported this one
+    finally:
+        for replica in (a, b, c):
+            await replica.close()

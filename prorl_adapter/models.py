@@ -235,14 +235,26 @@ class ToolCall(BaseModel):
     arguments: dict[str, Any]
 
 
+class Resumption(BaseModel):
+    """Where an interrupted turn went on: from its `offset`-th token (0: its first) the turn was sampled at
+    `policy_version`. A turn is interrupted when its generation is aborted (a weight update's barrier in `abort`
+    mode, or someone else's abort) and resumed from its prompt plus the tokens sampled so far."""
+
+    offset: int = Field(gt=0)
+    policy_version: int
+
+
 class Turn(BaseModel):
     """One policy turn (for an agent program: one LLM gateway call) and the tool results that followed it. The
     policy's tokens of the turn are `response_ids[response_start : response_start + response_tokens]` of the
-    trajectory's segment `segment` (0: the trajectory's own fields; k: `segments[k - 1]`)."""
+    trajectory's segment `segment` (0: the trajectory's own fields; k: `segments[k - 1]`). `policy_version`
+    sampled its first token; where it was interrupted and resumed, `resumptions` say which version sampled the
+    rest (`BatchItem.token_versions` gives every token's)."""
 
     index: int
     segment: int = 0
     policy_version: int
+    resumptions: list[Resumption] = Field(default_factory=list)
     llm_server: str
     response_start: int = Field(ge=0)
     response_tokens: int
@@ -254,6 +266,10 @@ class Turn(BaseModel):
     observation_tokens: int = 0
     generate_s: float = 0.0
     tools_s: float = 0.0
+
+    def versions(self) -> list[int]:
+        """Every policy version that sampled a token of the turn."""
+        return [self.policy_version, *(r.policy_version for r in self.resumptions)]
 
 
 class StageTimings(BaseModel):
@@ -473,14 +489,20 @@ class BatchItem(BaseModel):
         return [m * w for m, w in zip(self.trajectory.response_mask, self.loss_weights())]
 
     def token_versions(self) -> list[int | None]:
-        """The policy version that sampled each response token, from each turn's span; None on tool and template
-        tokens. A policy token outside every span (a trajectory rebuilt without turns) gets
+        """The policy version that sampled each response token, from each turn's span and its resumptions; None
+        on tool and template tokens. A policy token outside every span (a trajectory rebuilt without turns) gets
         `policy_version_min`, the conservative answer."""
         t = self.trajectory
         versions: list[int | None] = [t.policy_version_min if m else None for m in t.response_mask]
         for turn in t.turns:
-            end = min(turn.response_start + turn.response_tokens, len(versions))
-            versions[turn.response_start : end] = [turn.policy_version] * (end - turn.response_start)
+            if turn.segment != 0:
+                continue  # its tokens are in another sequence (`segment_items` gives each its own turns)
+            starts = [(0, turn.policy_version)] + [(r.offset, r.policy_version) for r in turn.resumptions]
+            ends = [offset for offset, _ in starts[1:]] + [turn.response_tokens]
+            for (offset, version), end in zip(starts, ends):
+                first = turn.response_start + offset
+                last = min(turn.response_start + end, len(versions))
+                versions[first:last] = [version] * max(0, last - first)
         return versions
 
     def segment_items(self) -> list[BatchItem]:
@@ -695,6 +717,44 @@ class WaitQuery(_Query):
 
 class PolicyVersionSet(BaseModel):
     version: int = Field(description="the version in effect after the call")
+
+
+WeightUpdateMode = Literal["drain", "abort", "keep"]
+
+
+class WeightUpdatePause(_Strict):
+    """Body of POST /v1/weight-update/pause."""
+
+    mode: WeightUpdateMode = Field(
+        "drain",
+        description="drain: the requests in flight finish with the old weights; abort: they are aborted at the LLM "
+        "servers and resumed after the resume (vLLM and SGLang only); keep: they are frozen at the LLM servers and go "
+        "on at the resume (vLLM, with the service started with --llm-stream)",
+    )
+    timeout_s: float = Field(
+        600.0, gt=0, le=86400, allow_inf_nan=False, description="the barrier ends by itself this long after the pause"
+    )
+
+
+class WeightUpdateResume(_Strict):
+    """Body of POST /v1/weight-update/resume."""
+
+    version: int | None = Field(None, ge=0, le=2**63 - 1, description="the new weights' policy version, if it changed")
+    raise_only: bool = False
+
+
+class WeightUpdateState(BaseModel):
+    paused: bool
+    barrier: str | None = Field(description="the barrier's id while one holds")
+    mode: WeightUpdateMode | None
+    paused_at: float | None = Field(description="when it was taken (seconds since the epoch)")
+    expires_in_s: float | None = Field(description="when it ends by itself unless resumed")
+    in_flight: int = Field(description="generation requests in flight at this replica")
+    waiting: int = Field(description="generation requests held at this replica's gate (new turns, interrupted ones)")
+    policy_version: int
+    pauses: int = Field(description="barriers taken at this replica since it started")
+    expired: int = Field(description="barriers that ended by their timeout here (a trainer that never resumed)")
+    last_expired_at: float | None
 
 
 class PromptsQueued(BaseModel):

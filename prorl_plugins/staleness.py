@@ -1,7 +1,12 @@
 """Staleness control, shared by every training backend.
 
-A trajectory produced at policy version v (its oldest turn, `policy_version_min`) and consumed by the trainer
-at version c has staleness s = c - v. Configured by the `staleness` section of the plugin configuration:
+A trajectory produced at policy version v and consumed by the trainer at version c has staleness s = c - v.
+Its version v is that of its oldest token (`policy_version_min`). A turn interrupted by a weight update and
+resumed (a partial rollout) has tokens of two versions or more (`Turn.resumptions`, `BatchItem.token_versions`):
+the rule is still its oldest token's, for every mode that weighs or paces by versions (`drop`, `linear`,
+`pace`): conservative, and pace's bound stays true, as no token is older than its episode's admission. Only
+`importance` corrects per token, through each token's own behaviour logprob (the weights that sampled it).
+Configured by the `staleness` section of the plugin configuration:
 
     {"staleness": {"mode": "pace", "max_staleness": 2, "batch_size": 256}}
 

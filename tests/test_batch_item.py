@@ -1,7 +1,7 @@
 """What every training backend derives alike from a weighed trajectory (`BatchItem`): loss weights, per-token
 versions from each turn's span, truncation, the GRPO group; and the trainer-side helpers beside it."""
 
-from prorl_adapter.models import BatchItem, JobRequest, Trajectory, TrajectoryWeight, Turn
+from prorl_adapter.models import BatchItem, JobRequest, Resumption, Trajectory, TrajectoryWeight, Turn
 from prorl_adapter.trainer.samples import group_neutral_rewards, job_request, trajectory_from_tensors
 
 
@@ -117,3 +117,11 @@ def test_segment_items_are_one_per_sequence_with_the_episodes_reward_and_their_o
     # The token weights are aligned with the first sequence; the second keeps the sample weight only.
     assert first.loss_weights() == [0.5, 1.0, 0.5, 0.25, 0.5] and second.loss_weights() == [0.5, 0.5]
     assert item(two_turn_trajectory()).segment_items()[0].trajectory == two_turn_trajectory()
+
+
+def test_token_versions_of_a_resumed_turn_change_where_it_was_resumed():
+    trajectory = two_turn_trajectory((3, 5))
+    first = trajectory.turns[0].model_copy(update={"resumptions": [Resumption(offset=1, policy_version=4)]})
+    resumed = trajectory.model_copy(update={"turns": [first, trajectory.turns[1]]})
+    assert item(resumed).token_versions() == [3, 4, None, 5, None]
+    assert first.versions() == [3, 4]

@@ -33,6 +33,7 @@ from prorl_adapter.models import (
     ServiceHealth,
     ServiceStatus,
     Trajectory,
+    WeightUpdateState,
 )
 from prorl_adapter.trainer.client import RolloutClient, SyncRolloutClient
 from sandbox_runtime.client import SandboxClient
@@ -127,6 +128,13 @@ async def test_every_rollout_client_method_speaks_the_service_models():
         assert await client.ack([item.id for item in batch.items]) == 1
         buffer = await client.buffer()
         assert (buffer.pending, buffer.acked, buffer.buffer_expired, buffer.expired) == (0, 1, 0, 0)
+
+        # weight updates
+        paused = await client.pause_generation("drain", timeout_s=60)
+        assert isinstance(paused, WeightUpdateState) and paused.paused and paused.mode == "drain"
+        assert (await client.weight_update_state()).barrier == paused.barrier
+        resumed = await client.resume_generation(version=3)
+        assert isinstance(resumed, WeightUpdateState) and not resumed.paused and resumed.policy_version == 3
 
     assert client.names >= operations(RolloutClient), "a client method this test does not call"
 

@@ -82,7 +82,7 @@ async def served(limits: ConnectionLimits) -> AsyncIterator[tuple[int, int, Gate
     requests = PromCounter("test_requests", "", ["route", "status"], registry=CollectorRegistry())
     api = json_api(server.ROLLOUT_API, API_TOKEN, 16 * 1024 * 1024, requests)
     gateway_app = gateway.create_gateway_app(requests)
-    gateway_app[gateway.GATEWAY] = gate = gateway.Gateway(None, None, lambda: 0)  # type: ignore[arg-type]
+    gateway_app[gateway.GATEWAY] = gate = gateway.Gateway(None, None, None)  # type: ignore[arg-type]
     sockets = [bound_socket("127.0.0.1", 0), bound_socket("127.0.0.1", 0)]
     ports = [sock.getsockname()[1] for sock in sockets]
     stop = asyncio.Event()

@@ -80,7 +80,7 @@ class FaultyLLM:
     faults: Faults
     calls: int = 0
 
-    async def generate(self, prompt_ids: list[int], sampling: Any, pin: Any) -> Generation:
+    async def generate(self, prompt_ids: list[int], sampling: Any, pin: Any, progress: Any = None) -> Generation:
         index, self.calls = self.calls, self.calls + 1
         if self.faults.step == "llm" and index == self.faults.index:
             raise Boom("LLM call")

@@ -424,3 +424,16 @@ def test_pacing_keeps_slow_tasks_that_dropping_loses():
     assert max(paced.staleness) <= k
     assert paced.slow_fraction(paced.trained) == pytest.approx(paced.slow_fraction(paced.submitted), abs=0.02)
     assert paced.slow_fraction(paced.submitted) == pytest.approx(0.25, abs=0.01)
+
+
+@given(st.integers(min_value=0, max_value=20), st.integers(min_value=1, max_value=5), ks)
+def test_a_turn_resumed_under_newer_weights_is_as_stale_as_its_oldest_token(v, newer, k):
+    """The stated rule for a partial rollout (tokens of several versions): drop, linear and pace go by the oldest
+    token, so resuming a turn under new weights never makes it look fresher than its first tokens."""
+    resumed = make_trajectory(v).model_copy(update={"policy_version_max": v + newer})
+    for mode in ("drop", "linear"):
+        plugin = StalenessControl({"mode": mode, "max_staleness": k})
+        current = v + newer + 1
+        assert plugin.prorl_trajectory_weight(resumed, current, None) == plugin.prorl_trajectory_weight(
+            make_trajectory(v), current, None
+        )

@@ -11,8 +11,22 @@ import pytest
 
 from prorl_adapter.models import JobRequest, SamplingParams
 from prorl_adapter.service.agent import MAX_OBSERVATION_CHARS, PromptTooLong
+from prorl_adapter.service.storage.coordination import MemoryCoordination
+from prorl_adapter.service.weight_barrier import WeightBarrier
 from prorl_adapter.tasks import EpisodeState, TaskHandler
-from tests.fakes import EpisodeRig, Reply, bash_call, episode_rig, finish_call, on_virtual_time, tool_call
+from tests.fakes import EpisodeRig, Reply, ScriptedLLM, bash_call, episode_rig, finish_call, on_virtual_time, tool_call
+
+
+class _VersionPerRequest(MemoryCoordination):
+    """A policy version that moves on with every request the LLM stand-in has seen."""
+
+    def __init__(self, llm: ScriptedLLM) -> None:
+        super().__init__("test")
+        self._llm = llm
+
+    @property
+    def version(self) -> int:
+        return 10 + len(self._llm.requests)
 
 
 class Goal(TaskHandler):
@@ -214,6 +228,7 @@ async def test_long_tool_output_is_clipped_in_the_middle():
 @on_virtual_time
 async def test_each_turn_is_tagged_with_the_policy_version_when_it_is_sampled():
     async with episode_rig([bash_call("echo 1"), bash_call("echo 2"), finish_call()]) as rig:
-        episode = await rig.run(request(), Goal(), policy_version=lambda: 10 + len(rig.llm.requests))
+        barrier = WeightBarrier(_VersionPerRequest(rig.llm), rig.pool)
+        episode = await rig.run(request(), Goal(), barrier)
     assert [turn.policy_version for turn in episode.turns] == [10, 11, 12]
     assert {turn.llm_server for turn in episode.turns} == {rig.llm.url}

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from server_kit.errors import ProrlError
 
-from ..models import FinishReason, JobRequest, SamplingParams, Segment, ToolCall, Turn
+from ..models import FinishReason, JobRequest, Resumption, SamplingParams, Segment, ToolCall, Turn
 from ..tasks import EpisodeState, SandboxHandle, TaskHandler, Tool
 from .actions import FORMATS, ActionFormat
 from .chat import ChatTokenizer, text_size
-from .llm import Generation, LLMPool, Pin
+from .llm import Generation, LLMPool, LLMUnavailable, Pin
+from .weight_barrier import WeightBarrier
 
 MAX_OBSERVATION_CHARS = 8000
 
@@ -69,13 +69,70 @@ class PromptTooLong(ProrlError):
     """The task's prompt alone does not fit the episode's context: there is nothing to sample."""
 
 
+# A turn aborted this many times is given up (LLMUnavailable): something aborts everything it sends.
+MAX_RESUMPTIONS = 100
+
+
+@dataclass
+class SampledTurn:
+    """One turn's generation, whole: its parts joined where it was interrupted and resumed."""
+
+    generation: Generation
+    policy_version: int  # the version that sampled its first token
+    resumptions: list[Resumption]
+
+
 async def sample(
-    llm: LLMPool, chat: ChatTokenizer, prompt_ids: list[int], sampling: SamplingParams, pin: Pin
-) -> Generation:
-    """One turn from the pool, with its text and finish reason filled in whatever the server's protocol gave."""
-    generation = await llm.generate(prompt_ids, sampling, pin)
-    ids = generation.token_ids
+    llm: LLMPool,
+    chat: ChatTokenizer,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    pin: Pin,
+    barrier: WeightBarrier,
+) -> SampledTurn:
+    """One turn from the pool, with its text and finish reason filled in whatever the server's protocol gave.
+
+    Each request waits at the weight barrier while it is held. A request the server aborted (the barrier's abort
+    mode, or anyone's abort) answers with the tokens sampled so far; the turn goes on from its prompt plus those
+    tokens once the barrier lets it, with the rest of its token budget, and ends as a turn ends. Every sampled
+    token is kept once, with the logprob and the version it was sampled with. Under a regex the rest cannot be
+    asked for (the server would match the regex from its start again): the turn is sampled again whole."""
+    ids: list[int] = []
+    logprobs: list[float] = []
+    resumptions: list[Resumption] = []
+    first_version: int | None = None
+    seconds = 0.0
+    for _ in range(MAX_RESUMPTIONS + 1):
+        rest = sampling
+        if ids:  # the rest of the turn; a seeded one draws on (the same seed would replay the first part's draws)
+            seed = sampling.seed + len(ids) if sampling.seed is not None else None
+            rest = sampling.model_copy(update={"max_tokens": sampling.max_tokens - len(ids), "seed": seed})
+        async with barrier.generating() as request:
+            part = await llm.generate(prompt_ids + ids, rest, pin, request.progress)
+        seconds += part.seconds
+        if part.aborted and sampling.regex:
+            continue  # nothing kept: the whole turn again
+        # Versions by token: the request's own, and where a `keep` barrier froze it, the newer one after.
+        for offset, version in request.versions(len(part.token_ids)) if part.token_ids else []:
+            if ids or offset:
+                resumptions.append(Resumption(offset=len(ids) + offset, policy_version=version))
+            else:
+                first_version = version
+        ids += part.token_ids
+        logprobs += part.logprobs
+        done = (ids and ids[-1] == chat.eos_id) or len(ids) >= sampling.max_tokens
+        if not part.aborted or done:
+            break
+    else:
+        raise LLMUnavailable(f"the turn was aborted {MAX_RESUMPTIONS + 1} times in a row by the LLM server")
     closed = bool(ids) and ids[-1] == chat.eos_id
+    generation = part
+    if part.aborted or len(ids) != len(part.token_ids):  # joined: the text is decoded from every part's ids
+        finish = None if part.aborted else part.finish_reason
+        if part.aborted and closed:
+            finish = "stop"  # it ended as it would have, just as the abort came
+        generation = replace(part, token_ids=ids, logprobs=logprobs, text=None, finish_reason=finish, aborted=False)
+    generation.seconds = seconds
     # The text is the ids' own where the protocol returns ids only, or where a stop string may have ended the
     # turn: an OpenAI server trims the stop string from its text while the ids hold it (a closing fence as a stop
     # would leave the block unclosed). The text of a turn ends before its eos.
@@ -83,7 +140,7 @@ async def sample(
         generation.text = await chat.off_loop(chat.decode, ids[:-1] if closed else ids, size=len(ids))
     if generation.finish_reason is None and not closed and len(ids) >= sampling.max_tokens:
         generation.finish_reason = "length"  # a protocol that says no reason (ProRL's): cut at its token limit
-    return generation
+    return SampledTurn(generation, request.latest if first_version is None else first_version, resumptions)
 
 
 async def start_episode(
@@ -110,7 +167,7 @@ async def policy_turn(
     llm: LLMPool,
     chat: ChatTokenizer,
     pin: Pin,
-    version: int,
+    barrier: WeightBarrier,
     index: int,
     tools: dict[str, Tool],
 ) -> PolicyTurn | None:
@@ -120,7 +177,8 @@ async def policy_turn(
         episode.finish_reason = "max_context"
         return None
     sampling = request.sampling.model_copy(update={"max_tokens": min(request.sampling.max_tokens, room)})
-    generation = await sample(llm, chat, episode.prompt_ids + episode.response_ids, sampling, pin)
+    sampled = await sample(llm, chat, episode.prompt_ids + episode.response_ids, sampling, pin, barrier)
+    generation = sampled.generation
     start = len(episode.response_ids)
     episode.append(generation.token_ids, 1, generation.logprobs)
     episode.generate_s += generation.seconds
@@ -128,7 +186,8 @@ async def policy_turn(
     parsed = episode.actions.parse(generation.text, tools)
     turn = Turn(
         index=index,
-        policy_version=version,
+        policy_version=sampled.policy_version,
+        resumptions=sampled.resumptions,
         llm_server=generation.server,
         response_start=start,
         response_tokens=len(generation.token_ids),
@@ -189,12 +248,12 @@ async def run_episode(
     env: SandboxHandle,
     chat: ChatTokenizer,
     llm: LLMPool,
-    policy_version: Callable[[], int],
+    barrier: WeightBarrier,
 ) -> Episode:
     episode, tools = await start_episode(request, handler, chat)
     pin = Pin()
     for index in range(request.max_turns):
-        pending = await policy_turn(episode, request, llm, chat, pin, policy_version(), index, tools)
+        pending = await policy_turn(episode, request, llm, chat, pin, barrier, index, tools)
         last = index == request.max_turns - 1
         if pending is None or not await tool_turn(episode, pending, tools, env, chat, request.max_context_tokens, last):
             break

@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         "a plain URL is probed. None: add them through the API (PUT /v1/llm-servers, ProRL's /add_llm_server)",
     )
     serve.add_argument(
+        "--llm-stream",
+        action="store_true",
+        help="read each turn from vLLM as a stream, counting its tokens as they arrive: what a weight-update barrier "
+        "in mode 'keep' needs (it costs the service CPU per token)",
+    )
+    serve.add_argument(
         "--tokenizer",
         required=True,
         help=f"the policy's tokenizer: a directory (the local tiny vLLM's: {TINY_TOKENIZER}) or a Hugging Face Hub "
@@ -275,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     config = RolloutConfig(
         sandbox_urls=args.sandbox_url,
         llm_urls=args.llm_url,
+        llm_stream=args.llm_stream,
         tokenizer=tokenizer_argument(args.tokenizer),
         host=host,
         port=port,

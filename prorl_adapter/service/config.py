@@ -32,6 +32,7 @@ class RolloutConfig:
     buffer_url: str = "memory://"  # or redis://host:port/db: the experience buffer of decoupled mode
     decoupled: ProducerConfig = field(default_factory=ProducerConfig)
     llm_health_interval_s: float = 5.0
+    llm_stream: bool = False  # turns read as streams: the barrier's `keep` mode needs it (weight_barrier.py)
     # Labels every sandbox this service creates, so that the next incarnation of it (same id) deletes what a
     # crash left; None: `prorl-rollout@HOST:PORT`.
     service_id: str | None = None

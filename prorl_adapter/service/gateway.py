@@ -22,7 +22,7 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +59,7 @@ from .openai_wire import (
     Usage,
 )
 from .token_history import CallLog, ChatKey, Sampled, canonical, tools_key
+from .weight_barrier import WeightBarrier
 
 SANDBOX_PORT = 8766  # where the gateway is on a sandbox's own loopback
 CALLS_IN_FLIGHT = 4  # per episode; more wait for a slot
@@ -94,10 +95,10 @@ class GatewayEpisode:
 
 
 class Gateway:
-    def __init__(self, llm: LLMPool, chat: ChatTokenizer, policy_version: Callable[[], int]) -> None:
+    def __init__(self, llm: LLMPool, chat: ChatTokenizer, barrier: WeightBarrier) -> None:
         self.llm = llm
         self.chat = chat
-        self.policy_version = policy_version
+        self.barrier = barrier  # every call waits while a weight update holds it, and is tagged by its version
         self._episodes: dict[str, GatewayEpisode] = {}
 
     @property
@@ -218,18 +219,19 @@ class Gateway:
                 "stop": [*job.sampling.stop, *body.stops()],
             }
         )
-        version = self.policy_version()
         try:
-            generation = await sample(self.llm, self.chat, prompt_ids, sampling, episode.pin)
+            sampled = await sample(self.llm, self.chat, prompt_ids, sampling, episode.pin, self.barrier)
         except LLMUnavailable as exc:
             raise GatewayError(503, f"no LLM server can answer now: {exc}") from exc
         except LLMRequestError as exc:
             raise GatewayError(400, f"the LLM server refused the request: {exc}") from exc
+        generation = sampled.generation
         return Sampled(
             prompt_ids=prompt_ids,
             response_ids=generation.token_ids,
             response_logprobs=generation.logprobs,
-            policy_version=version,
+            policy_version=sampled.policy_version,
+            resumptions=sampled.resumptions,
             server=generation.server,
             finish_reason=generation.finish_reason,
             text=generation.text or "",

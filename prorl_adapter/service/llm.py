@@ -24,7 +24,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -32,7 +33,7 @@ import aiohttp
 from server_kit.errors import DownstreamError, ProrlError
 
 from ..models import LLMServerInfo, SamplingParams
-from .llm_protocols import PROTOCOLS, MalformedAnswer, Protocol, Request, UnsupportedRequest, split_url
+from .llm_protocols import PROTOCOLS, MalformedAnswer, Protocol, Request, Sampled, UnsupportedRequest, split_url
 
 if TYPE_CHECKING:
     from ..hooks.plugin_set import PluginSet
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+# A pause waits while the server aborts its requests (vLLM: milliseconds) or they finish.
+_CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=60.0)
 # A server not answering yet is said to be waited for once this often at most (vLLM starts in a minute or more).
 WAITING_LOG_S = 60.0
 
@@ -62,6 +65,21 @@ class Generation:
     finish_reason: str | None
     server: str
     seconds: float
+    aborted: bool = False  # stopped by the server before it ended (a weight update's pause, an operator's abort)
+
+
+@dataclass
+class Progress:
+    """How many tokens of a streamed request have arrived (the barrier's `keep` mode reads it at a resume).
+    `restarted` is called when the request is sent again (a retry, elsewhere): it starts over."""
+
+    received: int = 0
+    restarted: Callable[[], None] | None = None
+
+    def restart(self) -> None:
+        self.received = 0
+        if self.restarted is not None:
+            self.restarted()
 
 
 @dataclass
@@ -76,6 +94,7 @@ class LLMServer:
     consecutive_failures: int = 0
     model: str | None = None  # the served model name, where its protocol needs it (OpenAI: /v1/models)
     removed: bool = False
+    control_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # its pauses, resumes and aborts, in order
     # Whether it has ever answered a health check: until then a failing one is a server still starting (vLLM
     # takes a minute or more), waited for, not one gone down. `waiting_logged_at`: when the wait was last logged,
     # `waiting_since`: when it began (the event loop's clock).
@@ -132,8 +151,12 @@ class LLMPool:
         max_failovers: int = 3,
         unavailable_wait_s: float = 30.0,
         plugins: PluginSet | None = None,
+        stream: bool = False,
     ) -> None:
         self._plugins = plugins  # told of every request (`prorl_llm_request`)
+        # Whether turns are read as streams where the protocol can: each request's tokens are counted as they
+        # arrive (`Progress`), which the barrier's `keep` mode needs; it costs the service CPU per token.
+        self.stream = stream
         self._servers: dict[str, LLMServer] = {}
         for url in urls:
             self.add(url)
@@ -313,13 +336,16 @@ class LLMPool:
         pin.server = chosen
         return chosen
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, pin: Pin) -> Generation:
-        """Sample one turn; retries once where it was, then fails over when the pinned server cannot answer."""
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, pin: Pin, progress: Progress | None = None
+    ) -> Generation:
+        """Sample one turn; retries once where it was, then fails over when the pinned server cannot answer.
+        Where it is streamed, `progress` counts its tokens as they arrive."""
         attempts = 0
         while True:
             server = await self._choose(pin)
             try:
-                return await self._complete(server, prompt_ids, sampling)
+                return await self._complete(server, prompt_ids, sampling, progress or Progress())
             except _ServerError as exc:
                 attempts += 1
                 server.failures += 1
@@ -332,13 +358,17 @@ class LLMPool:
                 if attempts > self._max_failovers + 1:
                     raise LLMUnavailable(f"gave up after {attempts} attempts; last error: {exc}") from exc
 
-    async def _complete(self, server: LLMServer, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+    async def _complete(
+        self, server: LLMServer, prompt_ids: list[int], sampling: SamplingParams, progress: Progress
+    ) -> Generation:
         if server.protocol is None or (server.protocol.needs_model and server.model is None):
             await self._probe(server)
             if not server.healthy:
                 raise _ServerError(f"{server.url} does not answer its health check")
+        streamed = self.stream and server.protocol.streams
+        ask = server.protocol.stream_request if streamed else server.protocol.generate_request
         try:
-            path, body = server.protocol.generate_request(prompt_ids, sampling, server.model)
+            path, body = ask(prompt_ids, sampling, server.model)
         except UnsupportedRequest as exc:
             raise LLMRequestError(f"{server.url}: {exc}") from None
         server.in_flight += 1
@@ -350,11 +380,14 @@ class LLMPool:
                     raise _ServerError(f"{response.status}: {(await response.text())[:300]}")
                 if response.status >= 400:
                     raise LLMRequestError(f"{server.url} refused the request: {(await response.text())[:500]}")
-                answer = await response.read()
-            try:
-                choice = server.protocol.parse(answer)
-            except MalformedAnswer as exc:  # a malformed 200 is the server's failure, like a 5xx
-                raise _ServerError(str(exc)) from None
+                try:
+                    if streamed:
+                        progress.restart()  # a retry starts over
+                        choice = await _read_stream(server.protocol, response, progress)
+                    else:
+                        choice = server.protocol.parse(await response.read())
+                except MalformedAnswer as exc:  # a malformed 200 is the server's failure, like a 5xx
+                    raise _ServerError(str(exc)) from None
         except (TimeoutError, aiohttp.ClientError) as exc:
             error = f"{type(exc).__name__}: {exc}"
             raise _ServerError(error, down=isinstance(exc, aiohttp.ClientConnectorError)) from exc
@@ -382,4 +415,105 @@ class LLMPool:
             finish_reason=choice.finish_reason,
             server=server.url,
             seconds=time.perf_counter() - started,
+            aborted=choice.aborted,
         )
+
+    # -- weight updates (weight_barrier.py) -----------------------------------------------------------------
+    def _serving(self) -> list[LLMServer]:
+        """The servers a request could be in flight at: those whose protocol is known (others never answered)."""
+        return [s for s in self._servers.values() if s.protocol is not None]
+
+    def check_pausable(self, mode: str) -> None:
+        """UnsupportedRequest, naming the server, where one cannot pause in `mode`. `keep` also needs the turns
+        streamed: which of a frozen request's tokens came before the pause is known only by counting them."""
+        for server in self._serving():
+            try:
+                server.protocol.pause_request(mode)
+            except UnsupportedRequest as exc:
+                raise UnsupportedRequest(f"LLM server {server.url}: {exc}") from None
+            if mode == "keep" and not (self.stream and server.protocol.streams):
+                raise UnsupportedRequest(
+                    f"LLM server {server.url}: mode 'keep' needs each turn's tokens counted as they arrive: start "
+                    "the service with --llm-stream (vLLM servers only)"
+                )
+
+    async def pause_servers(self, mode: str) -> None:
+        """Pause every server in `mode` (abort: its requests in flight aborted; keep: frozen). A server that
+        cannot be paused fails the call (LLMRequestError, naming it), once every server's call has ended, except one
+        that is down: it generates nothing."""
+        results = await asyncio.gather(
+            *(self._control(s, s.protocol.pause_request(mode), "pause") for s in self._serving()),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def resume_servers(self) -> None:
+        """Resume every server that can be paused; failures are logged, not raised (a server down resumes when it
+        restarts)."""
+        await self._to_all(lambda protocol: protocol.resume_request(), "resume")
+
+    async def abort_all(self) -> None:
+        """Abort whatever is in flight at every server that can abort (see weight_barrier.ABORT_AGAIN_S); failures
+        are logged."""
+        await self._to_all(lambda protocol: protocol.abort_request(), "abort")
+
+    async def _to_all(self, request: Callable[[Protocol], Request], what: str) -> None:
+        calls = []
+        for server in self._serving():
+            with contextlib.suppress(UnsupportedRequest):  # a protocol that cannot pause was never paused
+                calls.append(self._control(server, request(server.protocol), what))
+        for result in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(result, Exception):
+                log.warning("%s", result)
+
+    async def _control(self, server: LLMServer, request: Request, what: str) -> None:
+        """One pause, resume or abort, in the order they were asked at this server (`control_lock`): a resume never
+        overtakes the pause before it."""
+        method, path, body = request
+        async with server.control_lock:
+            await self._send_control(server, method, path, body, what)
+
+    async def _send_control(self, server: LLMServer, method: str, path: str, body: dict | None, what: str) -> None:
+        try:
+            async with self._http.request(method, server.base + path, json=body, timeout=_CONTROL_TIMEOUT) as answer:
+                if answer.status == 404:
+                    raise LLMRequestError(
+                        f"LLM server {server.url} does not serve {path.split('?')[0]} to {what} generation (vLLM "
+                        "serves it with VLLM_SERVER_DEV_MODE=1; scripts/serve-vllm.sh sets it)"
+                    )
+                if answer.status >= 400:
+                    raise LLMRequestError(f"LLM server {server.url} refused to {what}: {(await answer.text())[:300]}")
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            if not server.healthy:
+                return  # down: it generates nothing, and a restart comes back unpaused
+            raise LLMRequestError(f"LLM server {server.url} did not {what}: {type(exc).__name__}: {exc}") from exc
+
+
+async def _read_stream(protocol: Protocol, response: aiohttp.ClientResponse, progress: Progress) -> Sampled:
+    """A turn read as server-sent events, joined; `progress` counts its tokens as they arrive. Its text is left to
+    the caller to decode from the ids (the events' texts need not add up to the whole's: a stop token's, say). The
+    events are split here rather than by aiohttp's line reader, whose 64 KiB line limit the first event (it carries
+    the prompt's ids) can pass."""
+    ids: list[int] = []
+    logprobs: list[float] = []
+    finish: str | None = None
+    aborted = False
+    pending = b""
+    async for data in response.content.iter_any():
+        pending = (pending + data).replace(b"\r\n", b"\n")  # either line ending, as server-sent events allow
+        *events, pending = pending.split(b"\n\n")
+        for event in events:
+            for line in event.splitlines():
+                if not line.startswith(b"data:"):
+                    continue
+                part = protocol.parse_event(line[5:].strip())
+                if part is None:
+                    return Sampled(ids, logprobs, None, finish, aborted)
+                ids += part.token_ids
+                logprobs += part.logprobs
+                finish = part.finish_reason or finish
+                aborted = aborted or part.aborted
+                progress.received = len(ids)
+    raise MalformedAnswer("malformed answer: the stream ended without its [DONE] event")

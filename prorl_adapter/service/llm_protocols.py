@@ -38,6 +38,7 @@ class Sampled:
     logprobs: list[float]
     text: str | None  # None where the protocol returns ids only: the caller decodes them
     finish_reason: str | None
+    aborted: bool = False  # the server stopped it before it ended (a pause, an abort): the ids are a beginning
 
 
 def _validated(model: type[BaseModel], body: bytes) -> Any:
@@ -58,6 +59,7 @@ Request = tuple[str, str, dict | None]  # method, path, JSON body
 class Protocol(ABC):
     name: ClassVar[str]
     needs_model: ClassVar[bool] = False  # its requests name the served model, read by the health check
+    streams: ClassVar[bool] = False  # it can stream a turn's tokens as they are sampled (`stream_request`)
 
     @abstractmethod
     def health_request(self) -> Request:
@@ -82,6 +84,27 @@ class Protocol(ABC):
 
     @abstractmethod
     def parse(self, body: bytes) -> Sampled: ...
+
+    def stream_request(self, prompt_ids: list[int], sampling: SamplingParams, model: str | None) -> tuple[str, dict]:
+        """(path, JSON body) of a request for one turn whose tokens come as server-sent events."""
+        raise UnsupportedRequest(f"the {self.name} protocol is not read as a stream here")
+
+    def parse_event(self, data: bytes) -> Sampled | None:
+        """One event's tokens (the `data:` of a server-sent event); None at the stream's end."""
+        raise UnsupportedRequest(f"the {self.name} protocol is not read as a stream here")
+
+    # -- weight updates (weight_barrier.py) ------------------------------------------------------------------
+    def pause_request(self, mode: str) -> Request:
+        """The request that pauses the server's generation with its in-flight requests aborted (`mode`: the
+        barrier's). UnsupportedRequest where the protocol cannot."""
+        raise UnsupportedRequest(f"the {self.name} protocol has no way to abort generation: use mode 'drain'")
+
+    def resume_request(self) -> Request:
+        raise UnsupportedRequest(f"the {self.name} protocol cannot pause, so cannot resume")
+
+    def abort_request(self) -> Request:
+        """The request that aborts every request in flight at the server (paused or not)."""
+        raise UnsupportedRequest(f"the {self.name} protocol has no abort")
 
 
 # -- vLLM's OpenAI-compatible completions ----------------------------------------------------------------
@@ -108,6 +131,17 @@ class _Choice(BaseModel):
 
 class _Completion(BaseModel):
     choices: list[_Choice] = Field(min_length=1)
+
+
+class _EventChoice(BaseModel):
+    text: str = ""
+    token_ids: list[StrictInt] = Field(default_factory=list)
+    logprobs: _Logprobs | None = None
+    finish_reason: str | None = None
+
+
+class _Event(BaseModel):
+    choices: list[_EventChoice]  # empty in a usage-only event
 
 
 class OpenAICompletions(Protocol):
@@ -143,7 +177,39 @@ class OpenAICompletions(Protocol):
     def parse(self, body: bytes) -> Sampled:
         choice = _validated(_Completion, body).choices[0]
         _same_length(choice.token_ids, choice.logprobs.token_logprobs)
-        return Sampled(choice.token_ids, choice.logprobs.token_logprobs, choice.text, choice.finish_reason)
+        aborted = choice.finish_reason == "abort"  # vLLM's reason for a request aborted by a pause or an abort
+        return Sampled(choice.token_ids, choice.logprobs.token_logprobs, choice.text, choice.finish_reason, aborted)
+
+    streams = True
+
+    def stream_request(self, prompt_ids: list[int], sampling: SamplingParams, model: str | None) -> tuple[str, dict]:
+        path, body = self.generate_request(prompt_ids, sampling, model)
+        return path, {**body, "stream": True}  # each event carries its new tokens' ids and logprobs
+
+    def parse_event(self, data: bytes) -> Sampled | None:
+        if data == b"[DONE]":
+            return None
+        choices = _validated(_Event, data).choices
+        if not choices:
+            return Sampled([], [], "", None)
+        choice = choices[0]
+        logprobs = choice.logprobs.token_logprobs if choice.logprobs is not None else []
+        _same_length(choice.token_ids, logprobs)
+        aborted = choice.finish_reason == "abort"
+        return Sampled(choice.token_ids, logprobs, choice.text, choice.finish_reason, aborted)
+
+    # vLLM serves these with VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/rl/online/api_router.py). A paused server
+    # queues new requests until its resume; `keep` freezes the requests in flight, which go on at the resume.
+    def pause_request(self, mode: str) -> Request:
+        return "POST", f"/pause?mode={mode}", None
+
+    def resume_request(self) -> Request:
+        return "POST", "/resume", None
+
+    def abort_request(self) -> Request:
+        # Pausing again in abort mode aborts what reached the server after its pause (queued there); measured on
+        # vLLM 0.32, where `/abort_requests` was not seen to.
+        return self.pause_request("abort")
 
 
 # -- SGLang's native /generate ---------------------------------------------------------------------------
@@ -207,9 +273,23 @@ class SGLangGenerate(Protocol):
         if any(entry[1] != token for entry, token in zip(entries, ids, strict=True)):
             raise MalformedAnswer("malformed answer: output_ids and output_token_logprobs name different tokens")
         finish = answer.meta_info.finish_reason
+        reason = finish.type if finish is not None else None
         # Its text keeps the stop token's text (no_stop_trim, special tokens kept): the ids are decoded instead,
         # as for every protocol that answers with ids, so a turn's text is the same whatever the server.
-        return Sampled(ids, logprobs, None, finish.type if finish is not None else None)
+        return Sampled(ids, logprobs, None, reason, reason == "abort")
+
+    # SGLang's weight-update routes (python/sglang/srt/entrypoints/http_server.py): a paused server holds new
+    # requests until it continues. Its `in_place` pause would be `keep`, but its stream is not read here.
+    def pause_request(self, mode: str) -> Request:
+        if mode != "abort":
+            raise UnsupportedRequest(f"the sglang protocol is paused in abort mode only here, not {mode!r}")
+        return "POST", "/pause_generation", {"mode": "abort"}
+
+    def resume_request(self) -> Request:
+        return "POST", "/continue_generation", {}
+
+    def abort_request(self) -> Request:
+        return "POST", "/abort_request", {"rid": "", "abort_all": True}
 
 
 # -- ProRL Agent's token-level /generate -----------------------------------------------------------------

@@ -33,6 +33,14 @@ class RolloutMetrics:
         )
         self.in_flight = Gauge("prorl_rollout_jobs_in_flight", "Jobs not finished", ["state"], registry=r)
         self.policy_version = Gauge("prorl_rollout_policy_version", "Current policy version", registry=r)
+        # The weight-update barrier (weight_barrier.py), set from its state at each scrape.
+        self.weight_update = Gauge(
+            "prorl_rollout_weight_update",
+            "The weight-update barrier here: paused (1/0), in_flight and waiting requests now; pauses, expired and "
+            "held_seconds since start",
+            ["figure"],
+            registry=r,
+        )
         # Decoupled mode, set from the producer's figures at each scrape (totals since the service started).
         self.decoupled = Gauge(
             "prorl_rollout_decoupled",

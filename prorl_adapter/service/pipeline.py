@@ -39,6 +39,7 @@ from .job_runner import JobConflict, UnknownTask
 from .llm import LLMPool, LLMRequestError, LLMUnavailable
 from .sandboxes import RuntimeFailed, SandboxPool
 from .storage.coordination import Coordination, MemoryCoordination
+from .weight_barrier import WeightBarrier
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +96,11 @@ class Job:
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     stage_task: asyncio.Task | None = None
     lost_runtimes: set[str] = field(default_factory=set)  # runtimes this job's episode was lost on
+    paused_s: float = 0.0  # of its run stage, spent while the weight-update barrier held generation
 
     def budget_left(self, default_timeout: float) -> float:
-        spent = self.timings.init_s + self.timings.run_s + self.timings.eval_s
+        """Its time budget less its stages' time, where a weight update's pause does not count."""
+        spent = self.timings.init_s + self.timings.run_s + self.timings.eval_s - self.paused_s
         return (self.request.timeout_s or default_timeout) - spent
 
     def status(self) -> JobStatus:
@@ -149,7 +152,9 @@ class RolloutPipeline:
         self.run_concurrency = RunConcurrency(
             self.config.adaptive, self.config.max_run_workers, llm, queued=lambda: self._queued()["run"]
         )
-        self.gateway = Gateway(llm, chat, lambda: self.policy_version)
+        # Every generation request, the agent loop's and the gateway's, passes the weight-update barrier.
+        self.barrier = WeightBarrier(self._coordination, llm)
+        self.gateway = Gateway(llm, chat, self.barrier)
 
     @property
     def policy_version(self) -> int:
@@ -166,6 +171,8 @@ class RolloutPipeline:
         # The shared state may have a version already (a Redis the replicas kept using), read before this pipeline
         # listened: plugins hear of it now.
         self._version_changed(self.policy_version)
+        with contextlib.suppress(ProrlError):  # the shared state away: the coordination hears of it on reconnecting
+            await self.barrier.start()
         c = self.config
         stages = [
             ("init", JobState.init, self._init, "run", c.max_init_workers),
@@ -187,6 +194,7 @@ class RolloutPipeline:
             worker.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
         self._workers.clear()
+        await self.barrier.close()
 
     # -- the API ----------------------------------------------------------------------------------------
     def submit(self, request: JobRequest) -> tuple[Job, bool]:
@@ -338,9 +346,7 @@ class RolloutPipeline:
                 budget = job.budget_left(self.config.default_timeout_s)
                 job.episode = await run_program(job.id, job.request, job.handler, job.env, self.gateway, budget)
             else:
-                job.episode = await run_episode(
-                    job.request, job.handler, job.env, self.chat, self.llm, lambda: self.policy_version
-                )
+                job.episode = await run_episode(job.request, job.handler, job.env, self.chat, self.llm, self.barrier)
         except ProgramFailed as exc:
             raise StageFailed("run", str(exc)) from exc
         except (LLMUnavailable, LLMRequestError) as exc:
@@ -427,7 +433,7 @@ class RolloutPipeline:
         budget = job.budget_left(self.config.default_timeout_s)
         started = time.monotonic()
         job.stage_task = task = asyncio.ensure_future(work(job))
-        done, _ = await asyncio.wait({task}, timeout=max(budget, 0.0))
+        done, job.paused_s = await self._within_budget(task, started + budget, state is JobState.running, job.paused_s)
         seconds = time.monotonic() - started
         setattr(job.timings, f"{stage}_s", getattr(job.timings, f"{stage}_s") + seconds)
         job.stage_task = None
@@ -437,6 +443,30 @@ class RolloutPipeline:
             self._stage_event(
                 job, stage, {JobState.failed: "failed", JobState.cancelled: "cancelled"}.get(job.state, "end"), seconds
             )
+
+    async def _within_budget(
+        self, task: asyncio.Task, deadline: float, paused_too: bool, paused_s: float
+    ) -> tuple[set[asyncio.Task], float]:
+        """Wait for `task` until `deadline`, moved on (where `paused_too`) by however long the weight-update barrier
+        held generation meanwhile: an episode is not timed out for a pause it could do nothing about. Returns what
+        is done, and `paused_s` plus that pause."""
+        held_before = self.barrier.held_s()
+
+        def paused() -> float:
+            return self.barrier.held_s() - held_before if paused_too else 0.0
+
+        while True:
+            if paused_too and self.barrier.closed():  # the deadline moves on while it is closed: wait for either
+                gate = asyncio.ensure_future(self.barrier.wait_open())
+                done, _ = await asyncio.wait({task, gate}, return_when=asyncio.FIRST_COMPLETED)
+                gate.cancel()
+                if task in done:
+                    return {task}, paused_s + paused()
+                continue
+            before = paused()
+            done, _ = await asyncio.wait({task}, timeout=max(deadline + before - time.monotonic(), 0.0))
+            if done or paused() == before:  # no hold since: the deadline stands
+                return done, paused_s + paused()
 
     def _stage_event(self, job: Job, stage: str, event: str, seconds: float) -> None:
         self.plugins.notify(
@@ -511,7 +541,7 @@ class RolloutPipeline:
 
     def _trajectory(self, job: Job) -> Trajectory:
         episode = job.episode or Episode(prompt_ids=[])
-        versions = [turn.policy_version for turn in episode.turns] or [self.policy_version]
+        versions = [v for turn in episode.turns for v in turn.versions()] or [self.policy_version]
         return Trajectory(
             job_id=job.id,
             task=job.request.task,

@@ -10,6 +10,7 @@ service the current policy version, and manages the LLM servers it generates wit
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import hmac
@@ -62,6 +63,9 @@ from ..models import (
     TaskList,
     Trajectory,
     WaitQuery,
+    WeightUpdatePause,
+    WeightUpdateResume,
+    WeightUpdateState,
 )
 from . import gateway, prorl_api
 from .chat import ChatTokenizer
@@ -77,6 +81,7 @@ from .storage.buffer import ExperienceBuffer, ExperienceBufferError
 from .storage.coordination import Coordination
 from .storage.job_board import JobBoard, MemoryJobBoard
 from .storage.prompts import PromptQueue
+from .weight_barrier import WeightBarrier
 
 PLUGINS = web.AppKey("plugins", PluginSet)
 LLM = web.AppKey("llm", LLMPool)
@@ -92,6 +97,8 @@ METRICS = web.AppKey("metrics", RolloutMetrics)
 GATEWAY_APP = web.AppKey("gateway_app", web.Application)
 REGISTRATION_CREDENTIAL = web.AppKey("registration_credential", str)
 TASKS = web.AppKey("tasks", dict)  # task name -> TaskHandler, from the plugins
+STARTING_BEATS = web.AppKey("starting_beats", asyncio.Task)  # the heartbeat until the replica's own loop beats
+BARRIER = web.AppKey("barrier", WeightBarrier)  # the pipeline's: every generation request passes it
 GATEWAY_ADDRESS: web.AppKey[str | None] = web.AppKey("gateway_address")  # where runtimes reach the LLM gateway
 MAX_WAIT_S = 3600.0
 DECOUPLED_FIGURES = (
@@ -131,6 +138,17 @@ async def metrics(request: web.Request) -> web.Response:
     for state, count in status["active"].items():
         app_metrics.in_flight.labels(state).set(count)
     app_metrics.policy_version.set(status["policy_version"])
+    barrier = request.app[BARRIER]
+    state = barrier.state()
+    for figure, value in (
+        ("paused", state.paused),
+        ("in_flight", state.in_flight),
+        ("waiting", state.waiting),
+        ("pauses", state.pauses),
+        ("expired", state.expired),
+        ("held_seconds", barrier.held_s()),
+    ):
+        app_metrics.weight_update.labels(figure).set(value)
     app_metrics.set_run_concurrency(status["run_concurrency"])
     figures = await request.app[PRODUCER].snapshot()
     for figure in DECOUPLED_FIGURES:
@@ -264,6 +282,19 @@ async def set_policy_version(request: web.Request, body: PolicyVersion) -> web.R
     """The version is the replicas' shared one: set through any of them, every one tags new turns with it."""
     version = await request.app[COORDINATION].set_policy_version(body.version, body.raise_only)
     return json_response(PolicyVersionSet(version=version))
+
+
+async def pause_generation(request: web.Request, body: WeightUpdatePause) -> web.Response:
+    """Take the weight-update barrier; answered once nothing generates at any replica (docs/rollout.md)."""
+    return json_response(await request.app[BARRIER].pause(body.mode, body.timeout_s))
+
+
+async def resume_generation(request: web.Request, body: WeightUpdateResume) -> web.Response:
+    return json_response(await request.app[BARRIER].resume(body.version, body.raise_only))
+
+
+async def weight_update_state(request: web.Request) -> web.Response:
+    return json_response(request.app[BARRIER].state())
 
 
 async def enqueue_prompts(request: web.Request, body: PromptsRequest) -> web.Response:
@@ -460,6 +491,38 @@ ROLLOUT_API = API(
             tag="training",
         ),
         Operation(
+            "POST",
+            "/v1/weight-update/pause",
+            pause_generation,
+            "Before pushing weights: stop generation at every replica (new turns wait; in-flight ones drain or are "
+            "aborted to be resumed) and answer once nothing generates",
+            (Reply(200, "the barrier, held", WeightUpdateState),),
+            errors={
+                400: "the request is not valid, or an LLM server cannot pause in this mode (ProRL's: drain only)",
+                409: "the barrier expired before generation drained",
+                502: "an LLM server failed to pause (the barrier is released)",
+            },
+            body=WeightUpdatePause,
+            tag="training",
+        ),
+        Operation(
+            "POST",
+            "/v1/weight-update/resume",
+            resume_generation,
+            "After pushing weights: set the new policy version and let generation go on (idempotent)",
+            (Reply(200, "the barrier, released", WeightUpdateState),),
+            body=WeightUpdateResume,
+            tag="training",
+        ),
+        Operation(
+            "GET",
+            "/v1/weight-update",
+            weight_update_state,
+            "The weight-update barrier as this replica sees it",
+            (Reply(200, "", WeightUpdateState),),
+            tag="training",
+        ),
+        Operation(
             "GET",
             "/v1/llm-servers",
             list_llm_servers,
@@ -561,7 +624,12 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
         yield
 
     async def llm_pool(app: web.Application):
-        app[LLM] = LLMPool(config.llm_urls, health_interval=config.llm_health_interval_s, plugins=app[PLUGINS])
+        app[LLM] = LLMPool(
+            config.llm_urls,
+            health_interval=config.llm_health_interval_s,
+            plugins=app[PLUGINS],
+            stream=config.llm_stream,
+        )
         await app[LLM].start()
         yield
         await app[LLM].close()
@@ -569,11 +637,14 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
     async def coordination(app: web.Application):
         app[COORDINATION] = create_coordination(config.buffer_url, config.sandbox_owner)
         await app[COORDINATION].start()
-        # A beat before anything is taken back or claimed: a survivor must not take this replica for dead (its
-        # earlier incarnation's record lapsed) while it starts. Redis away: the replica's own loop beats later.
+        # A beat before anything is taken back or claimed, and beats on until the replica's own loop takes over: a
+        # survivor must not take this replica for dead (its earlier incarnation's record lapsed, or the rest of the
+        # start-up, the LLM servers' first health check, say, outlasted three beats) while it starts.
         with contextlib.suppress(ExperienceBufferError):
             await app[COORDINATION].beat(config.replica_url, {}, config.heartbeat_s)
+        app[STARTING_BEATS] = asyncio.create_task(beat_while_starting(app[COORDINATION], config))
         yield
+        app[STARTING_BEATS].cancel()
         await app[COORDINATION].close()
 
     async def sandbox_pool(app: web.Application):
@@ -601,13 +672,15 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
 
     async def pipeline(app: web.Application):
         app[TASKS] = tasks = app[PLUGINS].tasks()
-        tokenizer = chat or ChatTokenizer(config.tokenizer)
+        # Loaded on a thread: seconds of work that would hold the event loop (and the start-up beats) still.
+        tokenizer = chat or await asyncio.to_thread(ChatTokenizer, config.tokenizer)
         app[PIPELINE] = RolloutPipeline(
             app[PLUGINS], tasks, app[SANDBOXES], app[LLM], tokenizer, config.pipeline, app[COORDINATION]
         )
         budget_s = config.pipeline.default_timeout_s
         app[prorl_api.LEGACY] = prorl_api.ProRLLegacy(app[PIPELINE], tasks, app[LLM], tokenizer, budget_s)
         app[GATEWAY_APP][gateway.GATEWAY] = app[PIPELINE].gateway  # set before the gateway's app starts
+        app[BARRIER] = app[PIPELINE].barrier
         await app[PIPELINE].start()
         yield
         await app[PIPELINE].stop()
@@ -640,6 +713,7 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
             config.replica_url,
             config.heartbeat_s,
         )
+        app[STARTING_BEATS].cancel()  # the replica beats from now on
         await app[REPLICA].start()
         yield
         await app[REPLICA].stop()
@@ -648,6 +722,14 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
         [plugins, coordination, llm_pool, sandbox_pool, buffer, prompt_queue, pipeline, job_board, producer, replica]
     )
     return app
+
+
+async def beat_while_starting(coordination: Coordination, config: RolloutConfig) -> None:
+    """The replica's heartbeat while the service starts, before its `Replica` beats (Redis away: tried again)."""
+    while True:
+        await asyncio.sleep(config.heartbeat_s)  # a period, not a synchronisation
+        with contextlib.suppress(ExperienceBufferError):
+            await coordination.beat(config.replica_url, {}, config.heartbeat_s)
 
 
 async def serve(config: RolloutConfig, ready: Callable[[], None] | None = None) -> None:

@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..models import Segment, ToolCall, Turn
+from ..models import Resumption, Segment, ToolCall, Turn
 from .chat import ChatTokenizer
 
 
@@ -99,11 +99,12 @@ class Sampled:
     prompt_ids: list[int]
     response_ids: list[int]
     response_logprobs: list[float]
-    policy_version: int
+    policy_version: int  # that sampled its first token
     server: str
     finish_reason: str | None
     text: str
     generate_s: float
+    resumptions: list[Resumption] = field(default_factory=list)  # where an interrupted call went on
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,7 @@ class CallLog:
                 index=index,
                 segment=call.segment,
                 policy_version=call.sampled.policy_version,
+                resumptions=call.sampled.resumptions,
                 llm_server=call.sampled.server,
                 response_start=call.response_start,
                 response_tokens=len(call.sampled.response_ids),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, TypeVar
 
 import httpx
@@ -41,6 +42,10 @@ from ..models import (
     TaskList,
     Trajectory,
     WaitQuery,
+    WeightUpdateMode,
+    WeightUpdatePause,
+    WeightUpdateResume,
+    WeightUpdateState,
 )
 
 Reply = TypeVar("Reply", bound=BaseModel)
@@ -190,6 +195,41 @@ class RolloutClient:
         body = PolicyVersion(version=version, raise_only=raise_only)
         return (await self._answer(PolicyVersionSet, "PUT", "/v1/policy-version", body=body)).version
 
+    # -- weight updates -------------------------------------------------------------------------------
+    async def pause_generation(self, mode: WeightUpdateMode = "drain", timeout_s: float = 600.0) -> WeightUpdateState:
+        """Take the weight-update barrier: returns once nothing generates at any replica (`drain`: the turns in
+        flight finished; `abort`: they were aborted at the LLM servers and resume after `resume_generation`). It
+        ends by itself `timeout_s` after this call if no resume comes."""
+        body = WeightUpdatePause(mode=mode, timeout_s=timeout_s)
+        # A drain waits for the longest turn in flight: the call may take as long as the barrier may hold.
+        return await self._answer(
+            WeightUpdateState, "POST", "/v1/weight-update/pause", body=body, timeout=timeout_s + 30
+        )
+
+    async def resume_generation(self, version: int | None = None, raise_only: bool = False) -> WeightUpdateState:
+        """Release the barrier; `version`: the new weights' policy version, set before anything generates again."""
+        body = WeightUpdateResume(version=version, raise_only=raise_only)
+        # A `keep` resume waits for the replicas to note where their frozen requests stand, and for the servers.
+        return await self._answer(WeightUpdateState, "POST", "/v1/weight-update/resume", body=body, timeout=120)
+
+    async def weight_update_state(self) -> WeightUpdateState:
+        return await self._answer(WeightUpdateState, "GET", "/v1/weight-update")
+
+    @contextlib.asynccontextmanager
+    async def weight_update(
+        self, version: int | None, mode: WeightUpdateMode = "drain", timeout_s: float = 600.0, raise_only: bool = False
+    ) -> AsyncIterator[WeightUpdateState]:
+        """Hold the barrier around a weight push: `async with client.weight_update(v + 1): push()`. Released at
+        `version` when the block ends; if it raises, released with the version unchanged (and the error raised),
+        as a barrier left held would stop generation until its timeout."""
+        state = await self.pause_generation(mode, timeout_s)
+        try:
+            yield state
+        except BaseException:
+            await self.resume_generation()
+            raise
+        await self.resume_generation(version, raise_only)
+
     # -- LLM servers ----------------------------------------------------------------------------------
     async def llm_servers(self) -> list[LLMServerInfo]:
         return (await self._answer(LLMServerList, "GET", "/v1/llm-servers")).servers
@@ -215,6 +255,19 @@ class SyncRolloutClient:
     def __init__(self, base_url: str, token: str | None = None, timeout: float = 30.0) -> None:
         self._loop = asyncio.new_event_loop()
         self._client = RolloutClient(base_url, token, timeout)
+
+    @contextlib.contextmanager
+    def weight_update(
+        self, version: int | None, mode: WeightUpdateMode = "drain", timeout_s: float = 600.0, raise_only: bool = False
+    ) -> Iterator[WeightUpdateState]:
+        """`RolloutClient.weight_update`, blocking."""
+        state = self.pause_generation(mode, timeout_s)
+        try:
+            yield state
+        except BaseException:
+            self.resume_generation()
+            raise
+        self.resume_generation(version, raise_only)
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._client, name)

@@ -1,6 +1,7 @@
 """`RolloutDriver`: the one path between a trainer and the rollout service, whatever the training backend.
 
     trainer request ─ prorl_backend_policy_version ─> PUT /v1/policy-version
+    weight push ───── weight_update(version, mode) ─> POST /v1/weight-update/pause ... /resume
                     ─ prorl_backend_requests ───────> jobs on the service (coupled: run now; decoupled: upcoming)
     trajectories ──── weights (PluginSet.weigh) ────> prorl_backend_batch ─> the trainer's batch type
 
@@ -13,13 +14,14 @@ weighs when it hands the batch out, and drops what weighs 0 there).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from server_kit.errors import ProrlError
 
 from ..hooks.plugin_set import PluginSet
-from ..models import BatchItem, JobRequest
+from ..models import BatchItem, JobRequest, WeightUpdateMode, WeightUpdateState
 from .client import RolloutClient
 from .groups import GroupCollector
 
@@ -60,6 +62,23 @@ class RolloutDriver:
         if version == self.published:
             return
         await self.client.set_policy_version(version, raise_only=self.shared_version)
+        self.published = version
+        self.plugins.notify("prorl_policy_version_changed", version=version)
+
+    @contextlib.asynccontextmanager
+    async def weight_update(
+        self, version: int, mode: WeightUpdateMode = "drain", timeout_s: float = 600.0
+    ) -> AsyncIterator[WeightUpdateState]:
+        """Hold the service's weight-update barrier while the trainer pushes the weights of `version`:
+
+            async with driver.weight_update(step + 1, mode="abort"):
+                push_weights()
+
+        Nothing generates inside the block; on leaving it the service tags new tokens with `version` and generation
+        goes on (with `abort`, the interrupted turns too). If the block raises, the barrier is released with the
+        version unchanged."""
+        async with self.client.weight_update(version, mode, timeout_s, raise_only=self.shared_version) as state:
+            yield state
         self.published = version
         self.plugins.notify("prorl_policy_version_changed", version=version)
 

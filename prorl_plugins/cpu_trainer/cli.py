@@ -101,6 +101,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="EPISODES",
         help="train nothing: run this many episodes with the untrained weights and report their success rate",
     )
+    parser.add_argument(
+        "--weight-update",
+        choices=["drain", "abort", "keep"],
+        default=defaults.weight_update,
+        help="while weights are pushed, turns in flight finish with the old weights (drain), are aborted and "
+        "resumed with the new ones (abort: partial rollouts), or are frozen and go on with them (keep)",
+    )
     parser.add_argument("--out", type=Path, help="where the log and plot go (default: runs/cpu-grpo[-real])")
     parser.add_argument("--debug", action="store_true", help="a failure to start prints its traceback too")
     args = parser.parse_args(argv)
@@ -132,6 +139,7 @@ def settings_from(args: argparse.Namespace) -> TrainSettings:
         staleness={"mode": args.staleness_mode, "max_staleness": args.max_staleness},
         seed=args.seed,
         tool_latency_median_s=args.tool_latency_median_s,
+        weight_update=args.weight_update,
         max_tokens_per_turn=args.max_tokens_per_turn,
         temperature=args.temperature,
         micro_batch_rows=args.micro_batch_rows,
@@ -250,7 +258,9 @@ def run(args: argparse.Namespace) -> int:
         work = Path(tmp)
         config = work / "plugins.json"
         config.write_text(json.dumps(settings.plugin_config()))
-        with started_stack(work, args, work_model, "--plugin-config", str(config)) as (vllm, _, rollout):
+        # `keep` needs the service to count each turn's tokens as they arrive (docs/rollout.md, *Weight updates*).
+        stream = ["--llm-stream"] if settings.weight_update == "keep" else []
+        with started_stack(work, args, work_model, "--plugin-config", str(config), *stream) as (vllm, _, rollout):
             trainer = CpuTrainer(settings, work_model.model_dir, rollout.url, [vllm.url], work / "run")
             columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
             with Progress(*columns, console=console) as progress, log_path.open("w") as log:

@@ -31,7 +31,7 @@ import torch
 from transformers import AutoTokenizer
 
 from prorl_adapter.hooks import PluginSet, hookimpl
-from prorl_adapter.models import BatchItem, JobRequest
+from prorl_adapter.models import BatchItem, JobRequest, WeightUpdateMode
 from prorl_adapter.trainer import RolloutClient, RolloutDriver
 from prorl_adapter.trainer.samples import job_request
 from prorl_plugins.tasks.arithmetic import ArithmeticLevel
@@ -69,6 +69,9 @@ class TrainSettings:
     seed: int = 0
     tool_latency_median_s: float = 0.0  # > 0: relay's tools take time (relay_instances), the slow-tool workload
     take_timeout_s: float = 300.0
+    # How the service's weight-update barrier ends the turns in flight while the weights are pushed: "drain"
+    # (they finish with the old weights) or "abort" (aborted and resumed with the new ones: partial rollouts).
+    weight_update: WeightUpdateMode = "drain"
     # Rows per forward/backward pass (gradients accumulated over the batch); None: the whole batch in one pass.
     # The real model's logits over 49,152 tokens do not fit a whole batch at once.
     micro_batch_rows: int | None = None
@@ -218,6 +221,9 @@ class CpuTrainer:
     def _publish_weights(self) -> float:
         """Save, push to every server, and check there that they arrived; the largest probe gap."""
         self.sync.push(self.actor.save(self.run_dir / "weights"))
+        return self._verify_weights()
+
+    def _verify_weights(self) -> float:
         return self.sync.verify(self._probe, self.actor.sequence_logprobs(self._probe))
 
     async def _step(self, driver: RolloutDriver, version: int) -> StepRecord:
@@ -227,8 +233,11 @@ class CpuTrainer:
         training = time.perf_counter()
         batch: PaddedBatch = driver.to_batch(items)
         stats, logprobs = self.actor.update(batch, s.ppo_epochs)
-        probe_gap = self._publish_weights()
-        await driver.set_policy_version(version + 1)
+        # Nothing generates while the weights change (the service's barrier); the probe is scored after the resume,
+        # as a server paused in abort mode answers nothing before.
+        async with driver.weight_update(version + 1, mode=s.weight_update):
+            self.sync.push(self.actor.save(self.run_dir / "weights"))
+        probe_gap = self._verify_weights()
         await driver.ack(items)
         finished = time.perf_counter()
         fresh = (batch.token_versions == version) & batch.response_mask.bool()

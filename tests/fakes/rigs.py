@@ -17,7 +17,7 @@ stand-ins. `llm_pool`: an `LLMPool` over some `ScriptedLLM`s.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +32,8 @@ from prorl_adapter.service.decoupled import ProducerConfig
 from prorl_adapter.service.llm import LLMPool
 from prorl_adapter.service.pipeline import PipelineConfig
 from prorl_adapter.service.server import GATEWAY_APP, create_app
+from prorl_adapter.service.storage.coordination import MemoryCoordination
+from prorl_adapter.service.weight_barrier import WeightBarrier
 from prorl_adapter.tasks import Environment, TaskHandler
 from prorl_adapter.trainer.client import RolloutClient
 from sandbox_runtime.client import SandboxClient
@@ -69,6 +71,7 @@ async def rollout_stack(
     decoupled: dict[str, Any] | None = None,
     pipeline: dict[str, Any] | None = None,
     llm_health_interval_s: float = 3600.0,
+    llm_stream: bool = False,
     sandbox_runtimes: int = 1,
     plugins: tuple[str, ...] = (),
 ) -> AsyncIterator[Stack]:
@@ -86,6 +89,7 @@ async def rollout_stack(
             decoupled=ProducerConfig(**(decoupled or {})),
             pipeline=PipelineConfig(**{**workers, **(pipeline or {})}),
             llm_health_interval_s=llm_health_interval_s,
+            llm_stream=llm_stream,
             service_id="unit-tests",
         )
         chat = CharChat()
@@ -131,10 +135,10 @@ class EpisodeRig:
     pool: LLMPool
     env: Environment
 
-    async def run(
-        self, request: JobRequest, handler: TaskHandler, policy_version: Callable[[], int] = lambda: 0
-    ) -> Episode:
-        return await run_episode(request, handler, self.env, self.chat, self.pool, policy_version)  # type: ignore[arg-type]
+    async def run(self, request: JobRequest, handler: TaskHandler, barrier: WeightBarrier | None = None) -> Episode:
+        """The episode, through `barrier` (by default one of its own, at version 0, never held)."""
+        barrier = barrier or WeightBarrier(MemoryCoordination("rig"), self.pool)
+        return await run_episode(request, handler, self.env, self.chat, self.pool, barrier)  # type: ignore[arg-type]
 
 
 @asynccontextmanager

@@ -19,9 +19,11 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 from sandbox_runtime.models import RuntimeHeartbeat
 
@@ -55,6 +57,27 @@ class ReplicaRecord:
         return now - self.seen_at <= MISSED_BEATS * self.interval_s
 
 
+@dataclass(frozen=True)
+class BarrierNews:
+    """A weight-update barrier taken (`pause`, renewed by a second pause), about to be released in `keep` mode
+    (`mark`: note where each frozen request stands) or released (`resume`) at a replica (weight_barrier.py).
+    `expires_in_s`: how long it holds unless released, from when the news was sent (a duration, not a time: the
+    replicas' clocks need not agree)."""
+
+    kind: Literal["pause", "mark", "resume"]
+    barrier: str
+    mode: str
+    expires_in_s: float
+    replica: str = ""  # who sent it
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> BarrierNews:
+        return cls(**json.loads(text))
+
+
 class Coordination(abc.ABC):
     """The shared state of the service's replicas (see the module's docstring). Every method is a coroutine
     and raises the buffer's errors (`BufferUnavailable` while Redis cannot be reached)."""
@@ -68,6 +91,7 @@ class Coordination(abc.ABC):
         self._change_heard_at = 0.0  # when (monotonic) this process heard that change
         self._version_listeners: list[Callable[[int], None]] = []
         self._prompt_listeners: list[Callable[[], None]] = []
+        self._barrier_listeners: list[Callable[[BarrierNews], None]] = []
 
     # -- replicas ---------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -157,6 +181,33 @@ class Coordination(abc.ABC):
     def _prompts_were_added(self) -> None:
         for listener in self._prompt_listeners:
             listener()
+
+    # -- the weight-update barrier (weight_barrier.py) ------------------------------------------------------
+    # One process alone has nobody to tell and nobody to wait for: these are what MemoryCoordination does.
+    def on_barrier(self, listener: Callable[[BarrierNews], None]) -> None:
+        """Call `listener(news)` in this process when another replica takes or releases a barrier."""
+        self._barrier_listeners.append(listener)
+
+    def _barrier_heard(self, news: BarrierNews) -> None:
+        if news.replica != self.replica_id:  # a replica acts on its own news where it makes it
+            for listener in self._barrier_listeners:
+                listener(news)
+
+    async def barrier_held_now(self) -> None:
+        """Tell this process's listeners (the pause) of a barrier held now: one taken while it was away."""
+        return None
+
+    async def barrier_announce(self, news: BarrierNews) -> None:
+        """Tell every other replica (and one that starts while the barrier holds) of a pause or a resume."""
+        return None
+
+    async def barrier_report_drained(self, barrier: str) -> None:
+        """This replica has no generation in flight under `barrier`."""
+        return None
+
+    async def barrier_wait_drained(self, barrier: str, timeout_s: float) -> bool:
+        """Until every other live replica has reported `barrier` drained; False if `timeout_s` passed first."""
+        return True
 
     # -- admission ---------------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -6,8 +6,11 @@ Keys (prefix default `prorl`):
 - `{prefix}:policy_version`: the version, as a string, and `{prefix}:policy_version_change`: how many times it
   changed (each change's number travels with it, so that news of it heard out of order is put in order);
 - `{prefix}:admission`: the admission lock (redis-py's `Lock`: it expires if its holder dies);
+- `{prefix}:weight_barrier`: the weight-update barrier held now (JSON `BarrierNews`), expiring with it, for a replica
+  that starts or reconnects while it holds;
 - channel `{prefix}:events`: `KIND:PAYLOAD` messages (`version:7:<change>`, `finished:<job id>`, `cancel:<job id>`,
-  `prompts:` when prompts were added to the shared queue), each replica subscribed once.
+  `prompts:` when prompts were added to the shared queue, `barrier:<JSON BarrierNews>`, `drained:<barrier>:<replica
+  id>`), each replica subscribed once.
 
 Every time is Redis's own (`TIME`, read inside the scripts), so nodes whose clocks disagree still agree on who
 is alive. Messages on the channel can be missed (a replica reconnecting); every listener here re-reads what it
@@ -26,7 +29,7 @@ from collections.abc import AsyncIterator, Callable
 
 from sandbox_runtime.models import RuntimeHeartbeat
 
-from .coordination import MISSED_BEATS, Coordination, ReplicaRecord, RuntimeRecord
+from .coordination import MISSED_BEATS, BarrierNews, Coordination, ReplicaRecord, RuntimeRecord
 from .redis_connection import RedisConnection, keeping_cancellation, redis_errors
 
 log = logging.getLogger(__name__)
@@ -157,6 +160,14 @@ return 1
 ADMISSION_LOCK_S = 10.0  # the lock expires this long after its holder died mid-admission
 
 
+_END_BARRIER = """
+-- KEYS: the barrier key; ARGV: the barrier's id. Deletes it only if it is still that barrier (not a newer one).
+local held = redis.call('GET', KEYS[1])
+if held and cjson.decode(held)['barrier'] == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
 class RedisCoordination(Coordination):
     shared = True
 
@@ -184,6 +195,11 @@ class RedisCoordination(Coordination):
         self._listeners: dict[str, list[Callable[[str], None]]] = {}
         self._listening: asyncio.Task[None] | None = None
         self._subscribed = asyncio.Event()
+        self._barrier_key = f"{prefix}:weight_barrier"
+        self._end_barrier = redis.register_script(_END_BARRIER)
+        # A barrier announced or waited for here -> the replicas that reported it drained.
+        self._drained: dict[str, set[str]] = {}
+        self._drained_news = asyncio.Event()
 
     @property
     def url(self) -> str:
@@ -263,6 +279,66 @@ class RedisCoordination(Coordination):
         version, _, change = payload.partition(":")
         self._heard_version(int(version), int(change) if change else None)
 
+    # -- the weight-update barrier ------------------------------------------------------------------------
+    async def barrier_announce(self, news: BarrierNews) -> None:
+        news = BarrierNews(news.kind, news.barrier, news.mode, news.expires_in_s, self.replica_id)
+        # The others' reports may come back before this replica waits for them: kept from now until the resume.
+        if news.kind == "pause":
+            self._drained.setdefault(news.barrier, set())
+        elif news.kind == "mark":
+            self._drained.setdefault(f"{news.barrier}/mark", set())
+        else:
+            self._drained.pop(news.barrier, None)
+            self._drained.pop(f"{news.barrier}/mark", None)
+        with self.errors(f"announcing a weight-update barrier in {self._barrier_key}"):
+            if news.kind == "pause":
+                await self.redis.set(self._barrier_key, news.to_json(), px=max(1, int(news.expires_in_s * 1000)))
+            elif news.kind == "resume":
+                await self._end_barrier(keys=[self._barrier_key], args=[news.barrier])
+            await self.redis.publish(self.channel, f"barrier:{news.to_json()}")
+
+    async def barrier_report_drained(self, barrier: str) -> None:
+        await self.publish("drained", f"{barrier}:{self.replica_id}")
+
+    async def barrier_wait_drained(self, barrier: str, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        self._drained.setdefault(barrier, set())  # reports are kept only for what is announced or waited for
+        try:
+            while True:
+                self._drained_news.clear()
+                now, replicas = await self.replicas()
+                live = {r.id for r in replicas if r.alive(now)} - {self.replica_id}
+                if live <= self._drained.get(barrier, set()):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning(
+                        "weight-update barrier %s: replicas %s did not drain in time",
+                        barrier,
+                        ", ".join(sorted(live - self._drained.get(barrier, set()))),
+                    )
+                    return False
+                # A report wakes it; who is alive is read again at least every second (a replica that died while
+                # the barrier held never reports, and is not waited for once its heartbeat lapses).
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._drained_news.wait(), min(left, 1.0))
+        finally:
+            self._drained.pop(barrier, None)
+
+    def _drained_message(self, payload: str) -> None:
+        barrier, _, replica = payload.partition(":")
+        if barrier in self._drained:
+            self._drained[barrier].add(replica)
+            self._drained_news.set()
+
+    async def barrier_held_now(self) -> None:
+        with self.errors(f"reading {self._barrier_key}"):
+            text, left_ms = await self.redis.get(self._barrier_key), await self.redis.pttl(self._barrier_key)
+        if text is not None and left_ms > 0:
+            news = BarrierNews.from_json(text)
+            for listener in self._barrier_listeners:  # this replica's own too: it may have restarted since
+                listener(BarrierNews("pause", news.barrier, news.mode, left_ms / 1000, news.replica))
+
     # -- admission ---------------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def admission_lock(self) -> AsyncIterator[None]:
@@ -301,6 +377,8 @@ class RedisCoordination(Coordination):
     async def start(self) -> None:
         self.on_event("version", self._version_message)
         self.on_event("prompts", lambda _: self._prompts_were_added())
+        self.on_event("barrier", lambda payload: self._barrier_heard(BarrierNews.from_json(payload)))
+        self.on_event("drained", self._drained_message)
         self._listening = asyncio.create_task(self._listen_forever())
         with contextlib.suppress(TimeoutError):  # Redis away: the listener keeps trying; start anyway
             async with asyncio.timeout(5.0):
@@ -315,6 +393,7 @@ class RedisCoordination(Coordination):
                         await pubsub.subscribe(self.channel)
                     self._subscribed.set()
                     await self.policy_version()  # what was missed while away (`version` follows the read)
+                    await self.barrier_held_now()
                     delay = 0.2
                     while True:
                         # Polled with a timeout below the socket's: `listen()` on an idle channel would hit the
