@@ -137,25 +137,6 @@ async def test_an_aborted_turn_resumes_exactly_where_it_was_cut(client, vllm):
     await assert_continuous(vllm.url, trajectory)
 
 
-async def test_an_operators_abort_at_vllm_is_resumed_not_recorded_as_a_finished_turn(client, vllm):
-    """vLLM's own `/abort_requests`, sent by someone else with no barrier: the turn goes on at once, at the version
-    in effect."""
-
-    async def submit() -> tuple[RolloutClient, str]:
-        return client, (await client.submit(long_job())).job_id
-
-    async def update() -> None:
-        async with httpx.AsyncClient(timeout=60) as http:
-            (await http.post(vllm.url + "/abort_requests", json={})).raise_for_status()
-
-    trajectory = await caught_mid_turn(submit, [client], vllm.url, update)
-    [turn] = trajectory.turns
-    assert turn.finish_reason in ("length", "stop") and turn.response_tokens <= LONG.max_tokens
-    assert [r.policy_version for r in turn.resumptions] == [turn.policy_version]
-    assert PROBE_TOKENS <= turn.resumptions[0].offset < turn.response_tokens
-    await assert_continuous(vllm.url, trajectory)
-
-
 async def test_many_barriers_under_load_lose_and_repeat_nothing(client, vllm):
     version = (await client.weight_update_state()).policy_version
     sampling = SamplingParams(max_tokens=400, temperature=1.0)
