@@ -74,3 +74,4 @@ bench: system-packages $(VENV)/.installed llm test-images
 	$(PY) bench/bench_learning_real.py --fresh --out docs/benchmarks.md
 	$(PY) bench/bench_scale_out.py --out docs/benchmarks.md
 	$(PY) bench/bench_weight_update.py --out docs/benchmarks.md
+	$(PY) bench/bench_weight_update_training.py --out docs/benchmarks.md

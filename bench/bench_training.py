@@ -52,12 +52,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -165,12 +167,21 @@ class Run:
 
 # -- the runs ---------------------------------------------------------------------------------------------
 def run_one(
-    run: Run, settings: TrainSettings, sandbox_url: str, vllm_url: str, work: Path, service_cpus: frozenset[int] | None
+    run: Run,
+    settings: TrainSettings,
+    sandbox_url: str,
+    vllm_url: str,
+    work: Path,
+    service_cpus: frozenset[int] | None,
+    *service_args: str,
 ) -> None:
+    """One training run against a fresh rollout service (started with `service_args` beside its plugin config)."""
     config = work / f"{run.workload}-{run.mode}-{run.seed}-plugins.json".replace(" ", "_")
     config.write_text(json.dumps(settings.plugin_config()))
     log = config.with_suffix(".log")
-    service = localstack.start_rollout_service([sandbox_url], [vllm_url], "--plugin-config", str(config), log=log)
+    service = localstack.start_rollout_service(
+        [sandbox_url], [vllm_url], "--plugin-config", str(config), *service_args, log=log
+    )
     if service_cpus is not None:
         pin_tree(service.process.pid, service_cpus)
     try:
@@ -180,17 +191,25 @@ def run_one(
         stop(service, timeout=60)
 
 
-def run_all(args: argparse.Namespace, work: Path) -> tuple[list[Run], str]:
+@contextlib.contextmanager
+def training_servers(
+    work: Path, placement: str
+) -> Iterator[tuple[localstack.Service, localstack.Service, frozenset[int] | None, str]]:
+    """vLLM (the tiny model) and a bwrap sandbox runtime, placed on this process's CPUs as `placement` says
+    (this process is the trainer): (vllm, runtime, the CPUs for the rollout services or None, where, in words)."""
     split = split_cpus()
     localstack.build_tiny_model()
     print("starting vLLM and the sandbox runtime ...", flush=True)
     vllm = localstack.start_vllm(log=work / "vllm.log")
-    state = work / "sandbox-state"
-    runtime = localstack.start_sandbox_runtime(state, "bwrap", log=work / "sandbox.log")
+    try:
+        runtime = localstack.start_sandbox_runtime(work / "sandbox-state", "bwrap", log=work / "sandbox.log")
+    except BaseException:
+        stop(vllm, timeout=30)
+        raise
     service_cpus = None
     if split is None:
         where = "one CPU: everything on it"
-    elif args.placement == "trainer-alone":
+    elif placement == "trainer-alone":
         servers, trainer = split
         pin_tree(os.getpid(), trainer)  # this process, the trainer ...
         pin_tree(vllm.process.pid, servers)  # ... and not the servers
@@ -204,44 +223,59 @@ def run_all(args: argparse.Namespace, work: Path) -> tuple[list[Run], str]:
         pin_tree(vllm.process.pid, llm_cpus)  # ... but vLLM
         where = f"vLLM on CPU {cpus(llm_cpus)}; the trainer, the sandbox runtime and the rollout service on "
         where += f"CPU {cpus(others)} (llm-alone)"
+    try:
+        yield vllm, runtime, service_cpus, where
+    finally:
+        stop(runtime)
+        stop(vllm, timeout=30)
+
+
+def run_all(args: argparse.Namespace, work: Path) -> tuple[list[Run], str]:
+    with training_servers(work, args.placement) as (vllm, runtime, service_cpus, where):
+        return run_modes(args, work, vllm, runtime, service_cpus), where
+
+
+def run_modes(
+    args: argparse.Namespace,
+    work: Path,
+    vllm: localstack.Service,
+    runtime: localstack.Service,
+    service_cpus: frozenset[int] | None,
+) -> list[Run]:
     workloads = {"relay": 0.0, "slow tools": args.slow_median_s}
     chosen = [name for name in workloads if args.workload in ("both", name.split()[0])]
     runs: list[Run] = []
     earlier = earlier_runs(args)
-    try:
-        for seed in range(1, args.seeds + 1):
-            modes = args.modes if seed % 2 else args.modes[::-1]
-            for workload in chosen:
-                for mode in modes:
-                    run = Run(workload, mode, seed)
-                    if run.key in earlier:
-                        print(f"{workload}, {mode}, seed {seed}: from {args.runs_file}", flush=True)
-                        runs.append(earlier[run.key])
-                        continue
-                    staleness = {"mode": "pace", "max_staleness": MODES[mode], "pace_rule": pace_rule(mode, args)}
-                    settings = TrainSettings(
-                        steps=args.steps,
-                        seed=seed,
-                        staleness=staleness,
-                        tool_latency_median_s=workloads[workload],
-                        ppo_anchor=args.ppo_anchor,
-                    )
-                    print(f"{workload}, {mode}, seed {seed}: {args.steps} steps ...", flush=True)
-                    run_one(run, settings, runtime.url, vllm.url, work, service_cpus)
-                    if args.runs_file:
-                        args.runs_file.parent.mkdir(parents=True, exist_ok=True)
-                        with args.runs_file.open("a") as out:
-                            print(run.to_json(run_settings(args, mode)), file=out)
-                    print(
-                        f"  {run.wall_s:.0f} s, reward {run.final_reward():.2f} at the end, "
-                        f"time to {GOAL}: {run.time_to_goal():.0f} s, trainer busy {run.busy():.0%}",
-                        flush=True,
-                    )
-                    runs.append(run)
-    finally:
-        stop(runtime)
-        stop(vllm, timeout=30)
-    return runs, where
+    for seed in range(1, args.seeds + 1):
+        modes = args.modes if seed % 2 else args.modes[::-1]
+        for workload in chosen:
+            for mode in modes:
+                run = Run(workload, mode, seed)
+                if run.key in earlier:
+                    print(f"{workload}, {mode}, seed {seed}: from {args.runs_file}", flush=True)
+                    runs.append(earlier[run.key])
+                    continue
+                staleness = {"mode": "pace", "max_staleness": MODES[mode], "pace_rule": pace_rule(mode, args)}
+                settings = TrainSettings(
+                    steps=args.steps,
+                    seed=seed,
+                    staleness=staleness,
+                    tool_latency_median_s=workloads[workload],
+                    ppo_anchor=args.ppo_anchor,
+                )
+                print(f"{workload}, {mode}, seed {seed}: {args.steps} steps ...", flush=True)
+                run_one(run, settings, runtime.url, vllm.url, work, service_cpus)
+                if args.runs_file:
+                    args.runs_file.parent.mkdir(parents=True, exist_ok=True)
+                    with args.runs_file.open("a") as out:
+                        print(run.to_json(run_settings(args, mode)), file=out)
+                print(
+                    f"  {run.wall_s:.0f} s, reward {run.final_reward():.2f} at the end, "
+                    f"time to {GOAL}: {run.time_to_goal():.0f} s, trainer busy {run.busy():.0%}",
+                    flush=True,
+                )
+                runs.append(run)
+    return runs
 
 
 def pace_rule(mode: str, args: argparse.Namespace) -> str:

@@ -3,6 +3,11 @@ own harness would, on the official `openai` client or on `litellm`, and does exa
 its environment. It knows the gateway only as OPENAI_BASE_URL and OPENAI_API_KEY.
 
     HARNESS_CLIENT=openai|litellm   HARNESS_STREAM=0|1   HARNESS_STEPS=N
+    HARNESS_PROTOCOL=chat|responses|anthropic
+                                    the API it speaks (default chat): OpenAI's Responses API through the `openai`
+                                    client (streamed: continued by previous_response_id; else its whole history
+                                    sent back) or Anthropic's Messages API through the `anthropic` client, which
+                                    knows the gateway as ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY
     HARNESS_EDIT=1                  send the first answer back edited (a harness that rewrites its history)
     HARNESS_FOREIGN_KEY=KEY         first try a call with another episode's key and print what happened
     HARNESS_PROBE_PORT=PORT         print whether 127.0.0.1:PORT (a host port, not forwarded) can be reached
@@ -72,6 +77,75 @@ def ask(messages: list[dict], key: str = KEY) -> dict:
     return {"message": message, "finish_reason": finish}
 
 
+RESPONSES_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
+ANTHROPIC_TOOLS = [
+    {"name": f["name"], "description": f["description"], "input_schema": f["parameters"]}
+    for f in (tool["function"] for tool in TOOLS)
+]
+
+
+def responses_episode(system: str, prompt: str, steps: int) -> None:
+    """Tool use through the Responses API: each step's function calls run and their outputs sent back."""
+    import openai
+
+    client = openai.OpenAI(base_url=BASE, api_key=KEY, max_retries=0)
+    stream = os.environ.get("HARNESS_STREAM") == "1"
+    history: list = [{"role": "user", "content": prompt}]
+    new, previous = list(history), None
+    for step in range(steps):
+        common = {"model": "policy", "instructions": system, "tools": RESPONSES_TOOLS}
+        if stream:  # the SDK's stream helper assembles the events; the call continues the previous response
+            with client.responses.stream(input=new, previous_response_id=previous, **common) as events:
+                answer = events.get_final_response()
+        else:
+            answer = client.responses.create(input=history, store=False, **common)
+        output = [item.model_dump(exclude_none=True) for item in answer.output]
+        calls = [item for item in output if item["type"] == "function_call"]
+        print_step(step, answer.output_text or None, calls, answer.status)
+        outputs = [
+            {"type": "function_call_output", "call_id": c["call_id"], "output": run_tool({"function": c})}
+            for c in calls
+        ]
+        history += output + outputs
+        new, previous = outputs, answer.id
+        if not calls:
+            break
+
+
+def anthropic_episode(system: str, prompt: str, steps: int) -> None:
+    """Tool use through Anthropic's Messages API, as a Claude-style harness does it."""
+    import anthropic
+
+    client = anthropic.Anthropic(max_retries=0)  # ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY
+    messages: list = [{"role": "user", "content": prompt}]
+    for step in range(steps):
+        call = {"model": "policy", "max_tokens": 256, "system": system, "messages": messages, "tools": ANTHROPIC_TOOLS}
+        if os.environ.get("HARNESS_STREAM") == "1":
+            with client.messages.stream(**call) as events:
+                answer = events.get_final_message()
+        else:
+            answer = client.messages.create(**call)
+        blocks = [block.model_dump(exclude_none=True) for block in answer.content]
+        uses = [b for b in blocks if b["type"] == "tool_use"]
+        text = "".join(b["text"] for b in blocks if b["type"] == "text")
+        calls = [{"name": u["name"], "arguments": json.dumps(u["input"])} for u in uses]
+        print_step(step, text or None, calls, answer.stop_reason)
+        messages.append({"role": "assistant", "content": blocks})
+        if not uses:
+            break
+        results = [
+            {"type": "tool_result", "tool_use_id": u["id"], "content": run_tool({"function": c})}
+            for u, c in zip(uses, calls)
+        ]
+        messages.append({"role": "user", "content": results})
+
+
+def print_step(step: int, content: str | None, calls: list[dict], finish: str | None) -> None:
+    """One step in the chat harness's form: tool calls as {"function": {"name", "arguments"}}."""
+    functions = [{"function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+    print(json.dumps({"step": step, "tool_calls": functions, "content": content, "finish_reason": finish}), flush=True)
+
+
 def run_tool(call: dict) -> str:
     command = json.loads(call["function"]["arguments"]).get("command", "")
     done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=30)
@@ -100,11 +174,14 @@ def main() -> None:
             print(json.dumps({"foreign": "accepted"}), flush=True)
         except Exception as exc:  # the client's own error type: what a harness would see
             print(json.dumps({"foreign": getattr(exc, "status_code", str(exc))}), flush=True)
-    messages = [
-        {"role": "system", "content": "You work in a Linux sandbox."},
-        {"role": "user", "content": os.environ.get("PRORL_TASK_PROMPT", "")},
-    ]
-    for step in range(int(os.environ.get("HARNESS_STEPS", "2"))):
+    system, prompt = "You work in a Linux sandbox.", os.environ.get("PRORL_TASK_PROMPT", "")
+    steps = int(os.environ.get("HARNESS_STEPS", "2"))
+    protocol = os.environ.get("HARNESS_PROTOCOL", "chat")
+    if protocol != "chat":
+        (responses_episode if protocol == "responses" else anthropic_episode)(system, prompt, steps)
+        return
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+    for step in range(steps):
         answer = ask(messages)
         message = answer["message"]
         calls = message.get("tool_calls") or []

@@ -148,6 +148,26 @@ async def test_other_clients_and_streaming_make_the_same_token_history(gateway_s
     assert_ids_are_what_vllm_sampled(trajectory, standin.sampled)
 
 
+@pytest.mark.parametrize(
+    ("protocol", "stream"),
+    [("responses", "0"), ("responses", "1"), ("anthropic", "0"), ("anthropic", "1")],
+    ids=["responses-history", "responses-stream-previous-id", "anthropic", "anthropic-stream"],
+)
+async def test_responses_and_anthropic_harnesses_make_the_same_token_history(gateway_stack, protocol, stream):
+    """Harnesses on the official `openai` (Responses API) and `anthropic` clients, in the sandbox, knowing the
+    gateway by the environment only: tool use over three turns is one segment of exactly what vLLM sampled."""
+    http, standin = gateway_stack
+    trajectory = await run_job(http, job(steps=3, HARNESS_PROTOCOL=protocol, HARNESS_STREAM=stream))
+    assert trajectory.error is None, trajectory.error
+    assert trajectory.artifacts["agent_exit_code"] == "0", trajectory.artifacts["agent_output"]
+    steps = [line for line in harness_lines(trajectory) if "step" in line]
+    assert len(steps) == 3 and all(s["tool_calls"][0]["function"]["name"] == "bash" for s in steps)
+    assert {s["finish_reason"] for s in steps} == {"completed" if protocol == "responses" else "tool_use"}
+    assert trajectory.segments == [] and trajectory.num_turns == 3
+    assert [t.tool_calls[0].name for t in trajectory.turns] == ["bash"] * 3
+    assert_ids_are_what_vllm_sampled(trajectory, standin.sampled)
+
+
 async def test_a_history_sent_back_edited_starts_a_new_segment(gateway_stack):
     http, standin = gateway_stack
     trajectory = await run_job(http, job(steps=3, HARNESS_EDIT="1"))

@@ -101,8 +101,9 @@ def _no_dots(path: str) -> str:
 
 class AgentProgram(_Strict):
     """An agent harness of the user's own that runs the episode instead of the built-in agent loop: `command`
-    runs in the episode's sandbox with `OPENAI_BASE_URL` and `OPENAI_API_KEY` naming the episode's LLM gateway
-    (docs/gateway.md), and `PRORL_TASK_PROMPT` the task's prompt. Init and eval are the task's as usual."""
+    runs in the episode's sandbox with `OPENAI_BASE_URL` and `OPENAI_API_KEY` (and `ANTHROPIC_BASE_URL` and
+    `ANTHROPIC_API_KEY`) naming the episode's LLM gateway (docs/gateway.md), and `PRORL_TASK_PROMPT` the task's
+    prompt. Init and eval are the task's as usual."""
 
     command: str = Field(min_length=1, max_length=64 * 1024, description="a bash command line, run in the sandbox")
     env: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")], str] = Field(

@@ -88,6 +88,8 @@ class Operation:
     public: bool = False  # no token needed (health, the document itself)
     tag: str = ""
     description: str = ""
+    # The shape of its error replies: ErrorBody, or a protocol's own that its clients read (the LLM gateway's).
+    error_model: type[BaseModel] = ErrorBody
 
     @property
     def operation_id(self) -> str:
@@ -322,6 +324,15 @@ def openapi_command(api: API, out: Path | None) -> int:
     return 0
 
 
+def _error_shapes(api: API) -> str:
+    """The error bodies the operations answer with, as the reference names them."""
+    names = [m.__name__ for m in dict.fromkeys(op.error_model for op in api.all_operations())]
+    links = [f"[{n}](#{n.lower()})" for n in names]
+    if len(links) == 1:
+        return f"an {links[0]}"
+    return "an " + ", ".join(links[:-1]) + f" or {links[-1]}, as each operation says"
+
+
 def render_markdown(api: API) -> str:
     """A reference a person reads: every operation with its parameters, body and replies, then every schema
     with its fields. Generated from the document (never edit it by hand)."""
@@ -336,7 +347,7 @@ def render_markdown(api: API) -> str:
         info["description"],
         "",
         "Auth: with a server token, every operation but the public ones needs `Authorization: Bearer <token>`. "
-        "Every error reply is an [ErrorBody](#errorbody). Besides the replies listed with each operation, any "
+        f"Every error reply is {_error_shapes(api)}. Besides the replies listed with each operation, any "
         "operation may answer:",
         "",
         *(f"- {status}: {when}" for status, when in sorted(COMMON_ERRORS.items())),
@@ -449,6 +460,7 @@ def _models(operations: tuple[Operation, ...]) -> list[tuple[type[BaseModel], st
         for reply in op.replies:
             if reply.model is not None:
                 pairs[(reply.model, "serialization")] = None
+        pairs[(op.error_model, "serialization")] = None
     return list(pairs)
 
 
@@ -492,7 +504,7 @@ def _operation(op: Operation, refs: dict, schemas: dict[str, Any]) -> dict[str, 
     for status, when in op.error_statuses().items():
         responses[str(status)] = {
             "description": when,
-            "content": {JSON: {"schema": refs[(ErrorBody, "serialization")]}},
+            "content": {JSON: {"schema": refs[(op.error_model, "serialization")]}},
         }
     entry["responses"] = responses
     return entry

@@ -37,6 +37,7 @@ LISTEN_BACKLOG = 4096
 MAX_REQUEST_LINE = 64 * 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
+ErrorShape = Callable[[web.Request, int, str], BaseModel]  # (request, status, message) -> the error's body
 
 
 def json_response(model: BaseModel, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
@@ -47,16 +48,25 @@ def error_response(status: int, message: str, headers: Mapping[str, str] | None 
     return json_response(ErrorBody(error=message, status=status), status=status, headers=headers)
 
 
-def errors_as_json(max_body_bytes: int) -> Middleware:
-    """Every failure becomes `{"error", "status"}`: 400 for a bad body, an `ApiError`'s status, 502 or 503 for a
-    call to another server that failed (errors.py), 500 for the rest (logged)."""
+def error_body(request: web.Request, status: int, message: str) -> BaseModel:
+    """The servers' own error shape, `{"error", "status"}`."""
+    return ErrorBody(error=message, status=status)
+
+
+def errors_as_json(max_body_bytes: int, shape: ErrorShape = error_body) -> Middleware:
+    """Every failure becomes a JSON error, `shape`d (by default `{"error", "status"}`): 400 for a bad body, an
+    `ApiError`'s status, 502 or 503 for a call to another server that failed (errors.py), 500 for the rest
+    (logged)."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        def answer(status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:
+            return json_response(shape(request, status, message), status=status, headers=headers)
+
         try:
             return await handler(request)
         except ValidationError as exc:
-            return error_response(400, f"invalid request body: {describe_validation(exc)}")
+            return answer(400, f"invalid request body: {describe_validation(exc)}")
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -65,7 +75,7 @@ def errors_as_json(max_body_bytes: int) -> Middleware:
                 message = f"request body too large (limit {max_body_bytes} bytes)"
             # A 405 keeps its Allow header: it tells the caller which methods the path has.
             allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-            return error_response(exc.status, message, allow)
+            return answer(exc.status, message, allow)
         except asyncio.CancelledError:
             raise
         except ConnectionResetError:
@@ -73,14 +83,14 @@ def errors_as_json(max_body_bytes: int) -> Middleware:
                 raise
             # The client went, or was closed (a stalled body): nobody reads this answer, and a flood of them must
             # not flood the log with tracebacks.
-            return error_response(400, "the connection was lost while the request was read")
+            return answer(400, "the connection was lost while the request was read")
         except ApiError as exc:
-            return error_response(exc.status, str(exc))
+            return answer(exc.status, str(exc))
         except DownstreamError as exc:  # never the other server's status: the caller's request was not at fault
-            return error_response(exc.answer_status, str(exc))
+            return answer(exc.answer_status, str(exc))
         except Exception as exc:
             log.exception("unhandled error on %s %s", request.method, request.path)
-            return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+            return answer(500, f"internal error: {type(exc).__name__}: {exc}")
 
     return middleware
 
@@ -164,6 +174,7 @@ def json_api(
     gates: Sequence[Middleware] = (),
     own_auth_paths: frozenset[str] = frozenset(),
     credentialed: bool | None = None,
+    error_shape: ErrorShape = error_body,
 ) -> web.Application:
     """The application serving `api` (and its OpenAPI document) with both servers' middlewares, outermost
     first: the connection guard's view of the request (`connections`), errors as JSON (and the body bound),
@@ -171,10 +182,11 @@ def json_api(
     `own_auth_paths`, whose gates check a credential of their own), the application's own `gates`, the
     guard's mark of an admitted request, and every request counted in `requests`. `credentialed` (default:
     whether there is a token) says whether a request is admitted only once a gate checked a credential
-    (`connections.mark_credential_checked`)."""
+    (`connections.mark_credential_checked`). `error_shape` makes the error bodies (a protocol's own, where
+    clients expect one)."""
     middlewares = [
         request_seen,
-        errors_as_json(max_body_bytes),
+        errors_as_json(max_body_bytes, error_shape),
         refuse_browsers(token),
         bearer_auth(token, api.public_paths | own_auth_paths),
         *gates,

@@ -97,7 +97,7 @@ async def test_bad_calls_are_a_400_and_nothing_is_recorded(body, message):
     async with rollout_stack(script=["x"]) as stack:
         episode = open_episode(stack)
         reply = await chat(stack, episode.key, **body)
-        assert reply.status == 400 and message in (await reply.json())["error"]
+        assert reply.status == 400 and message in (await reply.json())["error"]["message"]
         assert episode.log.calls == [] and stack.llm.sampled == []
 
 
@@ -114,10 +114,10 @@ async def test_the_turn_limit_and_the_context_are_the_jobs():
         episode = open_episode(stack, max_turns=1)
         assert (await chat(stack, episode.key, messages=USER)).status == 200
         over = await chat(stack, episode.key, messages=USER)
-        assert over.status == 400 and "max_turns=1" in (await over.json())["error"]
+        assert over.status == 400 and "max_turns=1" in (await over.json())["error"]["message"]
         small = open_episode(stack, max_context_tokens=5)
         full = await chat(stack, small.key, messages=USER)
-        assert full.status == 400 and "max_context_tokens" in (await full.json())["error"]
+        assert full.status == 400 and "max_context_tokens" in (await full.json())["error"]["message"]
 
 
 async def test_a_call_over_the_turn_limit_is_refused_before_its_body_is_read():
@@ -139,7 +139,7 @@ async def test_a_call_over_the_turn_limit_is_refused_before_its_body_is_read():
             body = json.loads(await asyncio.wait_for(reader.readexactly(length), timeout=30))
         finally:
             writer.close()
-        assert head.startswith(b"HTTP/1.1 400 ") and "max_turns=1" in body["error"]
+        assert head.startswith(b"HTTP/1.1 400 ") and "max_turns=1" in body["error"]["message"]
         assert episode.calls_started == 1  # the refused call counted no turn
 
 
@@ -204,7 +204,7 @@ async def test_malformed_tool_calls_sent_back_are_a_400(calls):
         episode = open_episode(stack)
         messages = [*USER, {"role": "assistant", "content": None, "tool_calls": calls}]
         reply = await chat(stack, episode.key, messages=messages)
-        assert reply.status == 400 and "tool_calls" in (await reply.json())["error"]
+        assert reply.status == 400 and "tool_calls" in (await reply.json())["error"]["message"]
         assert episode.log.calls == []
 
 

@@ -57,6 +57,9 @@ async def run_program(
             **agent.env,
             "OPENAI_BASE_URL": episode.base_url(),
             "OPENAI_API_KEY": episode.key,
+            # Anthropic's SDK (and Claude Code) send the key as x-api-key to this base URL, adding /v1/messages
+            "ANTHROPIC_BASE_URL": episode.anthropic_base_url(),
+            "ANTHROPIC_API_KEY": episode.key,
             "PRORL_TASK_PROMPT": handler.user_prompt(request.instance),
         }
         started = time.perf_counter()

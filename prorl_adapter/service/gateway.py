@@ -1,4 +1,4 @@
-"""The LLM gateway: an OpenAI-compatible endpoint per episode, served in token space, every call recorded.
+"""The LLM gateway: an endpoint per episode, served in token space, every call recorded.
 
 An agent program (JobRequest.agent) gets `OPENAI_BASE_URL=http://127.0.0.1:8766/gateway/<key>/v1` in its sandbox,
 where port 8766 is forwarded by the runtime (sandbox_runtime/forwards.py) to this gateway and nothing else is
@@ -12,12 +12,18 @@ as the built-in agent loop samples (balancing, health, failover, the policy vers
 carries text, parsed `tool_calls` and the exact ids. Sampling settings are the job's: a harness's temperature
 or top_p would make the recorded logprobs those of another policy, so they are ignored; its max_tokens and stop
 strings are honoured. A streamed call is sampled whole, then sent as chunks (docs/gateway.md).
+
+OpenAI's Responses API and Anthropic's Messages API are translations to and from the chat messages
+(responses_wire.py, anthropic_wire.py): every protocol's call is one `chat_turn`, so they share the token-history
+rule, the limits and the recording, and one harness may mix them in an episode. Errors come in each protocol's
+own shape (`_error_shape`), so that each SDK raises its usual exception.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import secrets
 import time
@@ -29,6 +35,7 @@ from pathlib import Path
 from aiohttp import web
 from jinja2 import TemplateError
 from prometheus_client import Counter
+from pydantic import BaseModel
 
 from server_kit.connections import mark_credential_checked
 from server_kit.errors import ApiError
@@ -37,7 +44,16 @@ from server_kit.webapp import json_api, json_response
 
 from .. import __version__
 from ..models import JobRequest, ToolCall
+from . import anthropic_wire, responses_wire
 from .agent import sample
+from .anthropic_wire import (
+    AnthropicErrorBody,
+    CountTokensRequest,
+    MessageObject,
+    MessagesQuery,
+    MessagesRequest,
+    TokenCount,
+)
 from .chat import ChatTokenizer, parse_tool_calls, strip_tool_calls, text_size
 from .llm import LLMPool, LLMRequestError, LLMUnavailable, Pin
 from .openai_wire import (
@@ -53,13 +69,15 @@ from .openai_wire import (
     FunctionCall,
     ModelCard,
     ModelList,
-    SamplingFields,
+    OpenAIErrorBody,
     TokenLogprob,
     ToolCallOut,
     Usage,
 )
+from .responses_wire import ResponseObject, ResponsesRequest, ResponseUsage, StoredResponse
 from .token_history import CallLog, ChatKey, Sampled, canonical, tools_key
 from .weight_barrier import WeightBarrier
+from .wire import event_bytes
 
 SANDBOX_PORT = 8766  # where the gateway is on a sandbox's own loopback
 CALLS_IN_FLIGHT = 4  # per episode; more wait for a slot
@@ -88,10 +106,42 @@ class GatewayEpisode:
     requests_open: int = 0  # requests with this key being read or answered (`_known_key`)
     open: bool = True
     slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(CALLS_IN_FLIGHT))
+    # Responses API answers a later call may continue (`previous_response_id`): at most one per turn
+    responses: dict[str, StoredResponse] = field(default_factory=dict)
 
     def base_url(self) -> str:
         """As the program sees it: the forwarded port on the sandbox's loopback."""
         return f"http://127.0.0.1:{SANDBOX_PORT}/gateway/{self.key}/v1"
+
+    def anthropic_base_url(self) -> str:
+        """As Anthropic's SDK takes it (it adds `/v1/messages`)."""
+        return f"http://127.0.0.1:{SANDBOX_PORT}/gateway/{self.key}"
+
+    def response_messages(self, response_id: str | None) -> list[dict]:
+        """The chat messages a call continuing `response_id` starts from: those of every response in its chain."""
+        chain = []
+        while response_id is not None:
+            stored = self.responses.get(response_id)
+            if stored is None:
+                raise GatewayError(400, f"previous_response_id {response_id!r}: no stored response of this episode")
+            chain.append(stored.messages)
+            response_id = stored.previous
+        return [message for messages in reversed(chain) for message in messages]
+
+
+@dataclass
+class ChatTurn:
+    """One call answered, as chat messages: what every protocol's answer is made from."""
+
+    sampled: Sampled
+    content: str  # the text, without the tool calls
+    calls: list[ToolCall]
+    stop: str | None = None  # the stop string that ended it, where the protocol's answer leaves it out
+
+    @property
+    def finish(self) -> str:
+        """OpenAI's finish reason: tool_calls, length or stop."""
+        return "tool_calls" if self.calls else _finish(self.sampled.finish_reason)
 
 
 class Gateway:
@@ -122,42 +172,55 @@ class Gateway:
             raise GatewayError(404, "no running episode has this key (it is another's, made up, or its run is over)")
         return episode
 
-    # -- calls ------------------------------------------------------------------------------------------
-    async def chat_completion(self, episode: GatewayEpisode, body: ChatCompletionRequest) -> ChatCompletion:
+    # -- calls ----------------------------------------------------------------------------------------
+    async def chat_turn(
+        self,
+        episode: GatewayEpisode,
+        messages: list[dict],
+        tools: list[dict] | None,
+        *,
+        parse_calls: bool,
+        max_tokens: int | None,
+        stops: list[str],
+        cut_stop: bool = False,
+    ) -> ChatTurn:
+        """One call of any protocol, translated to chat `messages` and `tools`: its prompt by the token-history
+        rule, sampled, its tool calls parsed (unless `parse_calls` is off: they stay in the text) and recorded.
+        With `cut_stop`, the answer ends before the stop string that ended it (Anthropic's rule; OpenAI's chat
+        answers keep it, as the sampled ids do)."""
         async with self._call_slot(episode):
-            messages = [m.model_dump(exclude_none=True) for m in body.messages]
-            tools = body.tools or None
-            try:
-                size = text_size(messages, tools)
-                prompt_ids, digest = await self.chat.off_loop(
-                    episode.log.chat_prompt, self.chat, messages, tools, size=size
-                )
-            except (TemplateError, TypeError, ValueError, KeyError) as exc:  # what the template could not render
-                raise GatewayError(400, f"the chat template cannot render these messages: {exc}") from exc
-            sampled = await self._sample(episode, prompt_ids, body.max_completion_tokens or body.max_tokens, body)
-            parsed = parse_tool_calls(sampled.text) if body.tool_choice != "none" else None
+            prompt_ids, digest = await self._chat_prompt(episode, messages, tools)
+            sampled = await self._sample(episode, prompt_ids, max_tokens, stops)
+            stop = _matched_stop(sampled, stops, self.chat.eos_id) if cut_stop else None
+            text = sampled.text[: sampled.text.find(stop)] if stop is not None else sampled.text
+            parsed = parse_tool_calls(text) if parse_calls else None
             calls = parsed.calls if parsed else []
-            out_calls = [
-                ToolCallOut(
-                    id=f"call_{uuid.uuid4().hex[:24]}",
-                    function=FunctionCall(name=c.name, arguments=json.dumps(c.arguments)),
-                )
-                for c in calls
-            ]
-            content = strip_tool_calls(sampled.text) if calls else sampled.text
-            message = AssistantMessage(content=content or (None if calls else ""), tool_calls=out_calls or None)
-            key = ChatKey(digest, len(messages), tools_key(tools), canonical(message.model_dump(exclude_none=True)))
+            content = strip_tool_calls(text) if calls else text
+            reply = {"role": "assistant", "content": content}
+            reply["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+            key = ChatKey(digest, len(messages), tools_key(tools), canonical(reply))
             self._record(episode, sampled, key, calls, parsed.errors if parsed else [])
-        logprobs = None
-        if body.logprobs:
-            pieces = await self.chat.off_loop(
-                self.chat.token_texts, sampled.response_ids, size=len(sampled.response_ids)
-            )
-            logprobs = ChoiceLogprobs(
-                content=[TokenLogprob(token=t, logprob=p) for t, p in zip(pieces, sampled.response_logprobs)]
-            )
-        finish = "tool_calls" if calls else _finish(sampled.finish_reason)
-        choice = ChatChoice(message=message, finish_reason=finish, logprobs=logprobs, token_ids=sampled.response_ids)
+        return ChatTurn(sampled, content, calls, stop)
+
+    async def chat_completion(self, episode: GatewayEpisode, body: ChatCompletionRequest) -> ChatCompletion:
+        turn = await self.chat_turn(
+            episode,
+            [m.model_dump(exclude_none=True) for m in body.messages],
+            body.tools or None,
+            parse_calls=body.tool_choice != "none",
+            max_tokens=body.max_completion_tokens or body.max_tokens,
+            stops=body.stops(),
+        )
+        out_calls = [
+            ToolCallOut(id=_call_id(), function=FunctionCall(name=c.name, arguments=json.dumps(c.arguments)))
+            for c in turn.calls
+        ]
+        message = AssistantMessage(content=turn.content or (None if out_calls else ""), tool_calls=out_calls or None)
+        logprobs = ChoiceLogprobs(content=await self._token_logprobs(turn.sampled)) if body.logprobs else None
+        sampled = turn.sampled
+        choice = ChatChoice(
+            message=message, finish_reason=turn.finish, logprobs=logprobs, token_ids=sampled.response_ids
+        )
         return ChatCompletion(
             id=f"chatcmpl-{uuid.uuid4().hex}",
             created=int(time.time()),
@@ -167,20 +230,108 @@ class Gateway:
             prompt_token_ids=sampled.prompt_ids,
         )
 
+    async def response(self, episode: GatewayEpisode, body: ResponsesRequest) -> ResponseObject:
+        """A Responses API call: its input after the items of the response it continues, as chat messages."""
+        said = responses_wire.chat_messages(responses_wire.input_items(body))
+        messages = episode.response_messages(body.previous_response_id) + said
+        if not messages:
+            raise GatewayError(400, "input: no message to answer")
+        system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+        tools = responses_wire.chat_tools(body.tools)
+        turn = await self.chat_turn(
+            episode,
+            system + messages,
+            tools,
+            parse_calls=body.tool_choice != "none",
+            max_tokens=body.max_output_tokens,
+            stops=[],
+        )
+        logprobs = None
+        if responses_wire.LOGPROBS in (body.include or []):
+            logprobs = [t.model_dump() for t in await self._token_logprobs(turn.sampled)]
+        calls = [(_call_id(), c.name, json.dumps(c.arguments)) for c in turn.calls]
+        output = responses_wire.output_items(turn.content, calls, logprobs)
+        answer_id = responses_wire.response_id()
+        if body.store:
+            answer = {"role": "assistant", "content": turn.content}
+            if calls:
+                answer["tool_calls"] = [
+                    {"id": i, "type": "function", "function": {"name": n, "arguments": a}} for i, n, a in calls
+                ]
+            episode.responses[answer_id] = StoredResponse(body.previous_response_id, [*said, answer])
+        sampled = turn.sampled
+        prompt, completion = len(sampled.prompt_ids), len(sampled.response_ids)
+        cut = turn.finish == "length"
+        return ResponseObject(
+            id=answer_id,
+            created_at=int(time.time()),
+            status="incomplete" if cut else "completed",
+            incomplete_details={"reason": "max_output_tokens"} if cut else None,
+            instructions=body.instructions,
+            max_output_tokens=body.max_output_tokens,
+            model=body.model or self.model,
+            output=output,
+            parallel_tool_calls=body.parallel_tool_calls is not False,
+            previous_response_id=body.previous_response_id,
+            store=body.store,
+            tool_choice=body.tool_choice or "auto",
+            tools=body.tools or [],
+            usage=ResponseUsage(input_tokens=prompt, output_tokens=completion, total_tokens=prompt + completion),
+            prompt_token_ids=sampled.prompt_ids,
+            token_ids=sampled.response_ids,
+        )
+
+    async def message(self, episode: GatewayEpisode, body: MessagesRequest) -> MessageObject:
+        """An Anthropic Messages call, as chat messages."""
+        messages, tools = _anthropic_chat(body)
+        turn = await self.chat_turn(
+            episode,
+            messages,
+            tools,
+            parse_calls=(body.tool_choice or {}).get("type") != "none",
+            max_tokens=body.max_tokens,
+            stops=body.stop_sequences or [],
+            cut_stop=True,
+        )
+        sampled = turn.sampled
+        if turn.calls:
+            reason = "tool_use"
+        elif turn.finish == "length":
+            reason = "max_tokens"
+        else:
+            reason = "stop_sequence" if turn.stop is not None else "end_turn"
+        calls = [(anthropic_wire.tool_use_id(), c.name, c.arguments) for c in turn.calls]
+        return MessageObject(
+            id=anthropic_wire.message_id(),
+            model=body.model or self.model,
+            content=anthropic_wire.content_blocks(turn.content, calls),
+            stop_reason=reason,
+            stop_sequence=turn.stop if reason == "stop_sequence" else None,
+            usage=anthropic_wire.MessageUsage(
+                input_tokens=len(sampled.prompt_ids), output_tokens=len(sampled.response_ids)
+            ),
+            prompt_token_ids=sampled.prompt_ids,
+            token_ids=sampled.response_ids,
+        )
+
+    async def count_tokens(self, episode: GatewayEpisode, body: CountTokensRequest) -> TokenCount:
+        """The prompt a Messages call with this body would be given now (by the token-history rule), counted."""
+        messages, tools = _anthropic_chat(body)
+        prompt_ids, _ = await self._chat_prompt(episode, messages, tools)
+        return TokenCount(input_tokens=len(prompt_ids))
+
     async def completion(self, episode: GatewayEpisode, body: CompletionRequest) -> Completion:
         async with self._call_slot(episode):
             if isinstance(body.prompt, str):
                 prompt_ids = await self.chat.off_loop(self.chat.encode, body.prompt, size=len(body.prompt))
             else:
                 prompt_ids = list(body.prompt)
-            sampled = await self._sample(episode, prompt_ids, body.max_tokens, body)
+            sampled = await self._sample(episode, prompt_ids, body.max_tokens, body.stops())
             self._record(episode, sampled)
         logprobs = None
         if body.logprobs:
-            pieces = await self.chat.off_loop(
-                self.chat.token_texts, sampled.response_ids, size=len(sampled.response_ids)
-            )
-            logprobs = CompletionLogprobs(tokens=pieces, token_logprobs=sampled.response_logprobs)
+            pieces = await self._token_logprobs(sampled)
+            logprobs = CompletionLogprobs(tokens=[p.token for p in pieces], token_logprobs=sampled.response_logprobs)
         choice = CompletionChoice(
             text=sampled.text,
             finish_reason=_finish(sampled.finish_reason),
@@ -205,8 +356,21 @@ class Gateway:
         async with episode.slots:
             yield
 
+    async def _chat_prompt(
+        self, episode: GatewayEpisode, messages: list[dict], tools: list[dict] | None
+    ) -> tuple[list[int], str]:
+        try:
+            size = text_size(messages, tools)
+            return await self.chat.off_loop(episode.log.chat_prompt, self.chat, messages, tools, size=size)
+        except (TemplateError, TypeError, ValueError, KeyError) as exc:  # what the template could not render
+            raise GatewayError(400, f"the chat template cannot render these messages: {exc}") from exc
+
+    async def _token_logprobs(self, sampled: Sampled) -> list[TokenLogprob]:
+        pieces = await self.chat.off_loop(self.chat.token_texts, sampled.response_ids, size=len(sampled.response_ids))
+        return [TokenLogprob(token=t, logprob=p) for t, p in zip(pieces, sampled.response_logprobs, strict=True)]
+
     async def _sample(
-        self, episode: GatewayEpisode, prompt_ids: list[int], max_tokens: int | None, body: SamplingFields
+        self, episode: GatewayEpisode, prompt_ids: list[int], max_tokens: int | None, stops: list[str]
     ) -> Sampled:
         job = episode.request
         room = job.max_context_tokens - len(prompt_ids)
@@ -216,7 +380,7 @@ class Gateway:
         sampling = job.sampling.model_copy(
             update={
                 "max_tokens": min(job.sampling.max_tokens, max_tokens or job.sampling.max_tokens, room),
-                "stop": [*job.sampling.stop, *body.stops()],
+                "stop": [*job.sampling.stop, *stops],
             }
         )
         try:
@@ -257,6 +421,24 @@ def refuse_spent(episode: GatewayEpisode) -> None:
         raise GatewayError(400, f"this episode's turn limit is reached: max_turns={episode.request.max_turns}")
 
 
+def _anthropic_chat(body: CountTokensRequest) -> tuple[list[dict], list[dict] | None]:
+    return anthropic_wire.chat_messages(body.system, body.messages), anthropic_wire.chat_tools(body.tools)
+
+
+def _matched_stop(sampled: Sampled, stops: list[str], eos_id: int) -> str | None:
+    """Which of `stops` ended the answer, if one did: the one whose first occurrence in its text (the ids' own,
+    stop string included: agent.sample) ends first, as the server stops at the first it completes."""
+    ids = sampled.response_ids
+    if sampled.finish_reason != "stop" or not stops or (ids and ids[-1] == eos_id):
+        return None
+    found = [(sampled.text.find(s) + len(s), s) for s in stops if s in sampled.text]
+    return min(found)[1] if found else None
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _finish(reason: str | None) -> str:
     return "length" if reason == "length" else "stop"
 
@@ -270,8 +452,28 @@ def _usage(sampled: Sampled) -> Usage:
 GATEWAY = web.AppKey("gateway", Gateway)
 
 
+HEADER_KEYED = "/gateway/v1/"  # paths whose key comes in a header, as SDKs send their API key
+
+
+def _key(request: web.Request) -> str | None:
+    """The episode key a gateway request names: in its path, or, under HEADER_KEYED, in `x-api-key` (Anthropic's
+    SDK) or `Authorization: Bearer` (OpenAI's); None for the gateway's other paths (its OpenAPI document)."""
+    key = request.match_info.get("key")
+    if key is not None:
+        return key
+    if not request.path.startswith(HEADER_KEYED):
+        return None
+    bearer = request.headers.get("Authorization", "")
+    key = request.headers.get("x-api-key") or (bearer[len("Bearer ") :] if bearer.startswith("Bearer ") else "")
+    if not key:
+        raise GatewayError(401, "no key: send the episode's key as x-api-key or Authorization: Bearer, or in the path")
+    return key
+
+
 def _episode(request: web.Request) -> GatewayEpisode:
-    return request.app[GATEWAY].episode(request.match_info["key"])
+    key = _key(request)
+    assert key is not None  # the gateway's calls all have one (`_known_key` refused the request otherwise)
+    return request.app[GATEWAY].episode(key)
 
 
 async def gateway_models(request: web.Request) -> web.Response:
@@ -301,8 +503,32 @@ async def gateway_completions(request: web.Request, body: CompletionRequest) -> 
     )
 
 
-def _usage_wanted(body: ChatCompletionRequest | CompletionRequest) -> bool:
-    return bool(body.stream_options and body.stream_options.include_usage)
+async def gateway_responses(request: web.Request, body: ResponsesRequest) -> web.StreamResponse:
+    answer = await request.app[GATEWAY].response(_episode(request), body)
+    if not body.stream:
+        return json_response(answer)
+    return await _events(request, responses_wire.stream_events(answer))
+
+
+async def gateway_messages(request: web.Request, body: MessagesRequest, query: MessagesQuery) -> web.StreamResponse:
+    answer = await request.app[GATEWAY].message(_episode(request), body)
+    if not body.stream:
+        return json_response(answer)
+    return await _events(request, anthropic_wire.stream_events(answer))
+
+
+async def gateway_count_tokens(request: web.Request, body: CountTokensRequest, query: MessagesQuery) -> web.Response:
+    return json_response(await request.app[GATEWAY].count_tokens(_episode(request), body))
+
+
+async def _events(request: web.Request, events: list[tuple[str, dict]]) -> web.StreamResponse:
+    """Named server-sent events, as the Responses and Messages APIs stream (no `[DONE]`)."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    for event, data in events:
+        await response.write(event_bytes(event, data))
+    await response.write_eof()
+    return response
 
 
 async def _stream(request: web.Request, chunks: list[dict]) -> web.StreamResponse:
@@ -356,45 +582,111 @@ REFUSED = {
     429: f"this key has {REQUESTS_PER_KEY} requests in flight already",
     400: "the turn limit or the context is used up, or the LLM server refused it",
 }
+GENERATING = {**REFUSED, 503: "no LLM server can answer now (the SDKs retry it)"}
 _STREAM = "JSON; with `stream: true`, text/event-stream chunks as OpenAI sends them, ending with `data: [DONE]`"
+_EVENTS = "JSON; with `stream: true`, text/event-stream events as {} streams them"
 
-OPERATIONS = (
-    Operation(
+
+def _operation(method: str, suffix: str, handler, summary: str, replies, errors, **more) -> Operation:
+    return Operation(
+        method,
+        f"/gateway/{{key}}/v1{suffix}",
+        handler,
+        summary,
+        replies,
+        errors=errors,
+        path_parameters=KEY,
+        public=True,
+        tag="gateway",
+        **more,
+    )
+
+
+KEYED_OPERATIONS = (
+    _operation(
         "GET",
-        "/gateway/{key}/v1/models",
+        "/models",
         gateway_models,
         "LLM gateway: the model that answers (the episode's policy)",
         (Reply(200, "", ModelList),),
-        errors={404: REFUSED[404]},
-        path_parameters=KEY,
-        public=True,
-        tag="gateway",
+        {404: REFUSED[404]},
+        error_model=OpenAIErrorBody,
     ),
-    Operation(
+    _operation(
         "POST",
-        "/gateway/{key}/v1/chat/completions",
+        "/chat/completions",
         gateway_chat_completions,
         "LLM gateway: one chat turn, sampled in token space and recorded in the episode",
         (Reply(200, _STREAM, ChatCompletion),),
-        errors={**REFUSED, 503: "no LLM server can answer now (OpenAI clients retry it)"},
+        GENERATING,
         body=ChatCompletionRequest,
-        path_parameters=KEY,
-        public=True,
-        tag="gateway",
+        error_model=OpenAIErrorBody,
     ),
-    Operation(
+    _operation(
         "POST",
-        "/gateway/{key}/v1/completions",
+        "/completions",
         gateway_completions,
         "LLM gateway: one completion of a text or token-id prompt, recorded in the episode",
         (Reply(200, _STREAM, Completion),),
-        errors={**REFUSED, 503: "no LLM server can answer now (OpenAI clients retry it)"},
+        GENERATING,
         body=CompletionRequest,
-        path_parameters=KEY,
-        public=True,
-        tag="gateway",
+        error_model=OpenAIErrorBody,
+    ),
+    _operation(
+        "POST",
+        "/responses",
+        gateway_responses,
+        "LLM gateway: one turn of OpenAI's Responses API, translated to the chat the policy's template renders",
+        (Reply(200, _EVENTS.format("OpenAI's Responses API"), ResponseObject),),
+        GENERATING,
+        body=ResponsesRequest,
+        error_model=OpenAIErrorBody,
+    ),
+    _operation(
+        "POST",
+        "/messages",
+        gateway_messages,
+        "LLM gateway: one turn of Anthropic's Messages API, translated to the chat the policy's template renders",
+        (Reply(200, _EVENTS.format("Anthropic's Messages API"), MessageObject),),
+        GENERATING,
+        body=MessagesRequest,
+        query=MessagesQuery,
+        error_model=AnthropicErrorBody,
+    ),
+    _operation(
+        "POST",
+        "/messages/count_tokens",
+        gateway_count_tokens,
+        "LLM gateway: the prompt tokens a Messages call would be given now (nothing sampled or recorded)",
+        (Reply(200, "", TokenCount),),
+        {404: REFUSED[404], 429: REFUSED[429], 400: "the template cannot render these messages"},
+        body=CountTokensRequest,
+        query=MessagesQuery,
+        error_model=AnthropicErrorBody,
     ),
 )
+
+
+def _header_keyed(op: Operation) -> Operation:
+    """The same call with the key in a header, at /gateway/v1/...: how SDKs send an API key to a base URL."""
+    suffix = op.path.split("/v1", 1)[1]
+
+    async def handler(request: web.Request, **arguments) -> web.StreamResponse:
+        return await op.handler(request, **arguments)
+
+    handler.__name__ = f"{op.handler.__name__}_key_in_header"
+    errors = {**op.errors, 401: "no key sent (x-api-key or Authorization: Bearer)"}
+    return dataclasses.replace(
+        op,
+        path=HEADER_KEYED + suffix.lstrip("/"),
+        handler=handler,
+        summary=op.summary + " (the key as x-api-key or Authorization: Bearer)",
+        errors=errors,
+        path_parameters={},
+    )
+
+
+OPERATIONS = KEYED_OPERATIONS + tuple(_header_keyed(op) for op in KEYED_OPERATIONS)
 
 
 GATEWAY_API = API(
@@ -402,9 +694,11 @@ GATEWAY_API = API(
     program="prorl-rollout",
     title="prorl-rollout: the LLM gateway",
     version=__version__,
-    description="OpenAI-compatible calls of agent programs, one base URL per episode (`/gateway/{key}/v1`), served "
-    "in token space and recorded in the episode's trajectory. Served on the rollout service's gateway port, which "
-    "sandboxes reach through the runtime's forward; see docs/gateway.md.",
+    description="The LLM calls of agent programs, one base URL per episode (`/gateway/{key}/v1`, or `/gateway/v1` "
+    "with the key as `x-api-key` or `Authorization: Bearer`), in OpenAI's chat completions, completions and Responses "
+    "APIs and Anthropic's Messages API, served in token space and recorded in the episode's trajectory. Errors come "
+    "in each protocol's own shape. Served on the rollout service's gateway port, which sandboxes reach through the "
+    "runtime's forward; see docs/gateway.md.",
     default_port=0,
     operations=OPERATIONS,
 )
@@ -415,7 +709,17 @@ def create_gateway_app(requests: Counter) -> web.Application:
     before this application starts. A key no running episode holds is refused before the body is read, so a
     caller without one costs nothing but the request line. The key is the credential: only a request whose key
     was checked admits its connection (connections.py), not one for the OpenAPI document."""
-    return json_api(GATEWAY_API, None, MAX_BODY_BYTES, requests, gates=[_known_key], credentialed=True)
+    return json_api(
+        GATEWAY_API, None, MAX_BODY_BYTES, requests, gates=[_known_key], credentialed=True, error_shape=_error_shape
+    )
+
+
+def _error_shape(request: web.Request, status: int, message: str) -> BaseModel:
+    """Every error of a gateway call in its protocol's own shape (Anthropic's for /messages, OpenAI's for the
+    rest), so that each SDK raises its usual exception."""
+    if "/v1/messages" in request.path:
+        return AnthropicErrorBody.of(status, message)
+    return OpenAIErrorBody.of(status, message)
 
 
 @web.middleware
@@ -424,11 +728,13 @@ async def _known_key(request: web.Request, handler) -> web.StreamResponse:
     parsed): a key no running episode holds (404; a finished episode's key is forgotten when its run ends), and
     a generation beyond the episode's turn limit (400), and a request beyond the key's REQUESTS_PER_KEY in flight
     (429). The connection of a refused call is not kept alive."""
-    key = request.match_info.get("key")
+    if request.match_info.http_exception is not None:  # no such path or method: its 404 or 405, as any server's
+        return await handler(request)
+    key = _key(request)
     if key is None:
         return await handler(request)
     episode = request.app[GATEWAY].episode(key)  # 404 for any other
-    if request.method == "POST":  # the generating calls
+    if request.method == "POST" and not request.path.endswith("/count_tokens"):  # the generating calls
         refuse_spent(episode)
     if episode.requests_open >= REQUESTS_PER_KEY:
         raise GatewayError(429, f"this episode's key has {REQUESTS_PER_KEY} requests in flight already")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Lenient(BaseModel):
@@ -45,6 +45,15 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     name: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        """Images, audio and files are refused, not dropped: the policy reads text only."""
+        for part in content if isinstance(content, list) else ():
+            if part.get("type") != "text":
+                raise ValueError(f"content part {part.get('type')!r} is not served (the policy reads text only)")
+        return content
+
 
 class SamplingFields(_Lenient):
     model: str = Field("", description="any name: the episode's policy answers")
@@ -71,6 +80,15 @@ class ChatCompletionRequest(SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _function_tools_only(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for tool in tools or ():
+            if tool.get("type", "function") != "function":
+                raise ValueError(f"tool type {tool.get('type')!r} is not served; only function tools are")
+        return tools
+
     tool_choice: str | dict[str, Any] | None = Field(None, description='"none" leaves tool calls in the text')
     max_completion_tokens: int | None = Field(None, gt=0, description="the same as max_tokens")
     logprobs: bool = False
@@ -171,3 +189,34 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# -- errors -----------------------------------------------------------------------------------------------
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class OpenAIError(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, not_found_error, rate_limit_error, server_error, ...")
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIErrorBody(BaseModel):
+    """An error as OpenAI's API answers one, which its SDKs read."""
+
+    error: OpenAIError
+
+    @classmethod
+    def of(cls, status: int, message: str) -> OpenAIErrorBody:
+        kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        return cls(error=OpenAIError(message=message, type=kind))
