@@ -23,8 +23,8 @@ The service reads turns as streams (`--llm-stream`, which `keep` needs) in every
 Reported per mode: episodes/s and tokens/s finished in the window, the updates made and the trainer's busy share
 (its steps' time over the window: a `drain` pause keeps it waiting, so it makes fewer steps), the time per update
 (the pause's wait, the push, the whole barrier), the share of the window generation was held, and tokens resumed.
-The ratios are against `drain`, measured in the same run. Not measured here: time to reward with the CPU trainer
-(`prorl-train-cpu --weight-update MODE`; bench_training.py measures training with `drain`).
+The ratios are against `drain`, measured in the same run. Time to reward with the CPU trainer per mode is
+bench_weight_update_training.py's.
 """
 
 from __future__ import annotations

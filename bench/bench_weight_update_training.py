@@ -75,14 +75,28 @@ def report(runs: dict[str, list[Run]], args: argparse.Namespace, where: str) -> 
         "The service reads turns as streams in every mode.\n\n"
         f"| barrier mode | time to reward {GOAL} (median) | per seed | ÷ drain | steps to {GOAL} per seed | steps/s "
         "| trainer busy | final reward |\n"
-        "|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
-        "**How to read this.** Relay's turns are a few tokens long (its actions are held to a grammar) and its "
-        "tools answer at once, so when the trainer pushes its weights few turns are in flight and each is short: "
-        "a `drain` pause waits milliseconds, and the modes can differ only by that wait and by the turns an abort "
-        "splits. The long-turn case, where a drain waits for the longest turn in flight, is bench_weight_update's "
-        "table above; a learnable workload with long turns (the real model's, bench_learning_real) would take "
-        "hours per mode here. One run's curve is noise (seeds differ by tens of seconds): compare medians.\n"
-        f"{END}\n"
+        "|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n" + how_to_read(runs) + f"{END}\n"
+    )
+
+
+def how_to_read(runs: dict[str, list[Run]]) -> str:
+    """What the table says, from its own figures (steps/s against drain where drain ran)."""
+    speed = {mode: median([r.steps_per_s() for r in group]) for mode, group in runs.items()}
+    versus = ""
+    if "drain" in speed:
+        others = [m for m in speed if m != "drain"]
+        versus = "Steps/s against `drain`: " + ", ".join(f"`{m}` {speed[m] / speed['drain']:.2f}x" for m in others)
+        fastest = max(speed, key=speed.get)
+        versus += f"; here `{fastest}` made the most steps per second. "
+    return (
+        "**How to read this.** Relay's turns are a few tokens long and held to a grammar, and its tools answer at "
+        "once: at a weight push few turns are in flight and each is short, so a `drain` pause waits little, while "
+        "`abort` samples an interrupted grammar-held turn again whole (a turn under a regex cannot go on from a "
+        "part: docs/rollout.md), and `abort` and `keep` add a round of vLLM's `/pause` and `/resume` to every step. "
+        f"{versus}*Trainer busy* counts the barrier as the trainer's own time (a `drain` pause's wait included), so "
+        "compare steps/s and time to reward. Partial rollouts pay where turns are long (bench_weight_update's table "
+        "above); a learnable long-turn workload (the real model's, bench_learning_real) would take hours per mode "
+        "here. One run's curve is noise (seeds differ by tens of seconds): compare medians.\n"
     )
 
 

@@ -77,6 +77,7 @@ def ask(messages: list[dict], key: str = KEY) -> dict:
     return {"message": message, "finish_reason": finish}
 
 
+CONTINUE = os.environ.get("HARNESS_CONTINUE") == "1"
 RESPONSES_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
 ANTHROPIC_TOOLS = [
     {"name": f["name"], "description": f["description"], "input_schema": f["parameters"]}
@@ -106,9 +107,10 @@ def responses_episode(system: str, prompt: str, steps: int) -> None:
             {"type": "function_call_output", "call_id": c["call_id"], "output": run_tool({"function": c})}
             for c in calls
         ]
-        history += output + outputs
-        new, previous = outputs, answer.id
-        if not calls:
+        go_on = [] if calls or not CONTINUE else [{"role": "user", "content": "Go on."}]
+        history += output + outputs + go_on
+        new, previous = outputs + go_on, answer.id
+        if not calls and not CONTINUE:
             break
 
 
@@ -131,6 +133,9 @@ def anthropic_episode(system: str, prompt: str, steps: int) -> None:
         calls = [{"name": u["name"], "arguments": json.dumps(u["input"])} for u in uses]
         print_step(step, text or None, calls, answer.stop_reason)
         messages.append({"role": "assistant", "content": blocks})
+        if not uses and CONTINUE:
+            messages.append({"role": "user", "content": "Go on."})
+            continue
         if not uses:
             break
         results = [
@@ -192,7 +197,7 @@ def main() -> None:
             messages += [message, {"role": "user", "content": "Go on."}]
             continue
         messages.append(message)
-        if not calls and os.environ.get("HARNESS_CONTINUE") == "1":
+        if not calls and CONTINUE:
             messages.append({"role": "user", "content": "Go on."})
         elif not calls:
             break

@@ -168,6 +168,20 @@ async def test_responses_and_anthropic_harnesses_make_the_same_token_history(gat
     assert_ids_are_what_vllm_sampled(trajectory, standin.sampled)
 
 
+@pytest.mark.parametrize("protocol", ["responses", "anthropic"])
+async def test_vllm_scores_a_responses_or_messages_sequence_as_it_was_sampled(gateway_stack, vllm, protocol):
+    """As the chat harness's test above: free text over three turns ("Go on." after each), one sequence whose
+    every sampled token vLLM scores as it was recorded."""
+    http, standin = gateway_stack
+    request = job(steps=3, HARNESS_PROTOCOL=protocol, HARNESS_CONTINUE="1")
+    del request["sampling"]["regex"]
+    trajectory = await run_job(http, request)
+    assert trajectory.error is None, trajectory.error
+    assert trajectory.num_turns == 3 and trajectory.segments == [], trajectory.artifacts["agent_output"]
+    assert_ids_are_what_vllm_sampled(trajectory, standin.sampled)
+    await assert_vllm_scores_the_sequence_alike(vllm.url, trajectory)
+
+
 async def test_a_history_sent_back_edited_starts_a_new_segment(gateway_stack):
     http, standin = gateway_stack
     trajectory = await run_job(http, job(steps=3, HARNESS_EDIT="1"))

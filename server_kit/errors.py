@@ -21,9 +21,11 @@ class ProrlError(Exception):
 
 
 class ApiError(ProrlError):
-    """A server's answer to the request it serves: `status`, and the message the caller reads."""
+    """A server's answer to the request it serves: `status`, the message the caller reads, and where a protocol's
+    clients act on one, a machine-readable `code` (the gateway's `context_length_exceeded`)."""
 
     status: int = 500
+    code: str | None = None
 
 
 class DownstreamError(ProrlError):

@@ -37,7 +37,7 @@ LISTEN_BACKLOG = 4096
 MAX_REQUEST_LINE = 64 * 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
-ErrorShape = Callable[[web.Request, int, str], BaseModel]  # (request, status, message) -> the error's body
+ErrorShape = Callable[[web.Request, int, str, str | None], BaseModel]  # (request, status, message, code) -> body
 
 
 def json_response(model: BaseModel, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
@@ -48,8 +48,8 @@ def error_response(status: int, message: str, headers: Mapping[str, str] | None 
     return json_response(ErrorBody(error=message, status=status), status=status, headers=headers)
 
 
-def error_body(request: web.Request, status: int, message: str) -> BaseModel:
-    """The servers' own error shape, `{"error", "status"}`."""
+def error_body(request: web.Request, status: int, message: str, code: str | None) -> BaseModel:
+    """The servers' own error shape, `{"error", "status"}` (no code)."""
     return ErrorBody(error=message, status=status)
 
 
@@ -60,8 +60,10 @@ def errors_as_json(max_body_bytes: int, shape: ErrorShape = error_body) -> Middl
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        def answer(status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:
-            return json_response(shape(request, status, message), status=status, headers=headers)
+        def answer(
+            status: int, message: str, headers: Mapping[str, str] | None = None, code: str | None = None
+        ) -> web.Response:
+            return json_response(shape(request, status, message, code), status=status, headers=headers)
 
         try:
             return await handler(request)
@@ -85,7 +87,7 @@ def errors_as_json(max_body_bytes: int, shape: ErrorShape = error_body) -> Middl
             # not flood the log with tracebacks.
             return answer(400, "the connection was lost while the request was read")
         except ApiError as exc:
-            return answer(exc.status, str(exc))
+            return answer(exc.status, str(exc), code=exc.code)
         except DownstreamError as exc:  # never the other server's status: the caller's request was not at fault
             return answer(exc.answer_status, str(exc))
         except Exception as exc:

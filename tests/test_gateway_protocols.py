@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from prorl_adapter.models import JobRequest
+from prorl_adapter.service.responses_wire import ResponseStore
 from prorl_adapter.service.server import PIPELINE
 
 from .fakes.llm import bash_call
@@ -137,6 +138,9 @@ async def test_a_response_cut_by_max_output_tokens_is_incomplete_and_logprobs_co
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item_reference"),
         ({"input": [{"role": "wizard", "content": "x"}]}, "wizard"),
         ({"input": "x", "previous_response_id": "resp_made_up"}, "resp_made_up"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation"),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "name": "o", "schema": {}}}}, "json_schema"),
+        ({"input": []}, "no message"),
     ],
 )
 async def test_what_responses_cannot_take_is_openais_400_naming_it(request_fields, named):
@@ -198,11 +202,15 @@ async def test_a_streamed_message_is_anthropics_event_sequence_the_sdk_assembles
 
 
 async def test_stop_sequences_and_max_tokens_are_anthropics_stop_reasons():
+    """ "D" and "END" are completed by the same token: the one begun first ended the turn, as the server saw it."""
     async with rollout_stack(script=["one two END three", "a long answer that goes on"]) as stack:
         episode = open_episode(stack)
         async with anthropic_client(stack, episode.key) as client:
             stopped = await client.messages.create(
-                model="p", max_tokens=100, stop_sequences=["END", "never"], messages=[{"role": "user", "content": "a"}]
+                model="p",
+                max_tokens=100,
+                stop_sequences=["D", "END", "never"],
+                messages=[{"role": "user", "content": "a"}],
             )
             cut = await client.messages.create(model="p", max_tokens=3, messages=[{"role": "user", "content": "b"}])
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "END"
@@ -229,11 +237,11 @@ async def test_the_key_works_as_x_api_key_or_a_bearer_on_the_gateway_base_url():
         async with anthropic_client(stack, episode.key, base="/gateway") as client:
             answer = await client.messages.create(model="p", max_tokens=20, messages=[{"role": "user", "content": "x"}])
         assert answer.content[0].text == "hello"
-        async with anthropic_client(stack, "made-up", base="/gateway") as client:
-            with pytest.raises(anthropic.NotFoundError) as raised:
+        async with anthropic_client(stack, "made-up", base="/gateway") as client:  # a wrong API key, as vendors say
+            with pytest.raises(anthropic.AuthenticationError) as raised:
                 await client.messages.create(model="p", max_tokens=20, messages=[{"role": "user", "content": "x"}])
         error = raised.value.body["error"]
-        assert error["type"] == "not_found_error" and "no running episode has this key" in error["message"]
+        assert error["type"] == "authentication_error" and "no running episode has this key" in error["message"]
         url = str(stack.gateway.make_url("/gateway"))
         async with anthropic.AsyncAnthropic(base_url=url, auth_token=episode.key, max_retries=0) as bearer:
             answer = await bearer.messages.create(model="p", max_tokens=20, messages=[{"role": "user", "content": "y"}])
@@ -250,15 +258,17 @@ async def test_the_key_works_as_x_api_key_or_a_bearer_on_the_gateway_base_url():
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search_20250305"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "role"),
         ({"max_tokens": 0}, "max_tokens"),
+        ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers"),
     ],
 )
 async def test_what_messages_cannot_take_is_anthropics_400_naming_it(request_fields, named):
     async with rollout_stack(script=["x"]) as stack:
         episode = open_episode(stack)
-        body = {"model": "p", "max_tokens": 10, "messages": [{"role": "user", "content": "x"}], **request_fields}
         async with anthropic_client(stack, episode.key) as client:
-            with pytest.raises(anthropic.BadRequestError) as raised:
-                await client.messages.create(**body)
+            with pytest.raises(anthropic.BadRequestError) as raised:  # the fields as sent, whatever the SDK's types
+                await client.messages.create(
+                    model="p", max_tokens=10, messages=[{"role": "user", "content": "x"}], extra_body=request_fields
+                )
     assert named in raised.value.message and raised.value.body["error"]["type"] == "invalid_request_error"
     assert episode.log.calls == []
 
@@ -322,3 +332,56 @@ async def test_chat_calls_with_images_or_other_tools_are_refused_naming_them(fie
                     **{"model": "p", "messages": [{"role": "user", "content": "x"}], **fields}
                 )
     assert named in raised.value.message and episode.log.calls == []
+
+
+async def test_count_tokens_has_a_limit_of_its_own():
+    async with rollout_stack(script=["x"]) as stack:
+        episode = open_episode(stack, max_turns=1)
+        messages = [{"role": "user", "content": "hi"}]
+        async with anthropic_client(stack, episode.key) as client:
+            counts = [await client.messages.count_tokens(model="p", messages=messages) for _ in range(4)]
+            with pytest.raises(anthropic.BadRequestError, match="count_tokens limit"):
+                await client.messages.count_tokens(model="p", messages=messages)
+    assert len({c.input_tokens for c in counts}) == 1
+
+
+async def test_a_full_context_is_each_protocols_context_error():
+    """Harnesses compact their history on OpenAI's code and Anthropic's words for it."""
+    async with rollout_stack(script=["x"]) as stack:
+        episode = open_episode(stack, max_context_tokens=8)
+        long = [{"role": "user", "content": "a question far longer than eight tokens"}]
+        async with openai_client(stack, episode) as client:
+            with pytest.raises(openai.BadRequestError) as chat_error:
+                await client.chat.completions.create(model="p", messages=long)
+        async with anthropic_client(stack, episode.key) as client:
+            with pytest.raises(anthropic.BadRequestError) as messages_error:
+                await client.messages.create(model="p", max_tokens=5, messages=long)
+    assert chat_error.value.code == "context_length_exceeded"
+    assert messages_error.value.body["error"]["message"].startswith("prompt is too long: ")
+
+
+def test_a_history_sent_whole_each_turn_is_stored_once():
+    """The Responses SDKs store by default; a harness sending its whole history each turn must not cost it once
+    per turn, and every response stays continuable."""
+    store = ResponseStore()
+    conversation: list[dict] = []
+    for turn in range(50):
+        conversation += [{"role": "user", "content": f"q{turn}"}, {"role": "assistant", "content": f"a{turn}"}]
+        store.add(f"resp_{turn}", list(conversation))
+    kept = sum(len(added) for _, added in store._responses.values())
+    assert kept == len(conversation) == 100
+    assert store.conversation("resp_49") == conversation and store.conversation("resp_3") == conversation[:8]
+    store.add("resp_branch", [*conversation[:4], {"role": "user", "content": "else"}])  # continues resp_1
+    assert store._responses["resp_branch"] == ("resp_1", [{"role": "user", "content": "else"}])
+
+
+async def test_a_streamed_cut_response_starts_in_progress_and_ends_incomplete():
+    async with rollout_stack(script=["a long answer that goes on"]) as stack:
+        episode = open_episode(stack)
+        async with (
+            openai_client(stack, episode) as client,
+            client.responses.stream(model="p", input="talk", max_output_tokens=3) as stream,
+        ):
+            events = [event async for event in stream]
+    assert events[0].response.incomplete_details is None and events[0].response.status == "in_progress"
+    assert events[-1].type == "response.incomplete" and events[-1].response.output[0].status == "incomplete"

@@ -18,9 +18,9 @@ import json
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .wire import WireError, chat_function
+from .wire import WireError, chat_function, refuse_unserved
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -29,8 +29,7 @@ ERROR_TYPES = {
     404: "not_found_error",
     413: "request_too_large",
     429: "rate_limit_error",
-    503: "overloaded_error",
-}
+}  # and api_error for the rest of 5xx: overloaded_error goes with 529, which the gateway never answers
 
 
 class MessagesQuery(BaseModel):
@@ -80,6 +79,18 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(None, description="ignored: the job's sampling settings hold")
     top_p: float | None = Field(None, description="ignored: the job's sampling settings hold")
     top_k: int | None = Field(None, description="ignored: the job's sampling settings hold")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _served(cls, body: Any) -> Any:
+        return refuse_unserved(body, UNSERVED)
+
+
+UNSERVED = {
+    "mcp_servers": "MCP servers run on Anthropic's side; give the harness's own tools instead",
+    "container": "code execution containers run on Anthropic's side",
+    "output_format": "the policy's answer is free text",
+}
 
 
 class MessageUsage(BaseModel):

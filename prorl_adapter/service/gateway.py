@@ -74,7 +74,7 @@ from .openai_wire import (
     ToolCallOut,
     Usage,
 )
-from .responses_wire import ResponseObject, ResponsesRequest, ResponseUsage, StoredResponse
+from .responses_wire import ResponseObject, ResponsesRequest, ResponseStore, ResponseUsage
 from .token_history import CallLog, ChatKey, Sampled, canonical, tools_key
 from .weight_barrier import WeightBarrier
 from .wire import event_bytes
@@ -84,15 +84,17 @@ CALLS_IN_FLIGHT = 4  # per episode; more wait for a slot
 # Requests of one key in flight at most, counted from before the body is read: more are refused (429), so a
 # sandbox cannot hold the gateway's connections in requests (a body trickled in, say) with the key it was given.
 REQUESTS_PER_KEY = 2 * CALLS_IN_FLIGHT
+COUNTS_PER_TURN = 4  # count_tokens calls an episode may make per turn of its limit
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a call's body: messages of a long context, far from the service's 16 MiB
 
 
 class GatewayError(ApiError):
-    """A call the gateway refuses; `status` is the HTTP status."""
+    """A call the gateway refuses; `status` is the HTTP status, `code` what OpenAI's clients read."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.code = code
 
 
 @dataclass
@@ -103,11 +105,11 @@ class GatewayEpisode:
     log: CallLog = field(default_factory=CallLog)
     pin: Pin = field(default_factory=Pin)
     calls_started: int = 0
+    counts: int = 0  # count_tokens calls answered or in flight
     requests_open: int = 0  # requests with this key being read or answered (`_known_key`)
     open: bool = True
     slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(CALLS_IN_FLIGHT))
-    # Responses API answers a later call may continue (`previous_response_id`): at most one per turn
-    responses: dict[str, StoredResponse] = field(default_factory=dict)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # what `previous_response_id` continues
 
     def base_url(self) -> str:
         """As the program sees it: the forwarded port on the sandbox's loopback."""
@@ -116,17 +118,6 @@ class GatewayEpisode:
     def anthropic_base_url(self) -> str:
         """As Anthropic's SDK takes it (it adds `/v1/messages`)."""
         return f"http://127.0.0.1:{SANDBOX_PORT}/gateway/{self.key}"
-
-    def response_messages(self, response_id: str | None) -> list[dict]:
-        """The chat messages a call continuing `response_id` starts from: those of every response in its chain."""
-        chain = []
-        while response_id is not None:
-            stored = self.responses.get(response_id)
-            if stored is None:
-                raise GatewayError(400, f"previous_response_id {response_id!r}: no stored response of this episode")
-            chain.append(stored.messages)
-            response_id = stored.previous
-        return [message for messages in reversed(chain) for message in messages]
 
 
 @dataclass
@@ -166,10 +157,13 @@ class Gateway:
         episode.open = False
         self._episodes.pop(episode.key, None)
 
-    def episode(self, key: str) -> GatewayEpisode:
+    def episode(self, key: str, unknown_status: int = 404) -> GatewayEpisode:
+        """The running episode `key` names; else a GatewayError of `unknown_status` (401 for a key sent as an API
+        key, in a header, as a vendor answers a wrong one)."""
         episode = self._episodes.get(key)
         if episode is None:
-            raise GatewayError(404, "no running episode has this key (it is another's, made up, or its run is over)")
+            message = "no running episode has this key (it is another's, made up, or its run is over)"
+            raise GatewayError(unknown_status, message)
         return episode
 
     # -- calls ----------------------------------------------------------------------------------------
@@ -232,8 +226,8 @@ class Gateway:
 
     async def response(self, episode: GatewayEpisode, body: ResponsesRequest) -> ResponseObject:
         """A Responses API call: its input after the items of the response it continues, as chat messages."""
-        said = responses_wire.chat_messages(responses_wire.input_items(body))
-        messages = episode.response_messages(body.previous_response_id) + said
+        messages = episode.responses.conversation(body.previous_response_id)
+        messages += responses_wire.chat_messages(responses_wire.input_items(body))
         if not messages:
             raise GatewayError(400, "input: no message to answer")
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
@@ -250,7 +244,8 @@ class Gateway:
         if responses_wire.LOGPROBS in (body.include or []):
             logprobs = [t.model_dump() for t in await self._token_logprobs(turn.sampled)]
         calls = [(_call_id(), c.name, json.dumps(c.arguments)) for c in turn.calls]
-        output = responses_wire.output_items(turn.content, calls, logprobs)
+        cut = turn.finish == "length"
+        output = responses_wire.output_items(turn.content, calls, logprobs, cut)
         answer_id = responses_wire.response_id()
         if body.store:
             answer = {"role": "assistant", "content": turn.content}
@@ -258,10 +253,9 @@ class Gateway:
                 answer["tool_calls"] = [
                     {"id": i, "type": "function", "function": {"name": n, "arguments": a}} for i, n, a in calls
                 ]
-            episode.responses[answer_id] = StoredResponse(body.previous_response_id, [*said, answer])
+            episode.responses.add(answer_id, [*messages, answer])
         sampled = turn.sampled
         prompt, completion = len(sampled.prompt_ids), len(sampled.response_ids)
-        cut = turn.finish == "length"
         return ResponseObject(
             id=answer_id,
             created_at=int(time.time()),
@@ -315,9 +309,16 @@ class Gateway:
         )
 
     async def count_tokens(self, episode: GatewayEpisode, body: CountTokensRequest) -> TokenCount:
-        """The prompt a Messages call with this body would be given now (by the token-history rule), counted."""
+        """The prompt a Messages call with this body would be given now (by the token-history rule), counted. It
+        spends no turn, but takes a call slot and a count of the episode's few (COUNTS_PER_TURN a turn): the
+        tokenizer every episode shares is not a sandbox's to keep busy."""
+        if episode.counts >= COUNTS_PER_TURN * episode.request.max_turns:
+            limit = COUNTS_PER_TURN * episode.request.max_turns
+            raise GatewayError(400, f"this episode's count_tokens limit is reached: {limit} ({COUNTS_PER_TURN} a turn)")
+        episode.counts += 1
         messages, tools = _anthropic_chat(body)
-        prompt_ids, _ = await self._chat_prompt(episode, messages, tools)
+        async with episode.slots:
+            prompt_ids, _ = await self._chat_prompt(episode, messages, tools)
         return TokenCount(input_tokens=len(prompt_ids))
 
     async def completion(self, episode: GatewayEpisode, body: CompletionRequest) -> Completion:
@@ -375,8 +376,10 @@ class Gateway:
         job = episode.request
         room = job.max_context_tokens - len(prompt_ids)
         if room <= 0:
+            # Anthropic's words and OpenAI's code for it: harnesses compact their history when they see them
             limit = job.max_context_tokens
-            raise GatewayError(400, f"the prompt is {len(prompt_ids)} tokens; max_context_tokens is {limit}")
+            message = f"prompt is too long: {len(prompt_ids)} tokens > {limit} maximum (the job's max_context_tokens)"
+            raise GatewayError(400, message, code="context_length_exceeded")
         sampling = job.sampling.model_copy(
             update={
                 "max_tokens": min(job.sampling.max_tokens, max_tokens or job.sampling.max_tokens, room),
@@ -427,12 +430,14 @@ def _anthropic_chat(body: CountTokensRequest) -> tuple[list[dict], list[dict] | 
 
 def _matched_stop(sampled: Sampled, stops: list[str], eos_id: int) -> str | None:
     """Which of `stops` ended the answer, if one did: the one whose first occurrence in its text (the ids' own,
-    stop string included: agent.sample) ends first, as the server stops at the first it completes."""
+    stop string included: agent.sample) ends first, as the server stops at the first it completes (the longer
+    of two that end together)."""
     ids = sampled.response_ids
     if sampled.finish_reason != "stop" or not stops or (ids and ids[-1] == eos_id):
         return None
-    found = [(sampled.text.find(s) + len(s), s) for s in stops if s in sampled.text]
-    return min(found)[1] if found else None
+    text = sampled.text
+    found = [(text.find(s) + len(s), text.find(s), s) for s in stops if s in text]
+    return min(found)[2] if found else None  # the first completed; of two ending there, the one begun first
 
 
 def _call_id() -> str:
@@ -455,25 +460,17 @@ GATEWAY = web.AppKey("gateway", Gateway)
 HEADER_KEYED = "/gateway/v1/"  # paths whose key comes in a header, as SDKs send their API key
 
 
-def _key(request: web.Request) -> str | None:
-    """The episode key a gateway request names: in its path, or, under HEADER_KEYED, in `x-api-key` (Anthropic's
-    SDK) or `Authorization: Bearer` (OpenAI's); None for the gateway's other paths (its OpenAPI document)."""
+def _episode(request: web.Request) -> GatewayEpisode:
+    """The running episode a gateway call names: by the key in its path (a 404 where none runs), or, under
+    HEADER_KEYED, in `x-api-key` (Anthropic's SDK) or `Authorization: Bearer` (OpenAI's) (a 401 where none runs)."""
     key = request.match_info.get("key")
     if key is not None:
-        return key
-    if not request.path.startswith(HEADER_KEYED):
-        return None
+        return request.app[GATEWAY].episode(key)
     bearer = request.headers.get("Authorization", "")
     key = request.headers.get("x-api-key") or (bearer[len("Bearer ") :] if bearer.startswith("Bearer ") else "")
     if not key:
         raise GatewayError(401, "no key: send the episode's key as x-api-key or Authorization: Bearer, or in the path")
-    return key
-
-
-def _episode(request: web.Request) -> GatewayEpisode:
-    key = _key(request)
-    assert key is not None  # the gateway's calls all have one (`_known_key` refused the request otherwise)
-    return request.app[GATEWAY].episode(key)
+    return request.app[GATEWAY].episode(key, unknown_status=401)
 
 
 async def gateway_models(request: web.Request) -> web.Response:
@@ -714,26 +711,26 @@ def create_gateway_app(requests: Counter) -> web.Application:
     )
 
 
-def _error_shape(request: web.Request, status: int, message: str) -> BaseModel:
+def _error_shape(request: web.Request, status: int, message: str, code: str | None) -> BaseModel:
     """Every error of a gateway call in its protocol's own shape (Anthropic's for /messages, OpenAI's for the
     rest), so that each SDK raises its usual exception."""
     if "/v1/messages" in request.path:
         return AnthropicErrorBody.of(status, message)
-    return OpenAIErrorBody.of(status, message)
+    return OpenAIErrorBody.of(status, message, code)
 
 
 @web.middleware
 async def _known_key(request: web.Request, handler) -> web.StreamResponse:
     """What refuses a call whatever its body says, decided before the body is read (up to MAX_BODY_BYTES of it,
-    parsed): a key no running episode holds (404; a finished episode's key is forgotten when its run ends), and
+    parsed): a key no running episode holds (404, or 401 for a key in a header; a finished episode's key is
+    forgotten when its run ends), and
     a generation beyond the episode's turn limit (400), and a request beyond the key's REQUESTS_PER_KEY in flight
     (429). The connection of a refused call is not kept alive."""
     if request.match_info.http_exception is not None:  # no such path or method: its 404 or 405, as any server's
         return await handler(request)
-    key = _key(request)
-    if key is None:
+    if "key" not in request.match_info and not request.path.startswith(HEADER_KEYED):  # the OpenAPI document
         return await handler(request)
-    episode = request.app[GATEWAY].episode(key)  # 404 for any other
+    episode = _episode(request)
     if request.method == "POST" and not request.path.endswith("/count_tokens"):  # the generating calls
         refuse_spent(episode)
     if episode.requests_open >= REQUESTS_PER_KEY:

@@ -217,6 +217,6 @@ class OpenAIErrorBody(BaseModel):
     error: OpenAIError
 
     @classmethod
-    def of(cls, status: int, message: str) -> OpenAIErrorBody:
+    def of(cls, status: int, message: str, code: str | None = None) -> OpenAIErrorBody:
         kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-        return cls(error=OpenAIError(message=message, type=kind))
+        return cls(error=OpenAIError(message=message, type=kind, code=code))

@@ -16,13 +16,15 @@ skipped: the policy's own reasoning is in the text it sampled.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .wire import WireError, chat_function
+from .wire import WireError, chat_function, refuse_unserved
 
 LOGPROBS = "message.output_text.logprobs"  # what `include` names to get the sampled tokens' logprobs
 
@@ -49,6 +51,22 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     temperature: float | None = Field(None, description="ignored: the job's sampling settings hold")
     top_p: float | None = Field(None, description="ignored: the job's sampling settings hold")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _served(cls, body: Any) -> Any:
+        if isinstance(body, dict) and isinstance(body.get("text"), dict):
+            kind = (body["text"].get("format") or {}).get("type", "text")
+            if kind != "text":
+                raise ValueError(f"text.format {kind!r} is not served: the policy's answer is free text")
+        return refuse_unserved(body, UNSERVED)
+
+
+UNSERVED = {
+    "conversation": "the gateway keeps no conversations; send the items, or previous_response_id",
+    "prompt": "the gateway keeps no prompt templates; send the instructions and input",
+    "background": "each call is answered in the episode, while it waits",
+}
 
 
 class ResponseUsage(BaseModel):
@@ -90,12 +108,38 @@ class ResponseObject(BaseModel):
 
 
 @dataclass
-class StoredResponse:
-    """What a later request continuing this response (`previous_response_id`) starts from: its input and its
-    answer as chat messages (text only, whatever else the items held), after those of the response it continued."""
+class ResponseStore:
+    """One episode's responses that a later call may continue (`previous_response_id`), as chat messages (text
+    only, whatever else the items held; the instructions are not kept, as OpenAI keeps them not). Each response
+    keeps only what it adds to the longest stored conversation it extends, so a harness that sends its whole
+    history every turn with `store` on (the SDKs' default) costs the conversation once, not once per turn."""
 
-    previous: str | None
-    messages: list[dict[str, Any]] = field(default_factory=list)
+    _responses: dict[str, tuple[str | None, list[dict[str, Any]]]] = field(default_factory=dict)
+    _ends: dict[str, str] = field(default_factory=dict)  # a stored conversation's digest -> its response
+
+    def conversation(self, response_id: str | None) -> list[dict[str, Any]]:
+        """The messages of `response_id`'s conversation (its input and answer after all it continued)."""
+        parts = []
+        while response_id is not None:
+            if response_id not in self._responses:
+                raise WireError(f"previous_response_id {response_id!r}: no stored response of this episode")
+            response_id, added = self._responses[response_id]
+            parts.append(added)
+        return [message for added in reversed(parts) for message in added]
+
+    def add(self, response_id: str, conversation: list[dict[str, Any]]) -> None:
+        digests = _running_digests(conversation)
+        start, previous = max(((k, self._ends[d]) for k, d in enumerate(digests) if d in self._ends), default=(0, None))
+        self._responses[response_id] = (previous, conversation[start:])
+        self._ends[digests[-1]] = response_id
+
+
+def _running_digests(messages: list[dict[str, Any]]) -> list[str]:
+    """digests[k] identifies messages[:k], exactly (ids included)."""
+    digests = [hashlib.sha256(b"").hexdigest()]
+    for message in messages:
+        digests.append(hashlib.sha256((digests[-1] + json.dumps(message, sort_keys=True)).encode()).hexdigest())
+    return digests
 
 
 def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
@@ -188,16 +232,24 @@ def _function_call(index: int, item: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def output_items(content: str, calls: list[tuple[str, str, str]], logprobs: list[dict] | None) -> list[dict]:
-    """The answer as output items: its text as a message (where it has text, or no calls), then one
-    `function_call` per (call_id, name, arguments)."""
+def output_items(
+    content: str, calls: list[tuple[str, str, str]], logprobs: list[dict] | None, cut: bool = False
+) -> list[dict]:
+    """The answer as output items: its text as a message (where it has text, or no calls; `incomplete` where the
+    turn was `cut` at its token limit), then one `function_call` per (call_id, name, arguments)."""
     items: list[dict[str, Any]] = []
     if content or not calls:
         part: dict[str, Any] = {"type": "output_text", "text": content, "annotations": []}
         if logprobs is not None:
             part["logprobs"] = logprobs
         items.append(
-            {"type": "message", "id": _id("msg"), "status": "completed", "role": "assistant", "content": [part]}
+            {
+                "type": "message",
+                "id": _id("msg"),
+                "status": "incomplete" if cut else "completed",
+                "role": "assistant",
+                "content": [part],
+            }
         )
     for call_id, name, arguments in calls:
         items.append(
@@ -224,7 +276,16 @@ def _id(prefix: str) -> str:
 # -- streaming ----------------------------------------------------------------------------------------------
 def stream_events(response: ResponseObject) -> list[tuple[str, dict[str, Any]]]:
     """The whole answer as the Responses API streams it: (event type, data) pairs, numbered in order."""
-    start = response.model_copy(update={"status": "in_progress", "output": [], "usage": None})
+    start = response.model_copy(
+        update={
+            "status": "in_progress",
+            "output": [],
+            "usage": None,
+            "incomplete_details": None,
+            "prompt_token_ids": [],
+            "token_ids": [],
+        }
+    )
     events: list[dict[str, Any]] = [
         {"type": "response.created", "response": start.model_dump()},
         {"type": "response.in_progress", "response": start.model_dump()},

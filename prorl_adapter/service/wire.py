@@ -30,3 +30,14 @@ def chat_function(index: int, tool: dict[str, Any], parameters: Any) -> dict[str
 def event_bytes(event: str, data: dict[str, Any]) -> bytes:
     """One server-sent event as OpenAI's Responses API and Anthropic send theirs: its type, then its data."""
     return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def refuse_unserved(body: Any, unserved: dict[str, str]) -> Any:
+    """A request body (a pydantic `model_validator(mode="before")`'s input) that sets any field of `unserved`
+    (name -> why it is not served) is refused naming it: such a field changes what the policy would see or must
+    answer, and ignoring it would answer another request than the one sent."""
+    if isinstance(body, dict):
+        for name, why in unserved.items():
+            if body.get(name) not in (None, False, [], {}):
+                raise ValueError(f"{name} is not served: {why}")
+    return body
