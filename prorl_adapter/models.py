@@ -338,6 +338,22 @@ class Trajectory(BaseModel):
     def _earlier(cls, data: Any) -> Any:
         return _from_earlier_labels(data, group=True)  # there, the group label was always the service's
 
+    def token_versions(self) -> list[int | None]:
+        """The policy version that sampled each response token of the first sequence, from each turn's span and
+        its resumptions; None on tool and template tokens. A policy token outside every span (a trajectory rebuilt
+        without turns) gets `policy_version_min`, the conservative answer."""
+        versions: list[int | None] = [self.policy_version_min if m else None for m in self.response_mask]
+        for turn in self.turns:
+            if turn.segment != 0:
+                continue  # its tokens are in another sequence (`BatchItem.segment_items` gives each its own turns)
+            starts = [(0, turn.policy_version)] + [(r.offset, r.policy_version) for r in turn.resumptions]
+            ends = [offset for offset, _ in starts[1:]] + [turn.response_tokens]
+            for (offset, version), end in zip(starts, ends):
+                first = turn.response_start + offset
+                last = min(turn.response_start + end, len(versions))
+                versions[first:last] = [version] * max(0, last - first)
+        return versions
+
     def all_segments(self) -> list[Segment]:
         """Every token sequence of the episode, the trajectory's own first."""
         own = Segment(
@@ -490,21 +506,8 @@ class BatchItem(BaseModel):
         return [m * w for m, w in zip(self.trajectory.response_mask, self.loss_weights())]
 
     def token_versions(self) -> list[int | None]:
-        """The policy version that sampled each response token, from each turn's span and its resumptions; None
-        on tool and template tokens. A policy token outside every span (a trajectory rebuilt without turns) gets
-        `policy_version_min`, the conservative answer."""
-        t = self.trajectory
-        versions: list[int | None] = [t.policy_version_min if m else None for m in t.response_mask]
-        for turn in t.turns:
-            if turn.segment != 0:
-                continue  # its tokens are in another sequence (`segment_items` gives each its own turns)
-            starts = [(0, turn.policy_version)] + [(r.offset, r.policy_version) for r in turn.resumptions]
-            ends = [offset for offset, _ in starts[1:]] + [turn.response_tokens]
-            for (offset, version), end in zip(starts, ends):
-                first = turn.response_start + offset
-                last = min(turn.response_start + end, len(versions))
-                versions[first:last] = [version] * max(0, last - first)
-        return versions
+        """The policy version that sampled each response token (`Trajectory.token_versions`)."""
+        return self.trajectory.token_versions()
 
     def segment_items(self) -> list[BatchItem]:
         """One item per token sequence of the episode (`Trajectory.segments`: an agent program that rewrote its

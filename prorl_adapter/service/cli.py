@@ -187,6 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with a Redis --buffer: how long a finished job's result stays readable (default %(default)s)",
     )
     serve.add_argument(
+        "--record",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep every finished trajectory, failures included, as Parquet shards under DIR (docs/records.md)",
+    )
+    serve.add_argument(
         "--gateway-host", default=None, help="where the LLM gateway for agent programs listens (default: --host)"
     )
     serve.add_argument(
@@ -309,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             lease_s=args.lease_s, max_deliveries=args.max_deliveries, max_buffered=args.max_buffered
         ),
         service_id=args.service_id,
+        record_dir=args.record,
         advertise_url=args.advertise_url,
         result_ttl_s=args.result_ttl_s,
         gateway_host=args.gateway_host or host,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sandbox_runtime.config import SERVICE_URL
@@ -45,6 +46,8 @@ class RolloutConfig:
     advertise_url: str | None = None  # None: http://HOST:PORT
     heartbeat_s: float = 1.0
     result_ttl_s: float = 86_400.0
+    # Every finished trajectory kept as Parquet shards under this directory (records.py); None: not kept.
+    record_dir: Path | None = None
     # Sandboxes created ahead per spec (size 0: none), and the most creations in flight per runtime (0: no limit).
     warm: WarmConfig = field(default_factory=WarmConfig)
     max_concurrent_creates: int = 0
@@ -82,6 +85,8 @@ class RolloutConfig:
         check_exposure(self.host, self.token, "PRORL_ROLLOUT_TOKEN")
         if not self.result_ttl_s > 0:
             raise ValueError(f"--result-ttl-s {self.result_ttl_s:g} must be > 0")
+        if self.record_dir is not None and self.record_dir.exists() and not self.record_dir.is_dir():
+            raise ValueError(f"--record {self.record_dir}: it is a file; give a directory (made if it is missing)")
         if not 0 < self.heartbeat_s <= 3600:
             raise ValueError(f"the replica heartbeat {self.heartbeat_s:g} s must be in (0, 3600]")
         self.warm.check()

@@ -74,6 +74,7 @@ from .openai_wire import (
     ToolCallOut,
     Usage,
 )
+from .records import Records
 from .responses_wire import ResponseObject, ResponsesRequest, ResponseStore, ResponseUsage
 from .token_history import CallLog, ChatKey, Sampled, canonical, tools_key
 from .weight_barrier import WeightBarrier
@@ -140,6 +141,7 @@ class Gateway:
         self.llm = llm
         self.chat = chat
         self.barrier = barrier  # every call waits while a weight update holds it, and is tagged by its version
+        self.records: Records | None = None  # the service's records (`--record`), which keep every answered call
         self._episodes: dict[str, GatewayEpisode] = {}
 
     @property
@@ -176,6 +178,7 @@ class Gateway:
         parse_calls: bool,
         max_tokens: int | None,
         stops: list[str],
+        protocol: str,
         cut_stop: bool = False,
     ) -> ChatTurn:
         """One call of any protocol, translated to chat `messages` and `tools`: its prompt by the token-history
@@ -193,7 +196,7 @@ class Gateway:
             reply = {"role": "assistant", "content": content}
             reply["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]
             key = ChatKey(digest, len(messages), tools_key(tools), canonical(reply))
-            self._record(episode, sampled, key, calls, parsed.errors if parsed else [])
+            self._record(episode, protocol, sampled, key, calls, parsed.errors if parsed else [])
         return ChatTurn(sampled, content, calls, stop)
 
     async def chat_completion(self, episode: GatewayEpisode, body: ChatCompletionRequest) -> ChatCompletion:
@@ -204,6 +207,7 @@ class Gateway:
             parse_calls=body.tool_choice != "none",
             max_tokens=body.max_completion_tokens or body.max_tokens,
             stops=body.stops(),
+            protocol="chat",
         )
         out_calls = [
             ToolCallOut(id=_call_id(), function=FunctionCall(name=c.name, arguments=json.dumps(c.arguments)))
@@ -239,6 +243,7 @@ class Gateway:
             parse_calls=body.tool_choice != "none",
             max_tokens=body.max_output_tokens,
             stops=[],
+            protocol="responses",
         )
         logprobs = None
         if responses_wire.LOGPROBS in (body.include or []):
@@ -285,6 +290,7 @@ class Gateway:
             parse_calls=(body.tool_choice or {}).get("type") != "none",
             max_tokens=body.max_tokens,
             stops=body.stop_sequences or [],
+            protocol="messages",
             cut_stop=True,
         )
         sampled = turn.sampled
@@ -328,7 +334,7 @@ class Gateway:
             else:
                 prompt_ids = list(body.prompt)
             sampled = await self._sample(episode, prompt_ids, body.max_tokens, body.stops())
-            self._record(episode, sampled)
+            self._record(episode, "completions", sampled)
         logprobs = None
         if body.logprobs:
             pieces = await self._token_logprobs(sampled)
@@ -405,17 +411,24 @@ class Gateway:
             generate_s=generation.seconds,
         )
 
-    @staticmethod
     def _record(
+        self,
         episode: GatewayEpisode,
+        protocol: str,
         sampled: Sampled,
         chat: ChatKey | None = None,
         calls: list[ToolCall] | None = None,
         errors: list[str] | None = None,
     ) -> None:
-        if not episode.open:  # answered after the run ended: the trajectory is already built without it
+        """Into the episode's log, and into the service's records (`--record`) whether or not the episode still
+        runs: a call answered after its run ended is in no trajectory, and refused (404)."""
+        recorded = None
+        if episode.open:
+            recorded = len(episode.log.calls), episode.log.record(sampled, chat, calls, errors)
+        if self.records is not None:
+            self.records.call(episode.job_id, protocol, sampled, recorded)
+        if recorded is None:  # answered after the run ended: the trajectory is already built without it
             raise GatewayError(404, "the episode's run ended while this call was sampled; it was not recorded")
-        episode.log.record(sampled, chat, calls, errors)
 
 
 def refuse_spent(episode: GatewayEpisode) -> None:

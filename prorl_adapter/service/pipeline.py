@@ -368,8 +368,7 @@ class RolloutPipeline:
         if "outcome" not in components:
             raise StageFailed("eval", f"task {job.request.task!r} returned no 'outcome': {components}")
         job.reward_components = {name: float(value) for name, value in components.items()}
-        await self._shape_reward(job)
-        await self._finish(job, JobState.done)
+        await self._shape_reward(job)  # the job is done once the stage's time is counted (_conclude_stage)
 
     async def _sandbox_failure(self, job: Job, stage: ErrorClass, exc: SandboxAPIError) -> StageFailed:
         """What a failed sandbox call means: its runtime lost (no answer, or the sandbox gone with a runtime that
@@ -500,6 +499,8 @@ class RolloutPipeline:
                 log.error("job %s: unexpected error in %s", job.id, state.value, exc_info=exc)
                 error = JobError(error_class=_STAGE_NAMES[state], message=f"{type(exc).__name__}: {exc}")
             await self._finish(job, JobState.failed, error)
+        elif state is JobState.evaluating:  # graded, and eval_s counted: what the observers and records see
+            await self._finish(job, JobState.done)
 
     async def _start_again(self, job: Job, lost: RuntimeLost) -> None:
         """The episode is gone with its runtime: drop what it recorded and queue the job for init, away from

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import gc
 import hmac
+import re
 from collections.abc import Callable
 
 from aiohttp import web
@@ -74,6 +75,7 @@ from .decoupled import Producer
 from .llm import LLMPool
 from .metrics import RolloutMetrics
 from .pipeline import RolloutPipeline
+from .records import Records
 from .replica import Replica
 from .sandboxes import SandboxPool
 from .storage import create_buffer, create_coordination, create_prompt_queue
@@ -89,6 +91,7 @@ SANDBOXES = web.AppKey("sandboxes", SandboxPool)
 BUFFER = web.AppKey("buffer", ExperienceBuffer)
 PROMPTS = web.AppKey("prompts", PromptQueue)
 PIPELINE = web.AppKey("pipeline", RolloutPipeline)
+RECORDS = web.AppKey("records", object)  # Records, or None without --record
 PRODUCER = web.AppKey("producer", Producer)
 COORDINATION = web.AppKey("coordination", Coordination)
 BOARD = web.AppKey("board", JobBoard)
@@ -617,11 +620,18 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
     app[GATEWAY_APP] = gateway.create_gateway_app(app_metrics.requests)
 
     async def plugins(app: web.Application):
-        # A bad plugin or plugin configuration fails here, at start-up.
+        # A bad plugin or plugin configuration fails here, at start-up; so does a record directory it cannot make.
+        records = None
+        if config.record_dir is not None:
+            records = Records(config.record_dir, re.sub(r"[^A-Za-z0-9._-]", "_", config.sandbox_owner))
+        app[RECORDS] = records
+        objects = [app_metrics] + ([records] if records else [])
         app[PLUGINS] = PluginSet.load(
-            config.plugin_config, config.plugins, objects=[app_metrics], blocked=config.blocked_plugins
+            config.plugin_config, config.plugins, objects=objects, blocked=config.blocked_plugins
         )
         yield
+        if records is not None:  # closed last: every job's trajectory and call has been queued by now
+            await asyncio.to_thread(records.close)
 
     async def llm_pool(app: web.Application):
         app[LLM] = LLMPool(
@@ -680,6 +690,7 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
         budget_s = config.pipeline.default_timeout_s
         app[prorl_api.LEGACY] = prorl_api.ProRLLegacy(app[PIPELINE], tasks, app[LLM], tokenizer, budget_s)
         app[GATEWAY_APP][gateway.GATEWAY] = app[PIPELINE].gateway  # set before the gateway's app starts
+        app[PIPELINE].gateway.records = app[RECORDS]
         app[BARRIER] = app[PIPELINE].barrier
         await app[PIPELINE].start()
         yield

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -74,6 +75,7 @@ async def rollout_stack(
     llm_stream: bool = False,
     sandbox_runtimes: int = 1,
     plugins: tuple[str, ...] = (),
+    record_dir: Path | None = None,
 ) -> AsyncIterator[Stack]:
     workers = {"max_init_workers": 4, "max_run_workers": 8, "max_eval_workers": 4}
     async with AsyncExitStack() as started:
@@ -91,6 +93,7 @@ async def rollout_stack(
             llm_health_interval_s=llm_health_interval_s,
             llm_stream=llm_stream,
             service_id="unit-tests",
+            record_dir=record_dir,
         )
         chat = CharChat()
         app = create_app(config, chat=chat)  # type: ignore[arg-type]  # a stand-in for ChatTokenizer

@@ -1,0 +1,339 @@
+"""Durable records of every finished trajectory, failures included, and of every LLM gateway call: append-only
+Parquet shards (`--record DIR`, docs/records.md).
+
+A finished trajectory lives in the service for `--result-ttl-s`; its record stays. Layout:
+`DIR/trajectories/` and `DIR/gateway_calls/`, each `<UTC start>-<replica>-<n>.parquet` shards. The shard being
+written is named
+`....parquet.open` until it is closed (at `shard_bytes`, at `shard_age_s`, or when the service stops) and then
+renamed: a reader never takes a half-written file for a shard, a closed shard is never written again, and a
+killed service loses at most the shard it was writing (Parquet writes its footer at close, so an `.open` file
+cannot be read; `read_trajectories` says it skipped it).
+
+Why Parquet: token ids, masks, logprobs and per-token versions are columns of numbers, which Parquet stores
+several times smaller than JSON text and which pandas, DuckDB, verl's and SkyRL's data loaders read as they are.
+The columns a team filters by (task, reward, version, group, labels, error class, stage timings) are columns of
+their own; turns and segments (nested, read with the trajectory) are JSON text. `RECORD_SCHEMA` is in every row:
+a reader of a later version knows what it reads.
+
+Each stream is written on a thread of its own, off the event loop: recording only queues the row.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..hooks.specs import hookimpl
+from ..models import JobError, JobState, Segment, StageTimings, Trajectory, Turn
+from .token_history import Call, Sampled
+
+log = logging.getLogger(__name__)
+
+RECORD_SCHEMA = 1
+SHARD_BYTES = 64 * 1024 * 1024
+SHARD_AGE_S = 600.0
+FLUSH_ROWS = 256  # rows per Parquet row group, at most
+FLUSH_S = 5.0  # a row waits at most this long to be written (a row group of fewer rows then)
+OPEN_SUFFIX = ".open"
+_NOTHING = object()  # the writer's wake-up at a deadline, without a row
+
+TRAJECTORY_SCHEMA = pa.schema(
+    [
+        ("schema_version", pa.int16()),
+        ("recorded_at", pa.timestamp("ms", tz="UTC")),
+        ("replica", pa.string()),
+        ("job_id", pa.string()),
+        ("task", pa.string()),
+        ("instance_id", pa.string()),
+        ("group", pa.string()),
+        ("attempt", pa.int32()),
+        ("retry_of", pa.string()),
+        ("labels", pa.map_(pa.string(), pa.string())),
+        ("state", pa.string()),
+        ("finish_reason", pa.string()),
+        ("error_class", pa.string()),
+        ("error_message", pa.string()),
+        ("filter", pa.bool_()),
+        ("reward", pa.float64()),
+        ("reward_components", pa.map_(pa.string(), pa.float64())),
+        ("policy_version_min", pa.int64()),
+        ("policy_version_max", pa.int64()),
+        ("num_turns", pa.int32()),
+        ("timings", pa.struct([(name, pa.float64()) for name in StageTimings.model_fields])),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("response_ids", pa.list_(pa.int32())),
+        ("response_mask", pa.list_(pa.int8())),
+        ("response_logprobs", pa.list_(pa.float64())),
+        ("token_versions", pa.list_(pa.int64())),  # per response token; null on tool and template tokens
+        ("turns_json", pa.string()),
+        ("segments_json", pa.string()),
+        ("artifacts", pa.map_(pa.string(), pa.string())),
+    ]
+)
+
+
+def trajectory_row(trajectory: Trajectory, state: JobState, replica: str, recorded_at: float) -> dict[str, Any]:
+    t = trajectory
+    return {
+        "schema_version": RECORD_SCHEMA,
+        "recorded_at": datetime.fromtimestamp(recorded_at, UTC),
+        "replica": replica,
+        "job_id": t.job_id,
+        "task": t.task,
+        "instance_id": t.instance_id,
+        "group": t.group,
+        "attempt": t.attempt,
+        "retry_of": t.retry_of,
+        "labels": list(t.labels.items()),
+        "state": state.value,
+        "finish_reason": t.finish_reason,
+        "error_class": t.error.error_class if t.error else None,
+        "error_message": t.error.message if t.error else None,
+        "filter": t.filter,
+        "reward": t.reward,
+        "reward_components": list(t.reward_components.items()),
+        "policy_version_min": t.policy_version_min,
+        "policy_version_max": t.policy_version_max,
+        "num_turns": t.num_turns,
+        "timings": t.timings.model_dump(),
+        "prompt_ids": t.prompt_ids,
+        "response_ids": t.response_ids,
+        "response_mask": t.response_mask,
+        "response_logprobs": t.response_logprobs,
+        "token_versions": t.token_versions(),
+        "turns_json": json.dumps([turn.model_dump(mode="json") for turn in t.turns]),
+        "segments_json": json.dumps([segment.model_dump(mode="json") for segment in t.segments]),
+        "artifacts": list(t.artifacts.items()),
+    }
+
+
+def row_trajectory(row: dict[str, Any]) -> Trajectory:
+    """The trajectory a record's row holds, as the service delivered it."""
+    if row["schema_version"] != RECORD_SCHEMA:
+        raise ValueError(f"record schema {row['schema_version']} is not {RECORD_SCHEMA}: read it with that version")
+    error = JobError(error_class=row["error_class"], message=row["error_message"]) if row["error_class"] else None
+    return Trajectory(
+        job_id=row["job_id"],
+        task=row["task"],
+        instance_id=row["instance_id"],
+        prompt_ids=row["prompt_ids"],
+        response_ids=row["response_ids"],
+        response_mask=row["response_mask"],
+        response_logprobs=row["response_logprobs"],
+        turns=[Turn.model_validate(turn) for turn in json.loads(row["turns_json"])],
+        num_turns=row["num_turns"],
+        finish_reason=row["finish_reason"],
+        reward=row["reward"],
+        reward_components=dict(row["reward_components"]),
+        policy_version_min=row["policy_version_min"],
+        policy_version_max=row["policy_version_max"],
+        timings=StageTimings(**row["timings"]),
+        error=error,
+        filter=row["filter"],
+        labels=dict(row["labels"]),
+        group=row["group"],
+        attempt=row["attempt"],
+        retry_of=row["retry_of"],
+        artifacts=dict(row["artifacts"]),
+        segments=[Segment.model_validate(s) for s in json.loads(row["segments_json"])],
+    )
+
+
+CALL_SCHEMA = pa.schema(
+    [
+        ("schema_version", pa.int16()),
+        ("recorded_at", pa.timestamp("ms", tz="UTC")),
+        ("replica", pa.string()),
+        ("job_id", pa.string()),
+        ("call", pa.int32()),  # its index among the episode's recorded calls; null where it was not recorded
+        ("protocol", pa.string()),  # chat, completions, responses, messages
+        ("in_trajectory", pa.bool_()),  # False: answered after its episode's run ended, so in no trajectory
+        ("segment", pa.int32()),
+        ("policy_version", pa.int64()),
+        ("token_versions", pa.list_(pa.int64())),
+        ("llm_server", pa.string()),
+        ("finish_reason", pa.string()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("response_ids", pa.list_(pa.int32())),
+        ("response_logprobs", pa.list_(pa.float64())),
+        ("text", pa.string()),
+        ("tool_calls_json", pa.string()),
+        ("generate_s", pa.float64()),
+    ]
+)
+
+
+def call_row(
+    job_id: str, protocol: str, sampled: Sampled, recorded: tuple[int, Call] | None, replica: str, recorded_at: float
+) -> dict[str, Any]:
+    """A gateway call's row: `recorded` is its index among the episode's calls and the episode's record of it
+    (None: the episode's run had ended, so it is in no trajectory)."""
+    index, call = recorded if recorded else (None, None)
+    starts = [(0, sampled.policy_version)] + [(r.offset, r.policy_version) for r in sampled.resumptions]
+    ends = [offset for offset, _ in starts[1:]] + [len(sampled.response_ids)]
+    versions = [version for (offset, version), end in zip(starts, ends, strict=True) for _ in range(end - offset)]
+    return {
+        "schema_version": RECORD_SCHEMA,
+        "recorded_at": datetime.fromtimestamp(recorded_at, UTC),
+        "replica": replica,
+        "job_id": job_id,
+        "call": index,
+        "protocol": protocol,
+        "in_trajectory": call is not None,
+        "segment": call.segment if call else None,
+        "policy_version": sampled.policy_version,
+        "token_versions": versions,
+        "llm_server": sampled.server,
+        "finish_reason": sampled.finish_reason,
+        "prompt_ids": sampled.prompt_ids,
+        "response_ids": sampled.response_ids,
+        "response_logprobs": sampled.response_logprobs,
+        "text": sampled.text,
+        "tool_calls_json": json.dumps([c.model_dump() for c in call.tool_calls]) if call else "[]",
+        "generate_s": sampled.generate_s,
+    }
+
+
+def read_rows(directory: Path, stream: str = "trajectories") -> Iterator[dict[str, Any]]:
+    """Every row of `stream` under `directory` (a `--record` directory), shard by shard in the order they were
+    begun; a shard still `.open` (being written, or left by a killed service) is skipped with a warning."""
+    shards = directory / stream
+    for path in sorted(shards.glob(f"*.parquet{OPEN_SUFFIX}")):
+        log.warning("%s: not closed (being written, or its service was killed): skipped", path)
+    for path in sorted(shards.glob("*.parquet")):
+        for batch in pq.ParquetFile(path).iter_batches():
+            yield from batch.to_pylist()
+
+
+def read_trajectories(directory: Path) -> Iterator[Trajectory]:
+    for row in read_rows(directory):
+        yield row_trajectory(row)
+
+
+class Records:
+    """The service's records (`--record DIR`): a plugin that keeps every finished job's trajectory
+    (`prorl_job_finished`), and the gateway's recorder of every answered call (`call`)."""
+
+    def __init__(self, directory: Path, replica: str, **shards: Any) -> None:
+        self.replica = replica
+        self.trajectories = ShardWriter(directory / "trajectories", TRAJECTORY_SCHEMA, replica, **shards)
+        self.calls = ShardWriter(directory / "gateway_calls", CALL_SCHEMA, replica, **shards)
+
+    @hookimpl
+    def prorl_job_finished(self, trajectory: Trajectory, state: JobState) -> None:
+        now = time.time()
+        self.trajectories.put(lambda: trajectory_row(trajectory, state, self.replica, now))
+
+    def call(self, job_id: str, protocol: str, sampled: Sampled, recorded: tuple[int, Call] | None) -> None:
+        now = time.time()
+        self.calls.put(lambda: call_row(job_id, protocol, sampled, recorded, self.replica, now))
+
+    def close(self) -> None:
+        """Write what is queued and close the shards (blocking: call it off the event loop)."""
+        self.trajectories.close()
+        self.calls.close()
+
+
+class ShardWriter:
+    """One stream of rows: queued by any thread, written as shards of `schema` by a thread of its own."""
+
+    def __init__(
+        self,
+        directory: Path,
+        schema: pa.Schema,
+        replica: str,
+        shard_bytes: int = SHARD_BYTES,
+        shard_age_s: float = SHARD_AGE_S,
+        flush_rows: int = FLUSH_ROWS,
+        flush_s: float = FLUSH_S,
+    ) -> None:
+        self.directory, self.schema, self.replica = directory, schema, replica
+        self.directory.mkdir(parents=True, exist_ok=True)  # here, at start-up: a directory it cannot make fails it
+        self.shard_bytes, self.shard_age_s = shard_bytes, shard_age_s
+        self.flush_rows, self.flush_s = flush_rows, flush_s
+        self.recorded = 0  # rows written to a shard (closed or open)
+        self._queue: queue.SimpleQueue[Callable[[], dict[str, Any]] | None] = queue.SimpleQueue()
+        self._shard = 0
+        self._thread = threading.Thread(target=self._write, name=f"records-{directory.name}", daemon=True)
+        self._thread.start()
+
+    def put(self, make_row: Callable[[], dict[str, Any]]) -> None:
+        """Queue a row, made on the writer's thread (a trajectory's row is O(its tokens) of work: not the event
+        loop's). What it is made from must not change after it is queued (a finished job's trajectory does not)."""
+        self._queue.put(make_row)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _write(self) -> None:
+        """Rows are written a row group at a time: `flush_rows` of them, or what waited `flush_s`. A shard is closed
+        when it is full, when it is `shard_age_s` old (rows or not: an open shard cannot be read), and at the end."""
+        shard: _Shard | None = None
+        rows: list[dict[str, Any]] = []
+        flush_at = math.inf
+        while True:
+            wake = min(flush_at, shard.close_at if shard else math.inf)
+            item: Any
+            try:
+                item = self._queue.get(timeout=None if math.isinf(wake) else max(0.0, wake - time.monotonic()))
+            except queue.Empty:
+                item = _NOTHING  # a deadline passed: nothing new
+            closing = item is None
+            if item is not None and item is not _NOTHING:
+                try:
+                    rows.append(item())
+                except Exception:  # a row that cannot be made must not stop the records that follow
+                    log.exception("a record of %s could not be made", self.directory)
+                    continue
+                flush_at = min(flush_at, time.monotonic() + self.flush_s)
+                if len(rows) < self.flush_rows:
+                    continue
+            if rows and (closing or len(rows) >= self.flush_rows or time.monotonic() >= flush_at):
+                shard = shard or _Shard(self._new_path(), self.schema, time.monotonic() + self.shard_age_s)
+                try:
+                    shard.write(rows)
+                    self.recorded += len(rows)
+                except Exception:  # rows the schema refuses must not stop the records that follow
+                    log.exception("%d records of %s could not be written", len(rows), self.directory)
+                rows, flush_at = [], math.inf
+            if shard and (closing or shard.size() >= self.shard_bytes or time.monotonic() >= shard.close_at):
+                shard.close()
+                shard = None
+            if closing:
+                return
+
+    def _new_path(self) -> Path:
+        self._shard += 1
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+        return self.directory / f"{stamp}-{self.replica}-{self._shard:06d}.parquet{OPEN_SUFFIX}"
+
+
+class _Shard:
+    """One shard being written: `NAME.parquet.open`, renamed `NAME.parquet` once closed."""
+
+    def __init__(self, path: Path, schema: pa.Schema, close_at: float) -> None:
+        self.path, self.schema, self.close_at = path, schema, close_at
+        self._writer = pq.ParquetWriter(path, schema, compression="zstd")
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        self._writer.write_table(pa.Table.from_pylist(rows, schema=self.schema))
+
+    def size(self) -> int:
+        return os.path.getsize(self.path)
+
+    def close(self) -> None:
+        self._writer.close()
+        self.path.rename(self.path.with_name(self.path.name.removesuffix(OPEN_SUFFIX)))
