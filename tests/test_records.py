@@ -135,7 +135,8 @@ def test_a_killed_writer_loses_at_most_its_open_shard(tmp_path, caplog):
     done = subprocess.run([sys.executable, "-c", script], cwd=".", timeout=120)
     assert done.returncode == -signal.SIGKILL
     names = sorted(p.name for p in (tmp_path / "trajectories").iterdir())
-    assert len(names) == 4 and names[-1].endswith(".parquet.open")
+    assert len(names) == 4 and names[0].startswith(".") and names[0].endswith(".parquet.open")
+    assert pq.read_table(tmp_path / "trajectories").num_rows == 3  # a plain Parquet reader skips the open shard
     with caplog.at_level(logging.WARNING):
         assert [t.job_id for t in read_trajectories(tmp_path)] == ["closed0", "closed1", "closed2"]
     assert "not closed" in caplog.text
@@ -149,6 +150,7 @@ async def test_the_service_records_every_finished_job_failures_included(tmp_path
     assert records == {done.job_id: done, failed.job_id: failed}
     assert failed.error is not None and records[failed.job_id].error == failed.error
     assert json.loads(json.dumps(records[done.job_id].labels)) == {"split": "eval"}
+    assert records[done.job_id].timings.eval_s > 0  # counted before the job was delivered, not after
 
 
 async def test_every_gateway_call_is_recorded_also_one_answered_after_its_episode_ended(tmp_path):
@@ -166,10 +168,11 @@ async def test_every_gateway_call_is_recorded_also_one_answered_after_its_episod
         stack.llm.release()
         assert (await late).status == 404
     rows = list(read_rows(tmp_path, "gateway_calls"))
-    assert [(r["job_id"], r["protocol"], r["call"], r["in_trajectory"]) for r in rows] == [
+    assert [(r["job_id"], r["protocol"], r["call"], r["in_episode_log"]) for r in rows] == [
         ("job-1", "chat", 0, True),
         ("job-1", "messages", None, False),
     ]
+    assert rows[0]["episode"] == rows[1]["episode"] == episode.run_id != episode.key  # never the credential
     assert (
         rows[0]["prompt_ids"] == first["prompt_token_ids"]
         and rows[0]["response_ids"] == first["choices"][0]["token_ids"]

@@ -103,6 +103,7 @@ class GatewayEpisode:
     key: str
     job_id: str
     request: JobRequest
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])  # names this run in records, unlike the key
     log: CallLog = field(default_factory=CallLog)
     pin: Pin = field(default_factory=Pin)
     calls_started: int = 0
@@ -426,7 +427,8 @@ class Gateway:
         if episode.open:
             recorded = len(episode.log.calls), episode.log.record(sampled, chat, calls, errors)
         if self.records is not None:
-            self.records.call(episode.job_id, protocol, sampled, recorded)
+            parsed = (list(calls or []), list(errors or []))
+            self.records.call(episode.job_id, episode.run_id, protocol, sampled, recorded, parsed)
         if recorded is None:  # answered after the run ended: the trajectory is already built without it
             raise GatewayError(404, "the episode's run ended while this call was sampled; it was not recorded")
 

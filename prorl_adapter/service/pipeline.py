@@ -268,6 +268,11 @@ class RolloutPipeline:
         if job.state.finished:
             return job
         error = JobError(error_class="cancelled", message="cancelled by request")
+        task = job.stage_task
+        graded = job.state is JobState.evaluating and task is not None and task.done() and not task.cancelled()
+        if graded and task.exception() is None:  # its worker delivers it as done in a moment
+            await job.finished.wait()
+            return job
         if job.stage_task is not None and not job.stage_task.done():
             job.stage_task.cancel()  # the stage's worker sees it and finishes the job
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -500,7 +505,9 @@ class RolloutPipeline:
                 error = JobError(error_class=_STAGE_NAMES[state], message=f"{type(exc).__name__}: {exc}")
             await self._finish(job, JobState.failed, error)
         elif state is JobState.evaluating:  # graded, and eval_s counted: what the observers and records see
-            await self._finish(job, JobState.done)
+            # Shielded: a worker cancelled at stop while the sandbox is released must not leave the job marked
+            # done but never delivered (its waiters, observers and records served).
+            await asyncio.shield(self._finish(job, JobState.done))
 
     async def _start_again(self, job: Job, lost: RuntimeLost) -> None:
         """The episode is gone with its runtime: drop what it recorded and queue the job for init, away from
@@ -558,7 +565,7 @@ class RolloutPipeline:
             reward_components=job.reward_components,
             policy_version_min=min(versions),
             policy_version_max=max(versions),
-            timings=job.timings,
+            timings=job.timings.model_copy(),  # a copy: a delivered trajectory never changes afterwards
             error=job.error,
             filter=job.error is not None,
             labels=job.request.labels,

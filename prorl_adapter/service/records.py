@@ -2,12 +2,12 @@
 Parquet shards (`--record DIR`, docs/records.md).
 
 A finished trajectory lives in the service for `--result-ttl-s`; its record stays. Layout:
-`DIR/trajectories/` and `DIR/gateway_calls/`, each `<UTC start>-<replica>-<n>.parquet` shards. The shard being
-written is named
-`....parquet.open` until it is closed (at `shard_bytes`, at `shard_age_s`, or when the service stops) and then
-renamed: a reader never takes a half-written file for a shard, a closed shard is never written again, and a
-killed service loses at most the shard it was writing (Parquet writes its footer at close, so an `.open` file
-cannot be read; `read_trajectories` says it skipped it).
+`DIR/trajectories/` and `DIR/gateway_calls/`, each `<UTC start>-<replica>-<writer>-<n>.parquet` shards. The shard
+being written is named `.NAME.parquet.open` until it is closed (at `shard_bytes`, at `shard_age_s`, or when the
+service stops) and then renamed `NAME.parquet`: a reader of the directory (pyarrow, pandas, DuckDB skip hidden
+files) never takes a half-written file for a shard, a closed shard is never written again, and a killed service
+loses at most the shard it was writing (Parquet writes its footer at close, so an `.open` file cannot be read;
+`read_rows` says it skipped it).
 
 Why Parquet: token ids, masks, logprobs and per-token versions are columns of numbers, which Parquet stores
 several times smaller than JSON text and which pandas, DuckDB, verl's and SkyRL's data loaders read as they are.
@@ -20,11 +20,13 @@ Each stream is written on a thread of its own, off the event loop: recording onl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,7 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..hooks.specs import hookimpl
-from ..models import JobError, JobState, Segment, StageTimings, Trajectory, Turn
+from ..models import JobError, JobState, Segment, StageTimings, ToolCall, Trajectory, Turn
 from .token_history import Call, Sampled
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ SHARD_BYTES = 64 * 1024 * 1024
 SHARD_AGE_S = 600.0
 FLUSH_ROWS = 256  # rows per Parquet row group, at most
 FLUSH_S = 5.0  # a row waits at most this long to be written (a row group of fewer rows then)
+OPEN_PREFIX = "."  # a shard being written is hidden: Parquet readers of a directory (pyarrow, pandas) skip it
 OPEN_SUFFIX = ".open"
 _NOTHING = object()  # the writer's wake-up at a deadline, without a row
 
@@ -120,9 +123,8 @@ def trajectory_row(trajectory: Trajectory, state: JobState, replica: str, record
 
 
 def row_trajectory(row: dict[str, Any]) -> Trajectory:
-    """The trajectory a record's row holds, as the service delivered it."""
-    if row["schema_version"] != RECORD_SCHEMA:
-        raise ValueError(f"record schema {row['schema_version']} is not {RECORD_SCHEMA}: read it with that version")
+    """The trajectory a record's row (of this RECORD_SCHEMA: `read_rows` checks) holds, as the service delivered
+    it."""
     error = JobError(error_class=row["error_class"], message=row["error_message"]) if row["error_class"] else None
     return Trajectory(
         job_id=row["job_id"],
@@ -157,9 +159,10 @@ CALL_SCHEMA = pa.schema(
         ("recorded_at", pa.timestamp("ms", tz="UTC")),
         ("replica", pa.string()),
         ("job_id", pa.string()),
+        ("episode", pa.string()),  # one run of the job's agent program (a job started again has another)
         ("call", pa.int32()),  # its index among the episode's recorded calls; null where it was not recorded
         ("protocol", pa.string()),  # chat, completions, responses, messages
-        ("in_trajectory", pa.bool_()),  # False: answered after its episode's run ended, so in no trajectory
+        ("in_episode_log", pa.bool_()),  # False: answered after its episode's run ended, so in no trajectory
         ("segment", pa.int32()),
         ("policy_version", pa.int64()),
         ("token_versions", pa.list_(pa.int64())),
@@ -170,17 +173,26 @@ CALL_SCHEMA = pa.schema(
         ("response_logprobs", pa.list_(pa.float64())),
         ("text", pa.string()),
         ("tool_calls_json", pa.string()),
+        ("tool_call_errors", pa.list_(pa.string())),
         ("generate_s", pa.float64()),
     ]
 )
 
 
 def call_row(
-    job_id: str, protocol: str, sampled: Sampled, recorded: tuple[int, Call] | None, replica: str, recorded_at: float
+    job_id: str,
+    episode: str,
+    protocol: str,
+    sampled: Sampled,
+    recorded: tuple[int, Call] | None,
+    parsed: tuple[list[ToolCall], list[str]],
+    replica: str,
+    recorded_at: float,
 ) -> dict[str, Any]:
     """A gateway call's row: `recorded` is its index among the episode's calls and the episode's record of it
-    (None: the episode's run had ended, so it is in no trajectory)."""
+    (None: the episode's run had ended, so it is in no trajectory); `parsed` its tool calls and their errors."""
     index, call = recorded if recorded else (None, None)
+    tool_calls, errors = parsed
     starts = [(0, sampled.policy_version)] + [(r.offset, r.policy_version) for r in sampled.resumptions]
     ends = [offset for offset, _ in starts[1:]] + [len(sampled.response_ids)]
     versions = [version for (offset, version), end in zip(starts, ends, strict=True) for _ in range(end - offset)]
@@ -189,9 +201,10 @@ def call_row(
         "recorded_at": datetime.fromtimestamp(recorded_at, UTC),
         "replica": replica,
         "job_id": job_id,
+        "episode": episode,
         "call": index,
         "protocol": protocol,
-        "in_trajectory": call is not None,
+        "in_episode_log": call is not None,
         "segment": call.segment if call else None,
         "policy_version": sampled.policy_version,
         "token_versions": versions,
@@ -201,7 +214,8 @@ def call_row(
         "response_ids": sampled.response_ids,
         "response_logprobs": sampled.response_logprobs,
         "text": sampled.text,
-        "tool_calls_json": json.dumps([c.model_dump() for c in call.tool_calls]) if call else "[]",
+        "tool_calls_json": json.dumps([c.model_dump() for c in tool_calls]),
+        "tool_call_errors": errors,
         "generate_s": sampled.generate_s,
     }
 
@@ -210,11 +224,14 @@ def read_rows(directory: Path, stream: str = "trajectories") -> Iterator[dict[st
     """Every row of `stream` under `directory` (a `--record` directory), shard by shard in the order they were
     begun; a shard still `.open` (being written, or left by a killed service) is skipped with a warning."""
     shards = directory / stream
-    for path in sorted(shards.glob(f"*.parquet{OPEN_SUFFIX}")):
+    for path in sorted(shards.glob(f"{OPEN_PREFIX}*.parquet{OPEN_SUFFIX}")):
         log.warning("%s: not closed (being written, or its service was killed): skipped", path)
-    for path in sorted(shards.glob("*.parquet")):
+    for path in sorted(p for p in shards.glob("*.parquet") if not p.name.startswith(OPEN_PREFIX)):
         for batch in pq.ParquetFile(path).iter_batches():
-            yield from batch.to_pylist()
+            for row in batch.to_pylist():
+                if row["schema_version"] != RECORD_SCHEMA:
+                    raise ValueError(f"{path}: record schema {row['schema_version']} is not {RECORD_SCHEMA}")
+                yield row
 
 
 def read_trajectories(directory: Path) -> Iterator[Trajectory]:
@@ -236,9 +253,17 @@ class Records:
         now = time.time()
         self.trajectories.put(lambda: trajectory_row(trajectory, state, self.replica, now))
 
-    def call(self, job_id: str, protocol: str, sampled: Sampled, recorded: tuple[int, Call] | None) -> None:
+    def call(
+        self,
+        job_id: str,
+        episode: str,
+        protocol: str,
+        sampled: Sampled,
+        recorded: tuple[int, Call] | None,
+        parsed: tuple[list[ToolCall], list[str]],
+    ) -> None:
         now = time.time()
-        self.calls.put(lambda: call_row(job_id, protocol, sampled, recorded, self.replica, now))
+        self.calls.put(lambda: call_row(job_id, episode, protocol, sampled, recorded, parsed, self.replica, now))
 
     def close(self) -> None:
         """Write what is queued and close the shards (blocking: call it off the event loop)."""
@@ -266,15 +291,25 @@ class ShardWriter:
         self.recorded = 0  # rows written to a shard (closed or open)
         self._queue: queue.SimpleQueue[Callable[[], dict[str, Any]] | None] = queue.SimpleQueue()
         self._shard = 0
+        self._writer = secrets.token_hex(4)
+        self._closed = False
+        self.dropped = 0  # rows that could not be made or written (each logged)
         self._thread = threading.Thread(target=self._write, name=f"records-{directory.name}", daemon=True)
         self._thread.start()
 
     def put(self, make_row: Callable[[], dict[str, Any]]) -> None:
         """Queue a row, made on the writer's thread (a trajectory's row is O(its tokens) of work: not the event
         loop's). What it is made from must not change after it is queued (a finished job's trajectory does not)."""
+        if self._closed or not self._thread.is_alive():
+            self.dropped += 1
+            log.error(
+                "a record of %s was dropped: its writer is %s", self.directory, "closed" if self._closed else "dead"
+            )
+            return
         self._queue.put(make_row)
 
     def close(self) -> None:
+        self._closed = True
         self._queue.put(None)
         self._thread.join()
 
@@ -296,44 +331,90 @@ class ShardWriter:
                 try:
                     rows.append(item())
                 except Exception:  # a row that cannot be made must not stop the records that follow
+                    self.dropped += 1
                     log.exception("a record of %s could not be made", self.directory)
                     continue
                 flush_at = min(flush_at, time.monotonic() + self.flush_s)
                 if len(rows) < self.flush_rows:
                     continue
             if rows and (closing or len(rows) >= self.flush_rows or time.monotonic() >= flush_at):
-                shard = shard or _Shard(self._new_path(), self.schema, time.monotonic() + self.shard_age_s)
-                try:
-                    shard.write(rows)
-                    self.recorded += len(rows)
-                except Exception:  # rows the schema refuses must not stop the records that follow
-                    log.exception("%d records of %s could not be written", len(rows), self.directory)
+                shard = self._written(shard, rows)
                 rows, flush_at = [], math.inf
-            if shard and (closing or shard.size() >= self.shard_bytes or time.monotonic() >= shard.close_at):
+            if shard and (closing or shard.full(self.shard_bytes) or time.monotonic() >= shard.close_at):
                 shard.close()
                 shard = None
             if closing:
                 return
 
+    def _written(self, shard: _Shard | None, rows: list[dict[str, Any]]) -> _Shard | None:
+        """`rows` written (into `shard`, or a new one), and the shard to go on with. What fails is logged and
+        counted, never the writer's end: rows the schema refuses are dropped one by one (the others written), and
+        a shard that cannot be written is abandoned for a new one."""
+        try:
+            table = pa.Table.from_pylist(rows, schema=self.schema)
+        except (pa.ArrowException, ValueError, TypeError, OverflowError):
+            fitting = [row for row in rows if self._fits(row)]
+            if not fitting:
+                return shard
+            table = pa.Table.from_pylist(fitting, schema=self.schema)
+        for attempt in range(2):
+            try:
+                shard = shard or _Shard(self._new_path(), self.schema, time.monotonic() + self.shard_age_s)
+                shard.write(table)
+                self.recorded += table.num_rows
+                return shard
+            except OSError:  # disk full, the directory removed: try once more in a new shard, then give them up
+                log.exception("writing %s (attempt %d)", shard.path if shard else self.directory, attempt + 1)
+                if shard is not None:
+                    shard.abandon()
+                shard = None
+        self.dropped += table.num_rows
+        return None
+
+    def _fits(self, row: dict[str, Any]) -> bool:
+        try:
+            pa.Table.from_pylist([row], schema=self.schema)
+            return True
+        except (pa.ArrowException, ValueError, TypeError, OverflowError) as exc:
+            self.dropped += 1
+            log.error("a record of %s (job %s) does not fit the schema: %s", self.directory, row.get("job_id"), exc)
+            return False
+
     def _new_path(self) -> Path:
+        """A name no other writer takes: two replicas whose ids read alike, or a restart within the second, have
+        writers of their own (`_writer`)."""
         self._shard += 1
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
-        return self.directory / f"{stamp}-{self.replica}-{self._shard:06d}.parquet{OPEN_SUFFIX}"
+        name = f"{stamp}-{self.replica}-{self._writer}-{self._shard:06d}.parquet"
+        return self.directory / f"{OPEN_PREFIX}{name}{OPEN_SUFFIX}"
 
 
 class _Shard:
-    """One shard being written: `NAME.parquet.open`, renamed `NAME.parquet` once closed."""
+    """One shard being written: `.NAME.parquet.open`, renamed `NAME.parquet` once closed."""
 
     def __init__(self, path: Path, schema: pa.Schema, close_at: float) -> None:
-        self.path, self.schema, self.close_at = path, schema, close_at
+        self.path, self.close_at = path, close_at
         self._writer = pq.ParquetWriter(path, schema, compression="zstd")
 
-    def write(self, rows: list[dict[str, Any]]) -> None:
-        self._writer.write_table(pa.Table.from_pylist(rows, schema=self.schema))
+    def write(self, table: pa.Table) -> None:
+        self._writer.write_table(table)
 
-    def size(self) -> int:
-        return os.path.getsize(self.path)
+    def full(self, shard_bytes: int) -> bool:
+        try:
+            return os.path.getsize(self.path) >= shard_bytes
+        except OSError:  # gone (the directory removed): close it, and the next rows go to a new one
+            return True
 
     def close(self) -> None:
-        self._writer.close()
-        self.path.rename(self.path.with_name(self.path.name.removesuffix(OPEN_SUFFIX)))
+        """Closed and renamed to its final name; a shard that cannot be (its directory gone) is logged."""
+        try:
+            self._writer.close()
+            final = self.path.with_name(self.path.name.removeprefix(OPEN_PREFIX).removesuffix(OPEN_SUFFIX))
+            self.path.rename(final)
+        except OSError:
+            log.exception("closing the record shard %s", self.path)
+
+    def abandon(self) -> None:
+        """A shard a write failed in: closed as it is and left `.open` (a reader skips it)."""
+        with contextlib.suppress(Exception):
+            self._writer.close()
