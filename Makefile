@@ -7,7 +7,8 @@ PYTHON ?= $(shell command -v python3.11 || echo python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 # Slurm's daemons and munge: integration_tests/test_slurm.py runs the Slurm recipe on a real one-node cluster.
-SYSTEM_PACKAGES := bwrap:bubblewrap redis-server:redis-server slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge mmdebstrap:mmdebstrap mksquashfs:squashfs-tools siftool:siftool umoci:umoci
+# Chromium: integration_tests/test_viewer_browser.py loads the rollout viewer in it, headless.
+SYSTEM_PACKAGES := bwrap:bubblewrap redis-server:redis-server slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge mmdebstrap:mmdebstrap mksquashfs:squashfs-tools siftool:siftool umoci:umoci chromium:chromium
 
 .PHONY: demo demo-real rollout-demo runtime-demo agent-demo test unit lint system-packages llm agent-env test-images bench openapi
 

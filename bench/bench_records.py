@@ -51,6 +51,8 @@ def make_trajectory(rng: random.Random, n: int, turns: int, per_turn: int) -> Tr
                 finish_reason="stop",
                 text="I will look at the files first. " * 8,
                 tool_calls=[ToolCall(name="bash", arguments={"command": "ls -la src/ && cat README.md"})],
+                observation="README.md  setup.py  src/ tests/\n" * 4,
+                tool_results=["README.md  setup.py  src/ tests/\n" * 4],
             )
         )
         observation = [rng.randrange(50_000) for _ in range(per_turn // 2)]
@@ -75,6 +77,10 @@ def make_trajectory(rng: random.Random, n: int, turns: int, per_turn: int) -> Tr
         timings=StageTimings(queued_s=0.1, init_s=0.5, run_s=30.0, eval_s=4.0, generate_s=20.0, tools_s=9.0),
         labels={"run": "bench"},
         group=f"g-{n // 8}",
+        prompt_messages=[  # as the agent loop keeps them (schema 2): about the 300 prompt tokens' text
+            {"role": "system", "content": "You are a software engineer working in a repository. " * 12},
+            {"role": "user", "content": f"Fix issue {n % 500}: the parser drops the last line of a file. " * 4},
+        ],
     )
 
 

@@ -264,6 +264,11 @@ class Turn(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
     tool_call_errors: list[str] = Field(default_factory=list, description="why a call in `text` could not be parsed")
     observation: str = ""
+    tool_results: list[str] = Field(
+        default_factory=list,
+        description="each result that followed the turn, one tool message each (the "
+        "observation joins them); empty where the results were not appended to the context",
+    )
     observation_tokens: int = 0
     generate_s: float = 0.0
     tools_s: float = 0.0
@@ -331,6 +336,14 @@ class Trajectory(BaseModel):
     )
     segments: list[Segment] = Field(
         default_factory=list, description="the episode's further token sequences, after the first (agent programs)"
+    )
+    prompt_messages: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="the chat messages the built-in agent loop rendered as `prompt_ids` (empty for an agent "
+        "program: its gateway calls are recorded with their own messages)",
+    )
+    prompt_tools: list[dict[str, Any]] | None = Field(
+        None, description="the tool schemas the chat template was given with `prompt_messages` (None: none)"
     )
 
     @model_validator(mode="before")
@@ -466,6 +479,47 @@ class BatchRequest(_Strict):
 
 class AckRequest(_Strict):
     ids: list[str] = Field(min_length=1)
+
+
+class ImportedTrajectory(_Strict):
+    """One trajectory to put into the experience buffer as if this service had made it: recorded by a past run
+    (`prorl-rollout import`) or made elsewhere. The policy's tokens need a version (`token_versions`, or one
+    `policy_version` for all): the staleness plugin weighs an imported trajectory by it like any other."""
+
+    job_id: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.:-]{1,128}$", description="its id in the buffer's items (default: a new one)"
+    )
+    task: str = Field("imported", min_length=1, max_length=200)
+    instance_id: str | None = None
+    prompt_ids: list[int] = Field(min_length=1)
+    response_ids: list[int] = Field(min_length=1)
+    response_mask: list[int] = Field(description="1: sampled by the policy; 0: a tool's or the template's")
+    response_logprobs: list[float] = Field(description="the sampling policy's logprob of each token (0.0 at mask 0)")
+    token_versions: list[int | None] | None = Field(
+        None, description="the policy version that sampled each response token (null at mask 0)"
+    )
+    policy_version: int | None = Field(None, ge=0, description="the version of every policy token, for short")
+    reward: float
+    reward_components: dict[str, float] = Field(default_factory=dict)
+    group: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:-]{1,256}$", description="its GRPO group")
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class ImportRequest(_Strict):
+    """Body of POST /v1/trajectories: put trajectories into the experience buffer, all of them or none."""
+
+    trajectories: list[ImportedTrajectory] = Field(min_length=1, max_length=4096)
+    group_sizes: dict[str, int] | None = Field(
+        None,
+        description="each group's size: a trajectory must name one of these groups, and each group must come "
+        "whole (a GRPO trainer never sees half a group); null: groups are not checked",
+    )
+
+
+class TrajectoriesImported(BaseModel):
+    imported: int
+    ids: list[str] = Field(description="their entries in the buffer, in the order given")
+    job_ids: list[str]
 
 
 class BatchItem(BaseModel):
@@ -656,6 +710,35 @@ class RunConcurrencyState(BaseModel):
     servers: list[EngineLoad] = Field(default_factory=list, description="each LLM server's load (adaptive)")
 
 
+class BreakerTally(BaseModel):
+    """The circuit breaker's count for one policy version: its finished episodes, and those it flagged."""
+
+    version: int = Field(description="the policy version (a trajectory's policy_version_max)")
+    episodes: int = Field(description="finished episodes of this version in which the policy acted (not cancelled)")
+    flagged: int = Field(description="of those, the episodes with at least one signal the breaker weighs")
+    signals: dict[str, int] = Field(
+        description="episodes by signal, weighed or not: tampered, sandbox_limits, refused (one may have several)"
+    )
+
+
+class BreakerState(BaseModel):
+    """The circuit breaker (docs/rollout.md): whether it holds admission back, and why."""
+
+    enabled: bool = Field(description="--breaker-threshold is set (off by default)")
+    tripped: bool = Field(description="admission is paused: POST /v1/jobs answers 503 and no queued prompt starts")
+    version: int | None = Field(None, description="the policy version whose episodes tripped it")
+    reason: str | None = Field(None, description="why it tripped, with the counts")
+    tripped_at: float | None = Field(None, description="when it tripped, seconds since the epoch")
+    tally: BreakerTally | None = Field(None, description="the count that tripped it, as it was then")
+    threshold: float | None = Field(None, description="the share of flagged episodes that trips it")
+    min_episodes: int = Field(description="episodes of one version counted before its share is weighed")
+    signals: list[str] = Field(description="the signals it weighs")
+    trips: int = Field(0, description="times it tripped since the service started")
+    versions: list[BreakerTally] = Field(
+        default_factory=list, description="the counts since the last reset, the newest versions first (at most 8)"
+    )
+
+
 class ServiceStatus(BaseModel):
     policy_version: int
     queues: dict[str, int] = Field(description="jobs waiting for each stage's workers: init, run, eval")
@@ -681,6 +764,7 @@ class ServiceStatus(BaseModel):
         description="warm sandboxes by spec (a digest of its canonical JSON), most recently asked first; empty "
         "without --warm-sandboxes",
     )
+    breaker: BreakerState | None = Field(None, description="the circuit breaker (null from a service without one)")
 
 
 class TaskList(BaseModel):
@@ -777,6 +861,7 @@ class ProducerStats(BaseModel):
     held_back: bool = False
     held_back_reason: str | None = None
     produced: int = Field(0, description="trajectories put in the buffer")
+    imported: int = Field(0, description="trajectories put in the buffer by POST /v1/trajectories")
     filtered: int = Field(
         0, description="episodes that failed (infrastructure) max_attempts times, or were cancelled: not buffered"
     )
@@ -800,3 +885,66 @@ class BufferStatus(ProducerStats):
     pending: int | None = Field(description="entries taken, not yet acknowledged")
     acked: int | None = Field(description="entries acknowledged in total")
     buffer_expired: int | None = Field(description="entries the buffer removed as expired, in total")
+
+
+# -- the rollout viewer's reads (GET /viewer, docs/viewer.md) ---------------------------------------------
+class JobsQuery(_Query):
+    """Query of GET /v1/jobs: which of the jobs kept to list, newest first."""
+
+    state: JobState | None = Field(None, description="only jobs in this state")
+    task: str | None = Field(None, max_length=200, description="only jobs of this task")
+    limit: int = Field(100, ge=1, le=10_000, description="at most this many jobs")
+
+
+class JobSummary(BaseModel):
+    """One job as the viewer's list shows it: what it ran, how it ended and what it was worth. The fields of its
+    trajectory are null until it has finished."""
+
+    job_id: str
+    task: str
+    state: JobState
+    submitted_at: float | None = Field(description="seconds since the epoch (null for a record: see recorded_at)")
+    recorded_at: float | None = Field(None, description="when its record was written (records only)")
+    timings: StageTimings
+    reward: float | None = None
+    reward_components: dict[str, float] = Field(default_factory=dict)
+    num_turns: int | None = None
+    finish_reason: str | None = None
+    policy_version_min: int | None = None
+    policy_version_max: int | None = None
+    staleness: int | None = Field(
+        None, description="JobList.policy_version less policy_version_min: how many versions behind it is"
+    )
+    error_class: str | None = None
+    error: str | None = Field(None, description="the error's message")
+    filter: bool | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    group: str | None = None
+    attempt: int = 1
+
+
+class JobList(BaseModel):
+    jobs: list[JobSummary] = Field(description="newest first")
+    matched: int = Field(description="jobs kept that match the query, the limit aside")
+    policy_version: int | None = Field(
+        description="the version staleness is counted from: the service's current one (records: the newest they hold)"
+    )
+    source: str = Field(description="`live` (this replica's jobs) or `records of DIR`")
+
+
+class TokenSequence(BaseModel):
+    """One token sequence of a trajectory as text: each id's piece, so that the pieces concatenate to the decoded
+    sequence (a character split across tokens is on its last token, the others' pieces empty)."""
+
+    prompt: list[str] | None = Field(description="a piece per prompt id; null without a tokenizer")
+    response: list[str] | None = Field(description="a piece per response id; null without a tokenizer")
+    versions: list[int | None] = Field(description="the policy version that sampled each response token, else null")
+
+
+class TrajectoryTokens(BaseModel):
+    """GET /v1/jobs/{id}/tokens: the token view of a finished job's trajectory (its ids, mask and logprobs are in
+    GET /v1/jobs/{id}/result)."""
+
+    job_id: str
+    tokenizer: str | None = Field(description="the tokenizer that made the pieces; null: none, the ids are shown")
+    sequences: list[TokenSequence] = Field(description="the trajectory's own sequence first, then its segments")

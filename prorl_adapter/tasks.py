@@ -145,6 +145,9 @@ class EpisodeState:
     # What eval produced besides the reward, for the trainer and for people (swe: "git_patch"); it reaches the
     # trajectory's `artifacts`.
     artifacts: dict[str, str] = field(default_factory=dict)
+    # What str_replace_editor's undo_edit restores, by path: the content before each edit, oldest first (None: the
+    # edit created the file); bounded by prorl_adapter/editor_tools.py.
+    file_history: dict[str, list[bytes | None]] = field(default_factory=dict)
 
 
 ToolFn = Callable[[SandboxHandle, dict[str, Any], EpisodeState], Awaitable[str]]
@@ -172,6 +175,23 @@ def _object(**properties: str) -> dict[str, Any]:
     }
 
 
+# The artifact that counts an episode's tool commands stopped by a sandbox limit (`note_limits`), as text ("2").
+SANDBOX_LIMITS_ARTIFACT = "sandbox_limits"
+# 128 + the signal a limit sends: SIGKILL (the memory limit's kill: a cgroup's OOM killer or the runtime's
+# watchdog), SIGXCPU (limits.cpu_seconds), SIGXFSZ (limits.file_size_mb).
+LIMIT_EXIT_CODES = frozenset({128 + 9, 128 + 24, 128 + 25})
+
+
+def note_limits(result: ExecResult, state: EpisodeState) -> None:
+    """Count a command that a sandbox limit stopped: a signal that a limit sends (LIMIT_EXIT_CODES; an agent's own
+    `kill -9` reads the same). Not counted: a tool call's own time limit (an honest test suite meets it), what a
+    limit refuses without a signal (a fork past the pids limit, a write past the disk limit: the command's own
+    error), and a command whose exit status hides its child's (`cmd; true`, `cmd | tail`)."""
+    if result.status != "timeout" and result.exit_code in LIMIT_EXIT_CODES:
+        count = int(state.artifacts.get(SANDBOX_LIMITS_ARTIFACT, "0")) + 1
+        state.artifacts[SANDBOX_LIMITS_ARTIFACT] = str(count)
+
+
 def format_result(result: ExecResult) -> str:
     if result.status == "timeout":
         return f"{result.output}\n[the command timed out and was stopped]"
@@ -186,7 +206,9 @@ def bash_tool(timeout: float) -> Tool:
         if not command.strip():
             return 'error: the bash tool needs a non-empty "command"'
         state.commands.append(command)
-        return format_result(await env.exec(command, timeout=timeout))
+        result = await env.exec(command, timeout=timeout)
+        note_limits(result, state)
+        return format_result(result)
 
     return Tool(
         "bash", "Run a bash command in the sandbox; state persists between calls.", _object(command="bash"), run
@@ -199,7 +221,9 @@ def python_tool(timeout: float) -> Tool:
         path = f"/tmp/snippet_{uuid.uuid4().hex[:8]}.py"
         await env.write_file(path, code)
         state.commands.append(f"python3 {path}")
-        return format_result(await env.exec(f"python3 {shlex.quote(path)}", timeout=timeout))
+        result = await env.exec(f"python3 {shlex.quote(path)}", timeout=timeout)
+        note_limits(result, state)
+        return format_result(result)
 
     return Tool("python", "Run a Python 3 program; its stdout is returned.", _object(code="Python source"), run)
 

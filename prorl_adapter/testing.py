@@ -133,10 +133,13 @@ class ScriptedSandbox:
         self._box.files[self._path(path)] = data.encode() if isinstance(data, str) else bytes(data)
 
     async def read_file(self, path: str) -> bytes:
-        try:
-            return self._box.files[self._path(path)]
-        except KeyError:
-            raise SandboxAPIError(404, f"no such file: {path}") from None
+        """A file's bytes; as the runtime answers: 404 for nothing there, 409 for a directory (files below it)."""
+        full = self._path(path)
+        if full in self._box.files:
+            return self._box.files[full]
+        if any(_under(name, full) for name in self._box.files):
+            raise SandboxAPIError(409, f"{full!r} is a directory")
+        raise SandboxAPIError(404, f"no such file: {path}")
 
     async def download_archive(self, path: str) -> bytes:
         """A tar.gz of the files under `path`, named relative to it, as the runtime packs them."""

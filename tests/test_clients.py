@@ -24,6 +24,7 @@ from aiohttp.test_utils import TestServer
 
 from prorl_adapter.models import (
     Batch,
+    BreakerState,
     BufferStatus,
     JobState,
     JobStatus,
@@ -32,6 +33,7 @@ from prorl_adapter.models import (
     PluginList,
     ServiceHealth,
     ServiceStatus,
+    TrajectoriesImported,
     Trajectory,
     WeightUpdateState,
 )
@@ -128,6 +130,12 @@ async def test_every_rollout_client_method_speaks_the_service_models():
         assert await client.ack([item.id for item in batch.items]) == 1
         buffer = await client.buffer()
         assert (buffer.pending, buffer.acked, buffer.buffer_expired, buffer.expired) == (0, 1, 0, 0)
+        replay = batch.items[0].trajectory
+        item = {k: getattr(replay, k) for k in ("prompt_ids", "response_ids", "response_mask", "response_logprobs")}
+        imported = await client.import_trajectories([{**item, "reward": 1.0, "policy_version": 0}])
+        assert isinstance(imported, TrajectoriesImported) and imported.imported == 1
+        assert (await client.buffer()).imported == 1
+        assert isinstance(await client.reset_breaker(), BreakerState)
 
         # weight updates
         paused = await client.pause_generation("drain", timeout_s=60)

@@ -51,6 +51,9 @@ class Outage(ExperienceBuffer):
     async def put(self, trajectory: Trajectory) -> str:
         return await self._reachable().put(trajectory)
 
+    async def put_many(self, trajectories: list[Trajectory]) -> list[str]:
+        return await self._reachable().put_many(trajectories)
+
     async def take(self, n: int, timeout: float | None = None, order: str = "newest") -> list:
         return await self._reachable().take(n, timeout, order)
 

@@ -11,7 +11,9 @@ import subprocess
 import sys
 import textwrap
 
+import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from prorl_adapter.models import (
     JobError,
@@ -24,7 +26,14 @@ from prorl_adapter.models import (
     Trajectory,
     Turn,
 )
-from prorl_adapter.service.records import RECORD_SCHEMA, Records, read_rows, read_trajectories
+from prorl_adapter.service.records import (
+    RECORD_SCHEMA,
+    TRAJECTORY_SCHEMA,
+    Records,
+    read_rows,
+    read_trajectories,
+    trajectory_row,
+)
 from prorl_adapter.service.server import PIPELINE
 
 from .fakes.llm import bash_call
@@ -190,3 +199,20 @@ def test_a_record_path_that_is_a_file_is_refused_at_start_in_one_line(tmp_path, 
     assert main(argv) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert f"--record {taken}: it is a file" in line
+
+
+def test_rows_of_the_earlier_schema_read_with_what_they_lack_as_null_and_a_later_one_is_refused(tmp_path):
+    """Schema 1 had no conversation columns: its rows read back as trajectories without prompt messages."""
+    delivered = trajectory("old")
+    row = trajectory_row(delivered, JobState.done, "r", 0.0)
+    new = ("prompt_messages_json", "prompt_tools_json")
+    old_schema = pa.schema([field for field in TRAJECTORY_SCHEMA if field.name not in new])
+    shards = tmp_path / "trajectories"
+    shards.mkdir()
+    pq.write_table(pa.Table.from_pylist([{**row, "schema_version": 1}], schema=old_schema), shards / "a.parquet")
+    [read] = read_trajectories(tmp_path)
+    assert read == delivered and read.prompt_messages == [] and read.prompt_tools is None
+    later = pa.Table.from_pylist([{**row, "schema_version": RECORD_SCHEMA + 1}], schema=TRAJECTORY_SCHEMA)
+    pq.write_table(later, shards / "b.parquet")
+    with pytest.raises(ValueError, match="newer than"):
+        list(read_trajectories(tmp_path))

@@ -11,6 +11,7 @@ descendants) expect. Each format here says how the tools are offered and how a t
 - `fenced`: the last fenced code block of a turn is its action, its language naming the tool (```bash, ```python,
   ```finish with the final answer). A tool can be written so when it takes exactly one required string
   argument; the tools and the rule are always described in the system prompt (no template lays out this format).
+  A tool of several arguments (`str_replace_editor`) is not offered in it: the hermes format offers it.
 
 The format is the job's (`JobRequest.action_format`) or else its task's (`TaskHandler.action_format`).
 """
@@ -68,9 +69,10 @@ class FencedFormat(ActionFormat):
     def offer(
         self, chat: ChatTokenizer, system_prompt: str, tools: list[Tool]
     ) -> tuple[str, list[dict[str, Any]] | None]:
-        lines = [f"- ```{tool.name}: {tool.description} The block holds {_argument(tool)}." for tool in tools]
-        usable = [tool.name for tool in tools if _argument(tool) is not None]
-        example = usable[0] if usable else "bash"
+        # A tool of several arguments cannot be a block: not offered (a block naming it is refused by `parse`).
+        usable = [tool for tool in tools if _argument(tool) is not None]
+        lines = [f"- ```{tool.name}: {tool.description} The block holds {_argument(tool)}." for tool in usable]
+        example = usable[0].name if usable else "bash"
         return (
             f"{system_prompt}\n\n# Actions\n\nTo act, end your reply with one fenced code block whose language names "
             "the action; only the last block of a reply is run, and its output comes back to you. The actions:\n"

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from server_kit.errors import ProrlError
 
@@ -35,6 +37,8 @@ class Episode:
     finish_reason: FinishReason = "max_turns"
     state: EpisodeState = field(default_factory=EpisodeState)
     segments: list[Segment] = field(default_factory=list)  # token sequences after the first (agent programs)
+    prompt_messages: list[dict[str, Any]] = field(default_factory=list)  # what rendered prompt_ids (agent loop)
+    prompt_tools: list[dict[str, Any]] | None = None
     generate_s: float = 0.0
     tools_s: float = 0.0
 
@@ -158,7 +162,8 @@ async def start_episode(
         raise PromptTooLong(
             f"the prompt is {len(prompt_ids)} tokens, max_context_tokens is {request.max_context_tokens}"
         )
-    return Episode(prompt_ids=prompt_ids, actions=actions), tools
+    episode = Episode(prompt_ids=prompt_ids, actions=actions, prompt_messages=messages, prompt_tools=schemas)
+    return episode, tools
 
 
 async def policy_turn(
@@ -238,6 +243,7 @@ async def tool_turn(
         episode.finish_reason = "max_context"
         return False
     turn.observation_tokens = len(observation_ids)
+    turn.tool_results = results
     episode.append(observation_ids, 0)
     return True
 
@@ -249,8 +255,13 @@ async def run_episode(
     chat: ChatTokenizer,
     llm: LLMPool,
     barrier: WeightBarrier,
+    started: Callable[[Episode], None] | None = None,
 ) -> Episode:
+    """The episode; `started` is given it as soon as it has a prompt, so that what a stopped episode had made is
+    known (the pipeline keeps it for a trajectory whose time budget ran out)."""
     episode, tools = await start_episode(request, handler, chat)
+    if started is not None:
+        started(episode)
     pin = Pin()
     for index in range(request.max_turns):
         pending = await policy_turn(episode, request, llm, chat, pin, barrier, index, tools)

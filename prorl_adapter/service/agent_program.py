@@ -18,7 +18,7 @@ from server_kit.errors import ProrlError
 from ..models import JobRequest
 from ..tasks import SandboxHandle, TaskHandler
 from .agent import Episode, clip
-from .gateway import Gateway
+from .gateway import REFUSED_ARTIFACT, Gateway
 
 STOP_MARGIN_S = 3.0  # the runtime's interrupt and kill graces, so the program is stopped before the stage is
 MAX_PROGRAM_S = 3600.0  # the runtime's default longest command (its --max-timeout)
@@ -86,4 +86,6 @@ async def run_program(
     run.state.turns = len(turns)
     run.state.response_tokens = sum(t.response_tokens for t in turns)
     run.state.artifacts.update({"agent_output": output, "agent_exit_code": str(result.exit_code)})
+    if episode.refused:
+        run.state.artifacts[REFUSED_ARTIFACT] = str(episode.refused)
     return run

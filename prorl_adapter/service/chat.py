@@ -42,6 +42,7 @@ class ChatTokenizer:
             raise ValueError(f"tokenizer {name_or_path!r} has no chat template")
         self.eos_id: int = self.tokenizer.eos_token_id
         self.eos_text: str = self.tokenizer.eos_token
+        self.vocab_size = len(self.tokenizer)  # every id it can decode, added tokens included
         rendered = self.render(_DUMMY, tools=None, add_generation_prompt=False)
         end = rendered.rfind(self.eos_text)
         if end < 0:

@@ -23,9 +23,12 @@ from server_kit.connections import add_connection_arguments, connection_limits
 from ..hooks.manager import read_plugin_config
 from ..launch.cli import add_ray_parser, run_ray
 from .adaptive_concurrency import AdaptiveConfig
+from .circuit_breaker import BreakerConfig
 from .config import RolloutConfig
 from .decoupled import ProducerConfig
 from .pipeline import PipelineConfig
+from .records_cli import add_records_parsers, run_export, run_import
+from .records_viewer import add_view_parser, run_view
 from .storage import REDIS_SCHEMES
 from .warm_sandboxes import WarmConfig
 
@@ -239,6 +242,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="sandbox creations in flight on one runtime from this replica at most, episodes' before warm "
         "refills (default %(default)s: no limit)",
     )
+    breaker = BreakerConfig()
+    serve.add_argument(
+        "--breaker-threshold",
+        type=float,
+        default=breaker.threshold,
+        metavar="SHARE",
+        help="the circuit breaker: pause admission once this share of one policy version's episodes (with at least "
+        "--breaker-min-episodes of them) shows a signal; POST /v1/breaker/reset resumes it (default: off)",
+    )
+    serve.add_argument(
+        "--breaker-min-episodes",
+        type=_at_least(1),
+        default=breaker.min_episodes,
+        metavar="N",
+        help="episodes of one version counted before the breaker weighs its share (default %(default)s)",
+    )
+    serve.add_argument(
+        "--breaker-signals",
+        default=",".join(breaker.signals),
+        metavar="LIST",
+        help="the signals the breaker weighs, comma-separated: some of %(default)s (default: all)",
+    )
     serve.add_argument("--log-level", type=log_level, default="INFO", help=f"one of {', '.join(LOG_LEVELS)}")
     serve.add_argument(
         "--debug",
@@ -256,13 +281,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     openapi.add_argument("--gateway", action="store_true", help="print the LLM gateway's document instead")
     add_ray_parser(sub)
+    add_records_parsers(sub)
+    add_view_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "export":
+        return run_export(args)
+    if args.command == "import":
+        return run_import(args)
     if args.command == "ray":
         return run_ray(args)
+    if args.command == "view":
+        return run_view(args)
     if args.command == "plugins":
         return list_plugins(args.plugin, args.block_plugin, args.plugin_config)
     if args.command == "openapi":
@@ -328,6 +361,11 @@ def main(argv: list[str] | None = None) -> int:
             max_age_s=args.warm_max_age_s,
         ),
         max_concurrent_creates=args.max_concurrent_creates,
+        breaker=BreakerConfig(
+            threshold=args.breaker_threshold,
+            min_episodes=args.breaker_min_episodes,
+            signals=tuple(name.strip() for name in args.breaker_signals.split(",") if name.strip()),
+        ),
     )
     if config.buffer_url != "memory://" and not config.buffer_url.startswith(REDIS_SCHEMES):
         return fail(

@@ -11,6 +11,7 @@ from sandbox_runtime.config import SERVICE_URL
 from server_kit.address import advertised_url, check_exposure
 from server_kit.connections import ConnectionLimits
 
+from .circuit_breaker import BreakerConfig
 from .decoupled import ProducerConfig
 from .pipeline import PipelineConfig
 from .warm_sandboxes import WarmConfig
@@ -59,6 +60,8 @@ class RolloutConfig:
     # What a runtime presents to register (PUT /v1/runtimes/{name}); None: the sandbox token, and with neither,
     # registration is refused (see `registration_credential`). A registered runtime is called with its own token.
     registration_token: str | None = None
+    # The circuit breaker (circuit_breaker.py): off unless a threshold is given.
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
 
     @property
     def registration_credential(self) -> str | None:
@@ -90,6 +93,7 @@ class RolloutConfig:
         if not 0 < self.heartbeat_s <= 3600:
             raise ValueError(f"the replica heartbeat {self.heartbeat_s:g} s must be in (0, 3600]")
         self.warm.check()
+        self.breaker.check()
         if not isinstance(self.pipeline.max_run_workers, int) or self.pipeline.max_run_workers < 1:
             raise ValueError(f"--max-run-workers {self.pipeline.max_run_workers!r} must be an integer >= 1")
         self.pipeline.adaptive.check(self.pipeline.max_run_workers)

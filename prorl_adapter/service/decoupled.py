@@ -76,6 +76,12 @@ class BadTake(ApiError, ValueError):
     status = 400
 
 
+class BufferFull(ApiError):
+    """An import the buffer has no room for under max_buffered (the API answers 409)."""
+
+    status = 409
+
+
 @dataclass
 class Lease:
     deadline: float
@@ -447,6 +453,20 @@ class Producer:
                 buffered[lease.version] -= 1
         buffered = {version: n for version, n in buffered.items() if n > 0}
         return AdmissionState(self.coordination.version, await self.prompts.running_versions(), buffered)
+
+    async def import_trajectories(self, trajectories: list[Trajectory]) -> list[str]:
+        """Put imported trajectories into the buffer, all or none; the next takes deliver them. Refused (409) where
+        they would take the buffer past max_buffered: an import may not grow it without bound, nor hold admission
+        back for the service's own episodes beyond what the operator allowed."""
+        held = sum((await self.buffer.version_counts()).values())
+        if held + len(trajectories) > self.config.max_buffered:
+            raise BufferFull(
+                f"the buffer holds {held} entries: {len(trajectories)} more would pass max_buffered="
+                f"{self.config.max_buffered}; import after the trainer has taken some"
+            )
+        ids = await self.buffer.put_many(trajectories)
+        self.stats.imported += len(ids)
+        return ids
 
     async def ack(self, ids: list[str]) -> int:
         acknowledged = await self.buffer.ack(ids)

@@ -35,7 +35,7 @@ from pathlib import Path
 from aiohttp import web
 from jinja2 import TemplateError
 from prometheus_client import Counter
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from server_kit.connections import mark_credential_checked
 from server_kit.errors import ApiError
@@ -74,7 +74,7 @@ from .openai_wire import (
     ToolCallOut,
     Usage,
 )
-from .records import Records
+from .records import Conversation, Records
 from .responses_wire import ResponseObject, ResponsesRequest, ResponseStore, ResponseUsage
 from .token_history import CallLog, ChatKey, Sampled, canonical, tools_key
 from .weight_barrier import WeightBarrier
@@ -85,6 +85,10 @@ CALLS_IN_FLIGHT = 4  # per episode; more wait for a slot
 # Requests of one key in flight at most, counted from before the body is read: more are refused (429), so a
 # sandbox cannot hold the gateway's connections in requests (a body trickled in, say) with the key it was given.
 REQUESTS_PER_KEY = 2 * CALLS_IN_FLIGHT
+# The artifact that counts the requests the gateway refused from an episode's sandbox, as text ("3").
+REFUSED_ARTIFACT = "gateway_refused"
+TURN_LIMIT = "turn_limit_reached"  # the code of a call past max_turns
+LLM_REFUSED = "llm_server_refused"  # the code of a call the LLM server refused (a 4xx of its own)
 COUNTS_PER_TURN = 4  # count_tokens calls an episode may make per turn of its limit
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a call's body: messages of a long context, far from the service's 16 MiB
 
@@ -109,6 +113,8 @@ class GatewayEpisode:
     calls_started: int = 0
     counts: int = 0  # count_tokens calls answered or in flight
     requests_open: int = 0  # requests with this key being read or answered (`_known_key`)
+    refused: int = 0  # requests with this key the gateway refused (`_known_key`; the trajectory's REFUSED_ARTIFACT)
+    told_turn_limit: bool = False  # a call past max_turns was answered: the next ones count as refused
     open: bool = True
     slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(CALLS_IN_FLIGHT))
     responses: ResponseStore = field(default_factory=ResponseStore)  # what `previous_response_id` continues
@@ -197,7 +203,8 @@ class Gateway:
             reply = {"role": "assistant", "content": content}
             reply["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]
             key = ChatKey(digest, len(messages), tools_key(tools), canonical(reply))
-            self._record(episode, protocol, sampled, key, calls, parsed.errors if parsed else [])
+            errors = parsed.errors if parsed else []
+            self._record(episode, protocol, sampled, key, calls, errors, (messages, tools, reply))
         return ChatTurn(sampled, content, calls, stop)
 
     async def chat_completion(self, episode: GatewayEpisode, body: ChatCompletionRequest) -> ChatCompletion:
@@ -398,7 +405,7 @@ class Gateway:
         except LLMUnavailable as exc:
             raise GatewayError(503, f"no LLM server can answer now: {exc}") from exc
         except LLMRequestError as exc:
-            raise GatewayError(400, f"the LLM server refused the request: {exc}") from exc
+            raise GatewayError(400, f"the LLM server refused the request: {exc}", code=LLM_REFUSED) from exc
         generation = sampled.generation
         return Sampled(
             prompt_ids=prompt_ids,
@@ -420,6 +427,7 @@ class Gateway:
         chat: ChatKey | None = None,
         calls: list[ToolCall] | None = None,
         errors: list[str] | None = None,
+        conversation: Conversation | None = None,
     ) -> None:
         """Into the episode's log, and into the service's records (`--record`) whether or not the episode still
         runs: a call answered after its run ended is in no trajectory, and refused (404)."""
@@ -428,7 +436,7 @@ class Gateway:
             recorded = len(episode.log.calls), episode.log.record(sampled, chat, calls, errors)
         if self.records is not None:
             parsed = (list(calls or []), list(errors or []))
-            self.records.call(episode.job_id, episode.run_id, protocol, sampled, recorded, parsed)
+            self.records.call(episode.job_id, episode.run_id, protocol, sampled, recorded, parsed, conversation)
         if recorded is None:  # answered after the run ended: the trajectory is already built without it
             raise GatewayError(404, "the episode's run ended while this call was sampled; it was not recorded")
 
@@ -436,7 +444,8 @@ class Gateway:
 def refuse_spent(episode: GatewayEpisode) -> None:
     """GatewayError (400) once the episode has started all the calls its turn limit allows."""
     if episode.calls_started >= episode.request.max_turns:
-        raise GatewayError(400, f"this episode's turn limit is reached: max_turns={episode.request.max_turns}")
+        message = f"this episode's turn limit is reached: max_turns={episode.request.max_turns}"
+        raise GatewayError(400, message, code=TURN_LIMIT)
 
 
 def _anthropic_chat(body: CountTokensRequest) -> tuple[list[dict], list[dict] | None]:
@@ -746,13 +755,31 @@ async def _known_key(request: web.Request, handler) -> web.StreamResponse:
     if "key" not in request.match_info and not request.path.startswith(HEADER_KEYED):  # the OpenAPI document
         return await handler(request)
     episode = _episode(request)
-    if request.method == "POST" and not request.path.endswith("/count_tokens"):  # the generating calls
-        refuse_spent(episode)
-    if episode.requests_open >= REQUESTS_PER_KEY:
-        raise GatewayError(429, f"this episode's key has {REQUESTS_PER_KEY} requests in flight already")
-    mark_credential_checked(request)
-    episode.requests_open += 1
     try:
-        return await handler(request)
-    finally:
-        episode.requests_open -= 1
+        if request.method == "POST" and not request.path.endswith("/count_tokens"):  # the generating calls
+            refuse_spent(episode)
+        if episode.requests_open >= REQUESTS_PER_KEY:
+            raise GatewayError(429, f"this episode's key has {REQUESTS_PER_KEY} requests in flight already")
+        mark_credential_checked(request)
+        episode.requests_open += 1
+        try:
+            return await handler(request)
+        finally:
+            episode.requests_open -= 1
+    except (ApiError, ValidationError) as exc:
+        if _refusal(exc, episode):
+            episode.refused += 1
+        raise
+
+
+def _refusal(exc: ApiError | ValidationError, episode: GatewayEpisode) -> bool:
+    """Whether the gateway refused what the episode's sandbox sent it through the forward: a 4xx (a flood of
+    requests, a field or tool it does not serve, a body it cannot read, a turn past the limit after the first
+    such), not what an honest harness meets: a full context (it compacts on it), its first call past the turn limit
+    (it learns of the limit so), the LLM server's own 4xx, nor a call answered after the run ended (404)."""
+    if isinstance(exc, ValidationError):
+        return True
+    if exc.code == TURN_LIMIT and not episode.told_turn_limit:
+        episode.told_turn_limit = True
+        return False
+    return 400 <= exc.status < 500 and exc.status != 404 and exc.code not in ("context_length_exceeded", LLM_REFUSED)

@@ -5,10 +5,42 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..hooks.specs import hookimpl
-from ..models import JobState, RunConcurrencyState, Trajectory
+from ..models import BatchItem, BreakerState, JobState, RunConcurrencyState, Trajectory
 
 TAMPERED_ARTIFACT = "tampered"  # the artifact a task's eval sets when it found the grading tampered with
 _SECONDS = (0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900, 1800)
+_STALENESS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
+TOKEN_BUCKETS = tuple(2**n for n in range(6, 16))  # 64 .. 32768
+# What cut a trajectory short (`truncation_budget`): a stage overran the job's time budget (it is filtered), or
+# the episode ran into its turn or context limit, or an agent program ran out of its time (graded all the same).
+CUT_BY_FINISH = ("max_turns", "max_context", "agent_timeout")
+
+
+def response_tokens(trajectory: Trajectory) -> int:
+    """Every token after the prompt, the policy's and the tools', in all the trajectory's sequences."""
+    return len(trajectory.response_ids) + sum(len(segment.response_ids) for segment in trajectory.segments)
+
+
+UNKNOWN_LENGTH = "unknown"  # the length bucket of a cut run that kept nothing
+
+
+def length_bucket(tokens: int) -> str:
+    """The label of the smallest TOKEN_BUCKETS bound that holds `tokens` ("<=1024"), or ">32768"."""
+    bound = next((b for b in TOKEN_BUCKETS if tokens <= b), None)
+    return f"<={bound}" if bound is not None else f">{TOKEN_BUCKETS[-1]}"
+
+
+def truncation_budget(trajectory: Trajectory) -> str | None:
+    """The budget that cut the trajectory short, or None: `init_timeout`, `run_timeout`, `eval_timeout` (the
+    job's time budget ran out in that stage: the last stage that took time, since the pipeline counts a stage's
+    time before it ends the job), or its finish reason among CUT_BY_FINISH."""
+    error = trajectory.error
+    if error is not None:
+        if error.error_class != "timeout":
+            return None
+        timings = trajectory.timings
+        return "eval_timeout" if timings.eval_s > 0 else "run_timeout" if timings.run_s > 0 else "init_timeout"
+    return trajectory.finish_reason if trajectory.finish_reason in CUT_BY_FINISH else None
 
 
 class RolloutMetrics:
@@ -31,6 +63,40 @@ class RolloutMetrics:
         self.reward = Histogram(
             "prorl_rollout_reward", "Reward of finished episodes", ["task"], buckets=(0, 0.25, 0.5, 0.75, 1), registry=r
         )
+        # What a trainer is handed (POST /v1/batches): its version then, less the trajectory's oldest turn's.
+        self.staleness_at_training = Histogram(
+            "prorl_rollout_staleness_at_training",
+            "Versions between a trajectory's oldest turn and the policy version when a trainer takes it (decoupled "
+            "mode, each delivery)",
+            buckets=_STALENESS,
+            registry=r,
+        )
+        self.trajectory_tokens = Histogram(
+            "prorl_rollout_trajectory_tokens",
+            "Response tokens (the policy's and the tools', every sequence) of graded trajectories",
+            ["task"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.truncated = Counter(
+            "prorl_rollout_truncated_trajectories",
+            "Trajectories cut short by a budget (init_timeout, run_timeout, eval_timeout, max_turns, max_context, "
+            "agent_timeout), by the length they had (the response tokens' bucket)",
+            ["task", "budget", "length_bucket"],
+            registry=r,
+        )
+        # The circuit breaker (circuit_breaker.py), set from its state at each scrape.
+        self.breaker_tripped = Gauge(
+            "prorl_rollout_breaker_tripped", "1 while the circuit breaker holds admission back", registry=r
+        )
+        self.breaker_trips = Counter("prorl_rollout_breaker_trips", "Times the circuit breaker tripped", registry=r)
+        self.breaker_signals = Counter(
+            "prorl_rollout_breaker_signal_episodes",
+            "Finished episodes that showed a signal the circuit breaker reads (tampered, sandbox_limits, refused)",
+            ["signal"],
+            registry=r,
+        )
+        self._breaker_counted: dict[str, int] = {"trips": 0}
         self.in_flight = Gauge("prorl_rollout_jobs_in_flight", "Jobs not finished", ["state"], registry=r)
         self.policy_version = Gauge("prorl_rollout_policy_version", "Current policy version", registry=r)
         # The weight-update barrier (weight_barrier.py), set from its state at each scrape.
@@ -80,6 +146,20 @@ class RolloutMetrics:
             self.warm.labels(outcome).inc(total - self._warm_counted[outcome])
             self._warm_counted[outcome] = total
 
+    def set_breaker(self, state: BreakerState, totals: dict[str, int]) -> None:
+        """The breaker's gauge, and its counters brought up to its totals (at each scrape)."""
+        self.breaker_tripped.set(state.tripped)
+        counters = {"trips": (self.breaker_trips, state.trips)}
+        counters.update({signal: (self.breaker_signals.labels(signal), n) for signal, n in totals.items()})
+        for name, (counter, total) in counters.items():
+            counter.inc(total - self._breaker_counted.get(name, 0))
+            self._breaker_counted[name] = total
+
+    def took(self, items: list[BatchItem], version: int) -> None:
+        """A trainer took `items` at policy `version`: their staleness then."""
+        for item in items:
+            self.staleness_at_training.observe(version - item.trajectory.policy_version_min)
+
     def set_run_concurrency(self, state: RunConcurrencyState) -> None:
         self.run_limit.set(state.limit)
         self.run_target.set(state.target_engine_batch or 0)
@@ -99,6 +179,13 @@ class RolloutMetrics:
             self.stage_seconds.labels(stage.removesuffix("_s")).observe(getattr(trajectory.timings, stage))
         if state is JobState.done:
             self.reward.labels(trajectory.task).observe(trajectory.reward)
+            self.trajectory_tokens.labels(trajectory.task).observe(response_tokens(trajectory))
+        if state is not JobState.cancelled and (budget := truncation_budget(trajectory)) is not None:
+            # A run cut by its time budget with nothing kept (an agent program's: its calls are not gathered
+            # before it ends) is of a length nobody knows, not a short one.
+            unknown = budget == "run_timeout" and not trajectory.num_turns
+            bucket = UNKNOWN_LENGTH if unknown else length_bucket(response_tokens(trajectory))
+            self.truncated.labels(trajectory.task, budget, bucket).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -96,12 +96,16 @@ class Job:
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     stage_task: asyncio.Task | None = None
     lost_runtimes: set[str] = field(default_factory=set)  # runtimes this job's episode was lost on
+    partial: Episode | None = None  # the agent loop's episode while it runs: kept if the time budget cuts it
     paused_s: float = 0.0  # of its run stage, spent while the weight-update barrier held generation
 
     def budget_left(self, default_timeout: float) -> float:
         """Its time budget less its stages' time, where a weight update's pause does not count."""
         spent = self.timings.init_s + self.timings.run_s + self.timings.eval_s - self.paused_s
         return (self.request.timeout_s or default_timeout) - spent
+
+    def keep_partial(self, episode: Episode) -> None:
+        self.partial = episode
 
     def status(self) -> JobStatus:
         return JobStatus(
@@ -351,7 +355,9 @@ class RolloutPipeline:
                 budget = job.budget_left(self.config.default_timeout_s)
                 job.episode = await run_program(job.id, job.request, job.handler, job.env, self.gateway, budget)
             else:
-                job.episode = await run_episode(job.request, job.handler, job.env, self.chat, self.llm, self.barrier)
+                job.episode = await run_episode(
+                    job.request, job.handler, job.env, self.chat, self.llm, self.barrier, started=job.keep_partial
+                )
         except ProgramFailed as exc:
             raise StageFailed("run", str(exc)) from exc
         except (LLMUnavailable, LLMRequestError) as exc:
@@ -491,6 +497,10 @@ class RolloutPipeline:
             message = (
                 f"time budget of {job.request.timeout_s or self.config.default_timeout_s:g} s spent in {state.value}"
             )
+            if state is JobState.running and job.episode is None:
+                # What the agent loop had made when the budget cut it: the trajectory (filtered all the same) shows
+                # how long an episode ran before it was cut, which the truncation metric counts by length.
+                job.episode = job.partial
             await self._finish(job, JobState.failed, JobError(error_class="timeout", message=message))
         elif task.cancelled():
             await self._finish(job, JobState.cancelled, JobError(error_class="cancelled", message="cancelled"))
@@ -515,7 +525,7 @@ class RolloutPipeline:
         log.warning("job %s: %s; starting it again on another runtime", job.id, lost)
         job.lost_runtimes.add(lost.url)
         await self._release(job)
-        job.episode, job.reward_components, job.reward = None, {}, 0.0
+        job.episode, job.partial, job.reward_components, job.reward = None, None, {}, 0.0
         job.state = JobState.queued
 
     async def _release(self, job: Job) -> None:
@@ -526,7 +536,7 @@ class RolloutPipeline:
     async def _finish(self, job: Job, state: JobState, error: JobError | None = None) -> None:
         if job.state.finished:
             return
-        job.state, job.error = state, error
+        job.state, job.error, job.partial = state, error, None  # what a cut run made is job.episode by now
         try:
             await self._release(job)
         except Exception:  # the job's result must still be delivered: never leave a waiter hanging
@@ -574,6 +584,8 @@ class RolloutPipeline:
             retry_of=job.request.retry_of,
             artifacts=episode.state.artifacts,
             segments=episode.segments,
+            prompt_messages=episode.prompt_messages,
+            prompt_tools=episode.prompt_tools,
         )
 
     def _forget_old_jobs(self) -> None:

@@ -43,7 +43,7 @@ from .token_history import Call, Sampled
 
 log = logging.getLogger(__name__)
 
-RECORD_SCHEMA = 1
+RECORD_SCHEMA = 2  # 2: the prompt's chat messages and tools, each call's messages and reply (1: without them)
 SHARD_BYTES = 64 * 1024 * 1024
 SHARD_AGE_S = 600.0
 FLUSH_ROWS = 256  # rows per Parquet row group, at most
@@ -51,6 +51,8 @@ FLUSH_S = 5.0  # a row waits at most this long to be written (a row group of few
 OPEN_PREFIX = "."  # a shard being written is hidden: Parquet readers of a directory (pyarrow, pandas) skip it
 OPEN_SUFFIX = ".open"
 _NOTHING = object()  # the writer's wake-up at a deadline, without a row
+# A gateway call as chat: its messages, its tools (None: none) and its answer as an assistant message.
+Conversation = tuple[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any]]
 
 TRAJECTORY_SCHEMA = pa.schema(
     [
@@ -83,6 +85,8 @@ TRAJECTORY_SCHEMA = pa.schema(
         ("turns_json", pa.string()),
         ("segments_json", pa.string()),
         ("artifacts", pa.map_(pa.string(), pa.string())),
+        ("prompt_messages_json", pa.string()),  # the chat messages of prompt_ids (the built-in agent loop's)
+        ("prompt_tools_json", pa.string()),
     ]
 )
 
@@ -119,11 +123,13 @@ def trajectory_row(trajectory: Trajectory, state: JobState, replica: str, record
         "turns_json": json.dumps([turn.model_dump(mode="json") for turn in t.turns]),
         "segments_json": json.dumps([segment.model_dump(mode="json") for segment in t.segments]),
         "artifacts": list(t.artifacts.items()),
+        "prompt_messages_json": json.dumps(t.prompt_messages),
+        "prompt_tools_json": json.dumps(t.prompt_tools),
     }
 
 
 def row_trajectory(row: dict[str, Any]) -> Trajectory:
-    """The trajectory a record's row (of this RECORD_SCHEMA: `read_rows` checks) holds, as the service delivered
+    """The trajectory a record's row (as `read_rows` gives it) holds, as the service delivered
     it."""
     error = JobError(error_class=row["error_class"], message=row["error_message"]) if row["error_class"] else None
     return Trajectory(
@@ -150,6 +156,8 @@ def row_trajectory(row: dict[str, Any]) -> Trajectory:
         retry_of=row["retry_of"],
         artifacts=dict(row["artifacts"]),
         segments=[Segment.model_validate(s) for s in json.loads(row["segments_json"])],
+        prompt_messages=json.loads(row["prompt_messages_json"] or "[]"),
+        prompt_tools=json.loads(row["prompt_tools_json"] or "null"),
     )
 
 
@@ -175,6 +183,11 @@ CALL_SCHEMA = pa.schema(
         ("tool_calls_json", pa.string()),
         ("tool_call_errors", pa.list_(pa.string())),
         ("generate_s", pa.float64()),
+        # The call as chat messages (every protocol's is translated to them), its tools and the answer as an
+        # assistant message; null for a completions call (a prompt of text).
+        ("messages_json", pa.string()),
+        ("tools_json", pa.string()),
+        ("reply_json", pa.string()),
     ]
 )
 
@@ -186,12 +199,15 @@ def call_row(
     sampled: Sampled,
     recorded: tuple[int, Call] | None,
     parsed: tuple[list[ToolCall], list[str]],
+    conversation: Conversation | None,
     replica: str,
     recorded_at: float,
 ) -> dict[str, Any]:
     """A gateway call's row: `recorded` is its index among the episode's calls and the episode's record of it
-    (None: the episode's run had ended, so it is in no trajectory); `parsed` its tool calls and their errors."""
+    (None: the episode's run had ended, so it is in no trajectory); `parsed` its tool calls and their errors;
+    `conversation` its chat messages, tools and reply (None for a completions call)."""
     index, call = recorded if recorded else (None, None)
+    messages, tools, reply = conversation if conversation else (None, None, None)
     tool_calls, errors = parsed
     starts = [(0, sampled.policy_version)] + [(r.offset, r.policy_version) for r in sampled.resumptions]
     ends = [offset for offset, _ in starts[1:]] + [len(sampled.response_ids)]
@@ -217,21 +233,39 @@ def call_row(
         "tool_calls_json": json.dumps([c.model_dump() for c in tool_calls]),
         "tool_call_errors": errors,
         "generate_s": sampled.generate_s,
+        "messages_json": None if messages is None else json.dumps(messages),
+        "tools_json": None if messages is None else json.dumps(tools),
+        "reply_json": None if reply is None else json.dumps(reply),
     }
 
 
-def read_rows(directory: Path, stream: str = "trajectories") -> Iterator[dict[str, Any]]:
+def read_rows(
+    directory: Path, stream: str = "trajectories", columns: list[str] | None = None
+) -> Iterator[dict[str, Any]]:
     """Every row of `stream` under `directory` (a `--record` directory), shard by shard in the order they were
-    begun; a shard still `.open` (being written, or left by a killed service) is skipped with a warning."""
+    begun, with `columns` only if given (of the stream's schema); a shard still `.open` (being written, or left
+    by a killed service) is skipped with a warning. Rows of an earlier schema version read with the columns it
+    lacked as null; a later one is refused."""
     shards = directory / stream
+    schema = TRAJECTORY_SCHEMA if stream == "trajectories" else CALL_SCHEMA
+    if columns is not None:
+        schema = pa.schema([schema.field(name) for name in ["schema_version", *columns]])
     for path in sorted(shards.glob(f"{OPEN_PREFIX}*.parquet{OPEN_SUFFIX}")):
         log.warning("%s: not closed (being written, or its service was killed): skipped", path)
     for path in sorted(p for p in shards.glob("*.parquet") if not p.name.startswith(OPEN_PREFIX)):
-        for batch in pq.ParquetFile(path).iter_batches():
+        shard = pq.ParquetFile(path)
+        present = [name for name in schema.names if name in shard.schema_arrow.names]
+        for batch in shard.iter_batches(columns=present):
             for row in batch.to_pylist():
-                if row["schema_version"] != RECORD_SCHEMA:
-                    raise ValueError(f"{path}: record schema {row['schema_version']} is not {RECORD_SCHEMA}")
-                yield row
+                yield current_row(row, schema, path)
+
+
+def current_row(row: dict[str, Any], schema: pa.Schema, path: Path) -> dict[str, Any]:
+    """A row read from the shard `path`, with every column of `schema` (of this RECORD_SCHEMA): a row of an earlier
+    version has the columns it lacked as null; one of a later version is refused (ValueError)."""
+    if row["schema_version"] > RECORD_SCHEMA:
+        raise ValueError(f"{path}: record schema {row['schema_version']} is newer than {RECORD_SCHEMA}")
+    return {column: row.get(column) for column in schema.names}
 
 
 def read_trajectories(directory: Path) -> Iterator[Trajectory]:
@@ -261,9 +295,12 @@ class Records:
         sampled: Sampled,
         recorded: tuple[int, Call] | None,
         parsed: tuple[list[ToolCall], list[str]],
+        conversation: Conversation | None = None,
     ) -> None:
         now = time.time()
-        self.calls.put(lambda: call_row(job_id, episode, protocol, sampled, recorded, parsed, self.replica, now))
+        self.calls.put(
+            lambda: call_row(job_id, episode, protocol, sampled, recorded, parsed, conversation, self.replica, now)
+        )
 
     def close(self) -> None:
         """Write what is queued and close the shards (blocking: call it off the event loop)."""

@@ -42,8 +42,12 @@ from ..models import (
     AckRequest,
     Batch,
     BatchRequest,
+    BreakerState,
     BufferStatus,
+    ImportRequest,
+    JobList,
     JobRequest,
+    JobsQuery,
     JobStatus,
     LLMServerInfo,
     LLMServerList,
@@ -62,16 +66,20 @@ from ..models import (
     ServiceHealth,
     ServiceStatus,
     TaskList,
+    TrajectoriesImported,
     Trajectory,
+    TrajectoryTokens,
     WaitQuery,
     WeightUpdatePause,
     WeightUpdateResume,
     WeightUpdateState,
 )
-from . import gateway, prorl_api
+from . import gateway, prorl_api, viewer
 from .chat import ChatTokenizer
+from .circuit_breaker import CircuitBreaker
 from .config import RolloutConfig
 from .decoupled import Producer
+from .imports import imported_trajectories
 from .llm import LLMPool
 from .metrics import RolloutMetrics
 from .pipeline import RolloutPipeline
@@ -97,6 +105,7 @@ COORDINATION = web.AppKey("coordination", Coordination)
 BOARD = web.AppKey("board", JobBoard)
 REPLICA = web.AppKey("replica", Replica)
 METRICS = web.AppKey("metrics", RolloutMetrics)
+BREAKER = web.AppKey("breaker", CircuitBreaker)
 GATEWAY_APP = web.AppKey("gateway_app", web.Application)
 REGISTRATION_CREDENTIAL = web.AppKey("registration_credential", str)
 TASKS = web.AppKey("tasks", dict)  # task name -> TaskHandler, from the plugins
@@ -160,6 +169,8 @@ async def metrics(request: web.Request) -> web.Response:
     warm = request.app[SANDBOXES].warm
     if warm is not None:
         app_metrics.count_warm(warm.hits, warm.misses)
+    breaker = request.app[BREAKER]
+    app_metrics.set_breaker(breaker.describe(), breaker.totals)
     return web.Response(body=app_metrics.render(), content_type="text/plain")
 
 
@@ -171,6 +182,7 @@ def refuse_service_fields(request: JobRequest) -> None:
 
 async def submit_job(request: web.Request, body: JobRequest) -> web.Response:
     refuse_service_fields(body)
+    request.app[BREAKER].check_admission()
     statuses, created = await request.app[BOARD].submit(body)
     status = statuses[0]
     if body.num_samples > 1:
@@ -185,6 +197,31 @@ async def get_job(request: web.Request) -> web.Response:
 async def get_result(request: web.Request, query: WaitQuery) -> web.Response:
     reply = await request.app[BOARD].result(request.match_info["id"], query.wait)
     return json_response(reply, status=202 if isinstance(reply, JobStatus) else 200)
+
+
+async def list_jobs(request: web.Request, query: JobsQuery) -> web.Response:
+    """The jobs this replica keeps (its pipeline's: with a shared job board, those it ran), newest first: the
+    viewer's list."""
+    pipeline = request.app[PIPELINE]
+    version = pipeline.policy_version
+    jobs = reversed(pipeline.jobs.values())
+    chosen, matched = viewer.matching(jobs, lambda job: job.state, lambda job: job.request.task, query)
+    summaries = [
+        viewer.summary(
+            job.id, job.request.task, job.state, job.timings, job.result, job.error, version, job.submitted_at
+        )
+        for job in chosen
+    ]
+    return json_response(JobList(jobs=summaries, matched=matched, policy_version=version, source="live"))
+
+
+async def job_tokens(request: web.Request) -> web.Response:
+    """A finished job's trajectory as token pieces, by the service's tokenizer (on its thread)."""
+    reply = await request.app[BOARD].result(request.match_info["id"], 0.0)
+    if isinstance(reply, JobStatus):
+        return json_response(reply, status=202)
+    chat = request.app[PIPELINE].chat
+    return json_response(await chat.off_loop(viewer.trajectory_tokens, reply, chat))
 
 
 async def cancel_job(request: web.Request) -> web.Response:
@@ -212,8 +249,17 @@ async def service_status(request: web.Request) -> web.Response:
             replicas=replicas,
             runtimes=sandboxes.describe(),
             warm_sandboxes=sandboxes.describe_warm(),
+            breaker=request.app[BREAKER].describe(),
         )
     )
+
+
+async def reset_breaker(request: web.Request) -> web.Response:
+    """An operator's decision that training may go on: the breaker closes, its counts start again from zero, and
+    queued prompts are admitted again."""
+    state = request.app[BREAKER].reset()
+    request.app[PRODUCER].wake()
+    return json_response(state)
 
 
 async def runtime_heartbeat(request: web.Request, body: RuntimeHeartbeat) -> web.Response:
@@ -311,7 +357,19 @@ async def enqueue_prompts(request: web.Request, body: PromptsRequest) -> web.Res
 async def take_batch(request: web.Request, body: BatchRequest) -> web.Response:
     timeout = MAX_WAIT_S if body.timeout_s is None else min(body.timeout_s, MAX_WAIT_S)
     items = await request.app[PRODUCER].take_batch(body.size, timeout, body.current_logprobs, body.lease_s)
-    return json_response(Batch(items=items, policy_version=request.app[PIPELINE].policy_version))
+    version = request.app[PIPELINE].policy_version
+    request.app[METRICS].took(items, version)
+    return json_response(Batch(items=items, policy_version=version))
+
+
+async def import_trajectories(request: web.Request, body: ImportRequest) -> web.Response:
+    pipeline = request.app[PIPELINE]
+    checked = (body, pipeline.chat.vocab_size, pipeline.policy_version)
+    trajectories = await asyncio.to_thread(imported_trajectories, *checked)  # checks every id: off the loop
+    ids = await request.app[PRODUCER].import_trajectories(trajectories)
+    return json_response(
+        TrajectoriesImported(imported=len(ids), ids=ids, job_ids=[t.job_id for t in trajectories]), status=201
+    )
 
 
 async def ack_batch(request: web.Request, body: AckRequest) -> web.Response:
@@ -461,6 +519,8 @@ ROLLOUT_API = API(
             errors={
                 400: "the request is not valid, or names an unknown task",
                 409: "the job_id is taken by a different request",
+                503: "the circuit breaker has tripped (the message says why): no job is admitted until "
+                "POST /v1/breaker/reset",
             },
             body=JobRequest,
             tag="jobs",
@@ -477,6 +537,26 @@ ROLLOUT_API = API(
             ),
             query=WaitQuery,
         ),
+        Operation(
+            "GET",
+            "/v1/jobs",
+            list_jobs,
+            "The jobs this replica keeps, newest first, with their rewards and timings (the viewer's list)",
+            (Reply(200, "", JobList),),
+            query=JobsQuery,
+            tag="viewer",
+        ),
+        job_op(
+            "GET",
+            "/tokens",
+            job_tokens,
+            "A finished job's trajectory as token pieces and per-token policy versions (the viewer's token view)",
+            (
+                Reply(200, "finished: its token sequences", TrajectoryTokens),
+                Reply(202, "not finished: the job's state", JobStatus),
+            ),
+        ),
+        *viewer.page_operations("viewer"),
         job_op(
             "DELETE",
             "",
@@ -516,6 +596,17 @@ ROLLOUT_API = API(
             (Reply(200, "the barrier, released", WeightUpdateState),),
             body=WeightUpdateResume,
             tag="training",
+        ),
+        Operation(
+            "POST",
+            "/v1/breaker/reset",
+            reset_breaker,
+            "Close the circuit breaker and forget its counts: admission resumes (an operator's call)",
+            (Reply(200, "the breaker, closed", BreakerState),),
+            tag="training",
+            description="The breaker (--breaker-threshold) pauses admission when too many of one policy version's "
+            "episodes were graded as tampered, hit sandbox limits or were refused at the gateway; a new policy "
+            "version does not close it. See docs/rollout.md.",
         ),
         Operation(
             "GET",
@@ -594,6 +685,25 @@ ROLLOUT_API = API(
             tag="decoupled",
         ),
         Operation(
+            "POST",
+            "/v1/trajectories",
+            import_trajectories,
+            "Decoupled mode: put recorded or externally made trajectories into the experience buffer (all or none)",
+            (Reply(201, "every one is in the buffer", TrajectoriesImported),),
+            errors={
+                400: "the request is not valid: the message names the field (a length that differs from "
+                "response_ids', an id outside the tokenizer's vocabulary, a group not in group_sizes); nothing "
+                "was put",
+                409: "the buffer would hold more than max_buffered entries with them: nothing was put",
+                **BUFFER_DOWN,
+            },
+            body=ImportRequest,
+            tag="decoupled",
+            description="Replay of a past run's records (`prorl-rollout import`) or off-policy data made elsewhere: "
+            "each is delivered by `POST /v1/batches` like the service's own, weighed by the staleness plugin by "
+            "the versions of its tokens.",
+        ),
+        Operation(
             "GET",
             "/v1/buffer",
             buffer_status,
@@ -615,6 +725,7 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
         ROLLOUT_API, config.token, config.max_body_bytes, app_metrics.requests, gates, frozenset({REGISTRATION_PATH})
     )
     app[METRICS] = app_metrics
+    app[BREAKER] = breaker = CircuitBreaker(config.breaker)
     app[GATEWAY_ADDRESS] = config.pipeline.gateway_address  # `serve` has set it by now: the socket is bound first
     app[REGISTRATION_CREDENTIAL] = config.registration_credential  # type: ignore[assignment]
     app[GATEWAY_APP] = gateway.create_gateway_app(app_metrics.requests)
@@ -625,7 +736,7 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
         if config.record_dir is not None:
             records = Records(config.record_dir, re.sub(r"[^A-Za-z0-9._-]", "_", config.sandbox_owner))
         app[RECORDS] = records
-        objects = [app_metrics] + ([records] if records else [])
+        objects = [app_metrics, breaker] + ([records] if records else [])
         app[PLUGINS] = PluginSet.load(
             config.plugin_config, config.plugins, objects=objects, blocked=config.blocked_plugins
         )

@@ -23,7 +23,9 @@ from ..models import (
     AckRequest,
     Batch,
     BatchRequest,
+    BreakerState,
     BufferStatus,
+    ImportRequest,
     JobRequest,
     JobStatus,
     LLMServerInfo,
@@ -40,6 +42,7 @@ from ..models import (
     ServiceHealth,
     ServiceStatus,
     TaskList,
+    TrajectoriesImported,
     Trajectory,
     WaitQuery,
     WeightUpdateMode,
@@ -168,6 +171,17 @@ class RolloutClient:
     async def ack(self, ids: list[str]) -> int:
         """Acknowledge taken entries; returns how many this call acknowledged (unknown or acknowledged ones: 0)."""
         return (await self._answer(Acknowledged, "POST", "/v1/batches/ack", body=AckRequest(ids=ids))).acknowledged
+
+    async def import_trajectories(
+        self, trajectories: list[dict[str, Any]], group_sizes: dict[str, int] | None = None
+    ) -> TrajectoriesImported:
+        """Put trajectories (ImportedTrajectory's fields) into the buffer, all of them or none."""
+        body = ImportRequest.model_validate({"trajectories": trajectories, "group_sizes": group_sizes})
+        return await self._answer(TrajectoriesImported, "POST", "/v1/trajectories", body=body)
+
+    async def reset_breaker(self) -> BreakerState:
+        """Close the circuit breaker (`--breaker-threshold`) and forget its counts: an operator's call."""
+        return await self._answer(BreakerState, "POST", "/v1/breaker/reset")
 
     async def buffer(self) -> BufferStatus:
         """The buffer's counts (None while it cannot be read: `degraded` says why) and the producer's figures."""

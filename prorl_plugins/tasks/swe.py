@@ -5,7 +5,8 @@ Instance: {"problem_statement": "...", "files": {"path": "content", ...}, "test_
            "test_command": "python3 -m unittest -v",
            optional: "FAIL_TO_PASS": [test names], "PASS_TO_PASS": [test names] (lists, or JSON strings of lists
            as in SWE-bench rows), "test_framework": "unittest" | "pytest" (default: pytest if the command
-           names it, else unittest)}
+           names it, else unittest), "tools": the agent's tools by name (editor_tools.swe_tools; default:
+           the task's, ["bash", "finish"] unless `SweTask(tools=...)` says)}
 
 Eval trusts nothing the agent could have planted (swe_grading.py has the rules):
 1. the pipeline has ended every process the agent started;
@@ -41,7 +42,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from prorl_adapter.tasks import EpisodeState, SandboxHandle, TaskConfigError, TaskHandler
+from prorl_adapter.editor_tools import swe_tools
+from prorl_adapter.tasks import EpisodeState, SandboxHandle, TaskConfigError, TaskHandler, Tool
 from sandbox_runtime.client import SandboxAPIError
 
 from . import swe_bench
@@ -67,6 +69,7 @@ TEST_LOG_BYTES = 8 << 20  # a verbose log in full: a named test cut out of the m
 
 
 ROW_FIELDS = ("problem_statement", "files", "test_files", "test_command")
+DEFAULT_TOOLS = ("bash", "finish")  # editor_tools.EDITOR_TOOLS adds str_replace_editor and search
 
 
 class SweTask(TaskHandler):
@@ -74,9 +77,20 @@ class SweTask(TaskHandler):
     tool_timeout_s = 60.0
     prorl_data_sources = ("swebench",)
 
-    def __init__(self, image_template: str | None = None) -> None:
+    def __init__(self, image_template: str | None = None, tools: tuple[str, ...] = DEFAULT_TOOLS) -> None:
         # For SWE-bench rows that name no image; None: PRORL_SWE_IMAGE_TEMPLATE, else SWE-bench's names.
         self.image_template = image_template
+        # The agent's tools for rows that name none (a row's "tools" wins); checked here, so a typo fails at once.
+        self.tool_names = tuple(tool.name for tool in swe_tools(list(tools), self.tool_timeout_s))
+
+    def tools(self, instance: dict[str, Any]) -> list[Tool]:
+        return swe_tools(instance.get("tools", list(self.tool_names)), self.tool_timeout_s)
+
+    def _tools_phrase(self, instance: dict[str, Any]) -> str:
+        names = [tool.name for tool in self.tools(instance) if tool.name != "finish"] or ["finish"]
+        if len(names) == 1:
+            return f"the {names[0]} tool"
+        return f"the {', '.join(names[:-1])} and {names[-1]} tools"
 
     def _image_template(self) -> str:
         if self.image_template is not None:
@@ -107,9 +121,10 @@ class SweTask(TaskHandler):
 
     def system_prompt(self, instance: dict[str, Any]) -> str:
         if row := self._bench_row(instance):
-            return swe_bench.system_prompt(row)
+            return swe_bench.system_prompt(row, self._tools_phrase(instance))
         return (
-            f"You fix bugs in the git repository in ./{REPO} using the bash tool (one call per turn). "
+            f"You fix bugs in the git repository in ./{REPO} using {self._tools_phrase(instance)} (one call per "
+            "turn). "
             "Do not edit the tests. Call finish when the tests pass."
         )
 
@@ -119,6 +134,7 @@ class SweTask(TaskHandler):
         return f"{instance['problem_statement']}\n\nRun the tests with: cd {REPO} && {instance['test_command']}"
 
     async def init(self, env: SandboxHandle, instance: dict[str, Any]) -> None:
+        self.tools(instance)  # a row's unknown tool fails its init, naming it
         if row := self._bench_row(instance):
             return await swe_bench.init(env, row)
         check_row(instance)

@@ -501,9 +501,9 @@ case "$head" in {base}*) exit 0 ;; esac
 # --- The prompts --------------------------------------------------------------------------------------------------
 
 
-def system_prompt(row: BenchRow) -> str:
+def system_prompt(row: BenchRow, tools: str = "the bash tool") -> str:
     return (
-        f"You resolve an issue in the git repository in {row.repo_path}, using the bash tool (one call per turn). "
+        f"You resolve an issue in the git repository in {row.repo_path}, using {tools} (one call per turn). "
         "Make your changes there: the environment runs the code from there. "
         "Change the code, not the tests: the tests are replaced by the graders' own. Call finish when the issue "
         "is resolved."

@@ -25,6 +25,7 @@ class CharChat:
     eos_text = END
     after_eos = "\n"  # what the template writes after the eos that closes an assistant turn
     takes_tools = True  # its template lays tools out in the system message, as Qwen2.5's does
+    vocab_size = 0x110000 + _OFFSET  # every character
 
     async def off_loop(self, work: Callable[..., T], *args: Any, size: int | None = None) -> T:
         return work(*args)

@@ -28,6 +28,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from prorl_adapter.models import JobRequest
 from prorl_adapter.service.agent import Episode, run_episode
+from prorl_adapter.service.circuit_breaker import BreakerConfig
 from prorl_adapter.service.config import RolloutConfig
 from prorl_adapter.service.decoupled import ProducerConfig
 from prorl_adapter.service.llm import LLMPool
@@ -76,10 +77,15 @@ async def rollout_stack(
     sandbox_runtimes: int = 1,
     plugins: tuple[str, ...] = (),
     record_dir: Path | None = None,
+    breaker: dict[str, Any] | None = None,
+    chat: Any = None,
 ) -> AsyncIterator[Stack]:
+    """The service with stand-ins around it. `chat`: a real ChatTokenizer for the service and the LLM stand-in
+    alike (default: the CharChat stand-in)."""
     workers = {"max_init_workers": 4, "max_run_workers": 8, "max_eval_workers": 4}
     async with AsyncExitStack() as started:
         llm = await started.enter_async_context(ScriptedLLM(script, scripts))
+        llm.chat = chat or llm.chat
         sandboxes = [await started.enter_async_context(SandboxStandIn()) for _ in range(sandbox_runtimes)]
         config = RolloutConfig(
             sandbox_urls=[sandbox.url for sandbox in sandboxes],
@@ -94,8 +100,9 @@ async def rollout_stack(
             llm_stream=llm_stream,
             service_id="unit-tests",
             record_dir=record_dir,
+            breaker=BreakerConfig(**(breaker or {})),
         )
-        chat = CharChat()
+        chat = llm.chat
         app = create_app(config, chat=chat)  # type: ignore[arg-type]  # a stand-in for ChatTokenizer
         async with TestClient(TestServer(app)) as http, TestClient(TestServer(app[GATEWAY_APP])) as gateway:
             url = str(http.make_url("")).rstrip("/")

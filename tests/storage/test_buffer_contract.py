@@ -100,6 +100,19 @@ async def test_produce_consume_ack_nothing_lost_nothing_duplicated(rig):
     assert await trainer.buffered_versions() == []
 
 
+async def test_put_many_puts_all_in_their_order_or_none(rig):
+    """An import's put: every trajectory or none (a wrong one refuses the lot), each id in the order given."""
+    batch = [make_trajectory("a", 2), make_trajectory("b", 1), make_trajectory("c", 2)]
+    with pytest.raises(TypeError):
+        await rig.buffer.put_many([*batch, "not a trajectory"])
+    assert await rig.buffer.stats() == BufferStats(ready=0, pending=0, acked=0)
+    ids = await rig.buffer.put_many(batch)
+    assert len(set(ids)) == 3 and await rig.buffer.version_counts() == {2: 2, 1: 1}
+    taken = await rig.buffer.take(3, timeout=0)
+    assert jobs(taken) == ["a", "c", "b"] and {b.id for b in taken} == set(ids)
+    assert dict(zip(jobs(taken), [b.id for b in taken], strict=True)) == dict(zip("abc", ids, strict=True))
+
+
 async def test_newest_version_first_fifo_within_a_version(rig):
     buf = rig.buffer
     for job, version in [("a1", 1), ("b3", 3), ("c2", 2), ("d3", 3), ("e1", 1), ("f2", 2)]:

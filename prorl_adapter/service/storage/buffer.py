@@ -90,6 +90,10 @@ class ExperienceBuffer(abc.ABC):
         """Add one trajectory; returns its entry id."""
 
     @abc.abstractmethod
+    async def put_many(self, trajectories: list[Trajectory]) -> list[str]:
+        """Add all the trajectories or none (an import: never half of it); returns their entry ids, in order."""
+
+    @abc.abstractmethod
     async def take(self, n: int, timeout: float | None = None, order: str = "newest") -> list[BatchItem]:
         """Wait until `n` entries are ready or `timeout` seconds pass, then return up to `n` of them, in
         `order` (`"newest"`: newest version first; `"oldest"`: oldest version first; FIFO within a version

@@ -111,19 +111,30 @@ class MemoryBuffer(ExperienceBuffer):
             del self._counts[version]
 
     async def put(self, trajectory: Trajectory) -> str:
-        check_trajectory(trajectory)
+        [entry_id] = await self.put_many([trajectory])
+        return entry_id
+
+    async def put_many(self, trajectories: list[Trajectory]) -> list[str]:
+        for trajectory in trajectories:
+            check_trajectory(trajectory)
+        n = len(trajectories)
+        if self.max_size is not None and n > self.max_size:
+            raise ValueError(f"{n} trajectories cannot fit a buffer of at most {self.max_size} entries")
         async with self._cond:
             self._check_open()
-            if self.max_size is not None:
-                await self._cond.wait_for(lambda: self._closed or len(self._entries) < self.max_size)
+            if self.max_size is not None:  # room for all of them at once: none goes in before the others
+                await self._cond.wait_for(lambda: self._closed or len(self._entries) + n <= self.max_size)
                 self._check_open()
-            seq = next(self._seq)
-            entry = _Entry(f"m{seq}", seq, trajectory)
-            self._entries[entry.id] = entry
-            self._mark_ready(entry)
-            self._count(entry.version, 1)
+            ids = []
+            for trajectory in trajectories:
+                seq = next(self._seq)
+                entry = _Entry(f"m{seq}", seq, trajectory)
+                self._entries[entry.id] = entry
+                self._mark_ready(entry)
+                self._count(entry.version, 1)
+                ids.append(entry.id)
             self._cond.notify_all()
-            return entry.id
+            return ids
 
     async def take(self, n: int, timeout: float | None = None, order: str = "newest") -> list[BatchItem]:
         check_n(n)

@@ -335,6 +335,19 @@ class RedisBuffer(ExperienceBuffer):
             )
         return self._entry_id(version, sid)
 
+    async def put_many(self, trajectories: list[Trajectory]) -> list[str]:
+        for trajectory in trajectories:
+            check_trajectory(trajectory)
+        # One MULTI/EXEC transaction: Redis runs every put or, failing before EXEC, none.
+        async with self._redis.pipeline(transaction=True) as pipe:
+            for trajectory in trajectories:
+                version = trajectory.policy_version_min
+                keys = [self._stream(version), self._versions_key, self._events_key]
+                await self._put(keys=keys, args=[version, trajectory.model_dump_json(), self.group], client=pipe)
+            with self._errors(f"adding {len(trajectories)} trajectories"):
+                sids = await pipe.execute()
+        return [self._entry_id(t.policy_version_min, sid) for t, sid in zip(trajectories, sids, strict=True)]
+
     async def take(self, n: int, timeout: float | None = None, order: str = "newest") -> list[BatchItem]:
         check_n(n)
         check_order(order)
