@@ -137,6 +137,32 @@ async def test_hostile_paths_neither_reach_the_host_nor_break_the_tools(env, bwr
     assert (await edit(env, state, command="create", path="/proc/self/x", file_text="x")).startswith("error:")
 
 
+async def test_a_link_to_a_directory_is_listed_as_the_directory(env):
+    await env.write_file("real/pkg/mod.py", "x = 1\n")
+    await env.exec(f"ln -s {env.workdir}/real {env.workdir}/alias")
+    listing = await edit(env, EpisodeState(), command="view", path=f"{env.workdir}/alias")
+    assert listing.splitlines()[1:] == [f"{env.workdir}/alias/pkg/", f"{env.workdir}/alias/pkg/mod.py"]
+
+
+async def test_arguments_the_runtime_cannot_take_are_observations_not_crashes(env):
+    state, long = EpisodeState(), f"{env.workdir}/" + "d/" * 2100 + "f.py"
+    answers = [
+        await edit(env, state, command="view", path=f"{env.workdir}/\ud800.py"),
+        await edit(env, state, command="view", path=long),
+        await edit(env, state, command="create", path=long, file_text="x"),
+        await edit(env, state, command="create", path=f"{env.workdir}/s.py", file_text="x = '\ud800'\n"),
+        await SEARCH.run(env, {"search_term": "a\0b"}, state),
+        await SEARCH.run(env, {"search_term": "\ud800"}, state),
+        await SEARCH.run(env, {"search_term": "x", "path": f"{env.workdir}/\ud800"}, state),
+    ]
+    assert all(answer.startswith("error:") for answer in answers), answers
+    assert (await env.run(argv=["test", "-e", f"{env.workdir}/s.py"])).exit_code == 1
+
+    await env.write_file("ff.py", "a\x0cb\nc\u2028d\n")
+    await edit(env, state, command="insert", path=f"{env.workdir}/ff.py", insert_line=1, new_str="NEW")
+    assert await in_sandbox(env, f"{env.workdir}/ff.py") == "a\x0cb\nNEW\nc\u2028d\n"
+
+
 async def test_an_swe_row_fixed_through_the_editor_is_graded_as_fixed(env):
     row = {
         "problem_statement": "add() subtracts",

@@ -17,7 +17,7 @@ import pytest
 
 from prorl_adapter.models import JobRequest
 from prorl_adapter.trainer.client import RolloutClient
-from tests.harbor_tasks import SECRET, calc_task, dataset, hello_task
+from tests.harbor_tasks import SECRET, calc_task, dataset, hello_task, pytest_task
 
 from . import scripted_llm
 from .conftest import (
@@ -44,6 +44,8 @@ pytestmark = [
 ]
 
 CALC = '"""Arithmetic."""\n\n\ndef add(a, b):\n    return a + b\n'
+# A conftest.py that makes every pytest session pass, whatever its tests found.
+CONFTEST = "def pytest_sessionfinish(session, exitstatus):\n    session.exitstatus = 0\n"
 # What an agent would try, before eval, to see or steer the verifier.
 READS = (
     "ls -la /tests /solution /logs /logs/verifier 2>&1; "
@@ -68,6 +70,7 @@ def editor_call(**arguments: object) -> str:
     return "<tool_call>" + json.dumps({"name": "str_replace_editor", "arguments": arguments}) + "</tool_call>"
 
 
+PYTEST_ATTACKS = ("pytest-conftest", "pytest-ini", "pytest-shadow")
 SCRIPTS = {
     "hello-honest": [bash_call("echo hello > /app/hello.txt")],
     # Through the SWE editing tools: a file made, then fixed by an exact-once replacement.
@@ -81,6 +84,11 @@ SCRIPTS = {
     "hello-plants": [bash_call(PLANTS)],
     "calc-honest": [bash_call(f"printf '%s' '{CALC}' > /app/calc.py && cat /app/calc.py")],
     "calc-no-docstring": [bash_call("printf 'def add(a, b):\\n    return a + b\\n' > /app/calc.py")],
+    # A pytest-run task, and what an agent leaves for pytest to find at eval instead of the answer.
+    "pytest-honest": [bash_call("echo hello > /app/hello.txt")],
+    "pytest-conftest": [bash_call(f"printf '%s' '{CONFTEST}' > /tmp/conftest.py && echo left")],
+    "pytest-ini": [bash_call("printf '[pytest]\\naddopts = --co\\n' > /tmp/pytest.ini && echo left")],
+    "pytest-shadow": [bash_call("printf 'import sys\\nsys.exit(0)\\n' > /app/pytest.py && echo left")],
 }
 
 
@@ -89,7 +97,7 @@ def tasks(tmp_path_factory) -> Path:
     """A directory of tasks, one per script (the script's name in its prompt, which picks what the policy does)."""
     root = reachable(tmp_path_factory.mktemp("harbor-tasks"))
     for script in SCRIPTS:
-        make = calc_task if script.startswith("calc") else hello_task
+        make = {"calc": calc_task, "pytest": pytest_task}.get(script.split("-")[0], hello_task)
         make(root, script, prompt_suffix=f"[script:{script}]")
     return root
 
@@ -148,14 +156,15 @@ async def test_a_task_solved_through_the_editor_tools(rollout, runtime, tasks):
     assert trajectory.reward_components == {"outcome": 1.0}
 
 
-@pytest.mark.parametrize(
-    ("script", "components"),
-    [("calc-honest", {"outcome": 1.0, "style": 0.2}), ("calc-no-docstring", {"outcome": 1.0, "style": 0.0})],
-)
-async def test_reward_json_entries_reach_the_trajectory_as_components(rollout, runtime, tasks, script, components):
+@pytest.mark.parametrize(("script", "style"), [("calc-honest", 0.2), ("calc-no-docstring", 0.0)])
+async def test_reward_json_gives_its_reward_and_keeps_the_other_entries_beside_it(
+    rollout, runtime, tasks, script, style
+):
+    """{"reward": 1, "style": 0.2}: the reward is 1 (Harbor's primary entry); `style` is a metric, kept in the
+    artifact, never added to the reward."""
     trajectory = await episode(rollout, runtime, tasks, script)
-    assert trajectory.reward_components == pytest.approx(components)
-    assert trajectory.reward == pytest.approx(sum(components.values()))
+    assert trajectory.reward_components == {"outcome": 1.0} and trajectory.reward == 1.0
+    assert json.loads(trajectory.artifacts["verifier_rewards"]) == {"reward": 1.0, "style": style}
 
 
 async def test_before_eval_the_agent_finds_no_test_and_no_solution(rollout, runtime, tasks):
@@ -173,6 +182,14 @@ async def test_what_the_agent_writes_or_leaves_running_before_eval_counts_for_no
     assert trajectory.turns[0].observation.endswith(f"{said}\n[exit code 0]")
     assert trajectory.reward_components == {"outcome": 0.0}
     assert trajectory.artifacts["verifier_rewards"].strip() == "0"
+
+
+@pytest.mark.parametrize(("script", "reward"), [("pytest-honest", 1.0), *((a, 0.0) for a in PYTEST_ATTACKS)])
+async def test_what_the_agent_leaves_for_pytest_to_find_counts_for_nothing(rollout, runtime, tasks, script, reward):
+    """A conftest.py or pytest.ini in /tmp (above the tests, which eval places in /tmp), a pytest.py in the working
+    directory (where `python3 -m pytest` would import it from): each would pass a failing test."""
+    trajectory = await episode(rollout, runtime, tasks, script)
+    assert trajectory.reward_components == {"outcome": reward}, trajectory.artifacts.get("verifier_log")
 
 
 async def test_the_oracle_check_flags_the_task_whose_solution_fails(runtime, tmp_path_factory):

@@ -14,7 +14,9 @@ write what the agent's shell can, and nothing more. `view` reads a file the file
 outside the workspace, a file behind a link) with a one-shot `cat` in the sandbox, and lists a directory with a
 one-shot `find`; `search` is a one-shot `grep`: processes of the sandbox, which see the sandbox's files only, as
 the agent's own commands do. A failure the agent caused (a missing file, a refused path) is an observation that
-says what was wrong; a runtime that fails (5xx, unreachable) raises, as for every tool.
+says what was wrong, and so is an argument the runtime or its client refuses (a 4xx, a ValueError such as
+pydantic's ValidationError or a UnicodeEncodeError); a runtime that fails (5xx, unreachable) raises, as for every
+tool.
 
 Outputs are bounded (OUTPUT_CHARS, whole lines, with a note of what was left out), and so are the files the editor
 takes (FILE_BYTES) and its undo history (UNDO_DEPTH edits a file, HISTORY_BYTES an episode, in
@@ -28,30 +30,74 @@ writes the same content back); tabs are never expanded; no linting, no Markdown 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import posixpath
 from collections.abc import Callable
 from typing import Any
 
+from pydantic import ValidationError
+
 from sandbox_runtime.client import SandboxAPIError
 from server_kit.errors import ProrlError
 
-from .tasks import FINISH, EpisodeState, SandboxHandle, TaskConfigError, Tool, bash_tool, python_tool
+from .tasks import FINISH, EpisodeState, SandboxHandle, TaskConfigError, Tool, ToolFn, bash_tool, python_tool
 
 OUTPUT_CHARS = 7000  # below the agent loop's own cut (agent.MAX_OBSERVATION_CHARS): this tool's note is what shows
 FILE_BYTES = 4 << 20  # the largest file the editor views or edits
 UNDO_DEPTH = 10  # edits a file that undo_edit can revert
-HISTORY_BYTES = 32 << 20  # what an episode's undo history may hold in all; the oldest edits are forgotten first
+# What an episode's undo history may hold in all; the oldest edits are forgotten first. It lives in the rollout
+# service's memory for the whole episode, and a service runs hundreds of episodes at once: 4 MiB each keeps that
+# to a few GiB at worst (32 MiB could reach tens), and still holds the last edit of a file as big as FILE_BYTES.
+HISTORY_BYTES = 4 << 20
 SNIPPET_CONTEXT = 4  # lines shown around an edit
 MAX_SEARCH_FILES = 100  # a directory search that finds the term in more files asks for a narrower one
 MAX_SEARCH_LINES = 200  # lines a file search shows
 MAX_LINE_CHARS = 400  # of one line a search shows
 LISTING_BYTES = 1 << 20  # output of a directory listing's `find`
+MAX_PATH_CHARS = 4096  # the longest path the runtime's file API takes (sandbox_runtime.models.PathQuery)
 COMMANDS = ("view", "create", "str_replace", "insert", "undo_edit")
 
 
 class _Refused(ProrlError):
     """A command that cannot be done as asked; its message is the observation."""
+
+
+def _errors_answered(run: ToolFn) -> ToolFn:
+    """`run`, with what the agent's arguments caused answered as an "error: ..." observation: a refusal of this
+    module, a 4xx of the runtime, a value its client will not send (a ValueError: pydantic's ValidationError,
+    UnicodeEncodeError). A runtime failure (5xx, unreachable) raises, as for every tool."""
+
+    @functools.wraps(run)
+    async def answered(env: SandboxHandle, args: dict[str, Any], state: EpisodeState) -> str:
+        try:
+            return await run(env, args, state)
+        except _Refused as refused:
+            return _bounded(f"error: {refused}")
+        except SandboxAPIError as exc:
+            if exc.status >= 500:
+                raise
+            return _bounded(f"error: {exc.message}")
+        except ValidationError as exc:
+            return _bounded(
+                "error: the sandbox cannot take these arguments: " + "; ".join(e["msg"] for e in exc.errors())
+            )
+        except ValueError as exc:  # UnicodeError included
+            return _bounded(f"error: the sandbox cannot take these arguments: {exc}")
+
+    return answered
+
+
+def _unsendable(value: str, name: str) -> str | None:
+    """Why the text `value` (the argument `name`) cannot go to the sandbox, or None: a NUL byte (no argument or
+    path of a process can hold one), or a lone surrogate (not UTF-8: neither the wire nor a file can hold it)."""
+    if "\0" in value:
+        return f"{name} contains a NUL byte"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"{name} is not valid text: it holds {value[exc.start : exc.end]!r}, which UTF-8 cannot encode"
+    return None
 
 
 # --- str_replace_editor ---------------------------------------------------------------------------------------------
@@ -61,23 +107,21 @@ def str_replace_editor_tool(timeout: float = 30.0) -> Tool:
     """OpenHands' file editor (module docstring); `timeout` bounds each one-shot run it makes (view's cat and find,
     undo's rm)."""
 
+    @_errors_answered
     async def run(env: SandboxHandle, args: dict[str, Any], state: EpisodeState) -> str:
-        try:
-            command = args.get("command")
-            if command not in COMMANDS:
-                raise _Refused(f"unknown command {command!r}; the commands: {', '.join(COMMANDS)}")
-            path = _absolute(args.get("path"), env.workdir)
-            if command == "view":
-                return _bounded(await _view(env, path, args.get("view_range"), timeout))
-            if command == "create":
-                return _bounded(await _create(env, path, args, state))
-            if command == "str_replace":
-                return _bounded(await _str_replace(env, path, args, state))
-            if command == "insert":
-                return _bounded(await _insert(env, path, args, state))
-            return _bounded(await _undo(env, path, state, timeout))
-        except _Refused as refused:
-            return _bounded(f"error: {refused}")
+        command = args.get("command")
+        if command not in COMMANDS:
+            raise _Refused(f"unknown command {command!r}; the commands: {', '.join(COMMANDS)}")
+        path = _absolute(args.get("path"), env.workdir)
+        if command == "view":
+            return _bounded(await _view(env, path, args.get("view_range"), timeout))
+        if command == "create":
+            return _bounded(await _create(env, path, args, state))
+        if command == "str_replace":
+            return _bounded(await _str_replace(env, path, args, state))
+        if command == "insert":
+            return _bounded(await _insert(env, path, args, state))
+        return _bounded(await _undo(env, path, state, timeout))
 
     return Tool(
         "str_replace_editor",
@@ -113,11 +157,14 @@ def str_replace_editor_tool(timeout: float = 30.0) -> Tool:
 
 
 def _absolute(path: Any, workdir: str) -> str:
-    """The path checked: absolute, without '..' or a NUL byte; normalised (one spelling per file for the history)."""
+    """The path checked: absolute, without '..', a NUL byte or a lone surrogate, at most MAX_PATH_CHARS long;
+    normalised (one spelling per file for the history)."""
     if not isinstance(path, str) or not path.strip():
         raise _Refused('"path" must be an absolute path, e.g. ' + posixpath.join(workdir, "file.py"))
-    if "\0" in path:
-        raise _Refused("the path contains a NUL byte")
+    if wrong := _unsendable(path, "the path"):
+        raise _Refused(wrong)
+    if len(path) > MAX_PATH_CHARS:
+        raise _Refused(f"the path is {len(path)} characters long, more than the {MAX_PATH_CHARS} a path may have")
     if ".." in path.split("/"):
         raise _Refused(f"the path {path} contains '..': give it without")
     if not path.startswith("/"):
@@ -157,6 +204,8 @@ def _text(data: bytes, path: str) -> str:
 
 
 async def _write_text(env: SandboxHandle, path: str, text: str) -> None:
+    if wrong := _unsendable(text, "the new content"):
+        raise _Refused(f"nothing was written: {wrong}")
     try:
         await env.write_file(path, text.encode("utf-8"))
     except SandboxAPIError as exc:
@@ -175,7 +224,9 @@ def _remember(state: EpisodeState, path: str, before: str | None) -> None:
 
 
 def _lines(text: str) -> list[str]:
-    """A text's lines without their newlines; a last newline ends the last line, it starts none."""
+    """A text's lines without their newlines; a last newline ends the last line, it starts none. Only "\\n" ends a
+    line, as for `cat -n` and grep (str.splitlines would also split on \\r, \\x0c, \\x85, \\u2028, ...): view,
+    insert, the snippets and search all number lines by this."""
     lines = text.split("\n")
     if text.endswith("\n"):
         lines.pop()
@@ -300,17 +351,17 @@ def _view_file(text: str, path: str, view_range: Any) -> str:
 
 async def _listing(env: SandboxHandle, path: str, timeout: float) -> str:
     """A directory's entries two levels deep, hidden ones (and what they hold) left out, each as an absolute
-    path; directories end with /, links with @."""
+    path; directories end with /, links with @. `path` itself may be a link to a directory (-H: followed)."""
     hidden_pruned = ["-name", ".*", "-printf", "H\t%P\n", "-prune"]
     result = await env.run(
-        argv=["find", path, "-mindepth", "1", "-maxdepth", "2", *hidden_pruned, "-o", "-printf", "%y\t%P\n"],
+        argv=["find", "-H", path, "-mindepth", "1", "-maxdepth", "2", *hidden_pruned, "-o", "-printf", "%y\t%P\n"],
         timeout=timeout,
         max_output_bytes=LISTING_BYTES,
     )
     if result.status != "completed" or result.exit_code != 0:
         raise _Refused(f"could not list {path}: {result.output.strip()[:500] or 'the listing timed out'}")
     entries, hidden = [], 0
-    for line in result.output.splitlines():
+    for line in _lines(result.output):
         kind, _, name = line.partition("\t")
         if kind == "H":
             hidden += "/" not in name
@@ -397,14 +448,13 @@ async def _insert(env: SandboxHandle, path: str, args: dict[str, Any], state: Ep
     if not isinstance(new, str):
         raise _Refused("insert needs new_str, the lines to insert")
     text = await _read_text(env, path)
-    lines = text.splitlines(keepends=True)
+    lines = _lines(text)
     if not 0 <= after <= len(lines):
         raise _Refused(f"insert_line {after} is outside the file: it must be from 0 to {len(lines)}, its line count")
     block = new if new.endswith("\n") else new + "\n"
-    head = "".join(lines[:after])
-    if head and not head.endswith("\n"):  # after a last line that has no newline of its own
-        head += "\n"
-    edited = head + block + "".join(lines[after:])
+    # Lines 1..after with their newlines; after a last line that has none of its own, one is added.
+    head = "".join(line + "\n" for line in lines[:after])
+    edited = head + block + text[len(head) :]
     await _write_text(env, path, edited)
     _remember(state, path, text)
     added = block.count("\n")
@@ -459,14 +509,21 @@ exit 0
 def search_tool(timeout: float = 30.0) -> Tool:
     """R2E-Gym's search (module docstring), a one-shot run of `grep` in the sandbox bounded by `timeout`."""
 
+    @_errors_answered
     async def run(env: SandboxHandle, args: dict[str, Any], state: EpisodeState) -> str:
         term, path = args.get("search_term"), args.get("path") or env.workdir
         if not isinstance(term, str) or not term:
             return "error: search needs search_term, the text to look for"
         if "\n" in term:
             return "error: search_term must be one line"
-        if not isinstance(path, str) or "\0" in path:
+        if wrong := _unsendable(term, "search_term"):
+            return f"error: {wrong}"
+        if not isinstance(path, str):
             return "error: path must be a file or directory of the sandbox"
+        if wrong := _unsendable(path, "path"):
+            return f"error: {wrong}"
+        if len(path) > MAX_PATH_CHARS:
+            return f"error: path is {len(path)} characters long, more than the {MAX_PATH_CHARS} a path may have"
         path = posixpath.normpath(posixpath.join(env.workdir, path))
         result = await env.run(
             argv=["bash", "-c", _SEARCH_SCRIPT, "search", term, path], timeout=timeout, max_output_bytes=256 << 10
@@ -482,7 +539,7 @@ def search_tool(timeout: float = 30.0) -> Tool:
         if kind == "file":
             return _bounded(_file_matches(found, quoted, path))
         counts = []
-        for line in found.splitlines():
+        for line in _lines(found):
             name, _, count = line.partition("\0")
             if count.isdigit():
                 counts.append((posixpath.normpath(posixpath.join(path, name)), int(count)))
@@ -516,7 +573,7 @@ def search_tool(timeout: float = 30.0) -> Tool:
 
 
 def _file_matches(found: str, quoted: str, path: str) -> str:
-    lines = found.splitlines()
+    lines = _lines(found)
     if not lines:
         return f"No matches for {quoted} in {path}."
     shown = []

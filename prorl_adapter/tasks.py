@@ -148,6 +148,9 @@ class EpisodeState:
     # What str_replace_editor's undo_edit restores, by path: the content before each edit, oldest first (None: the
     # edit created the file); bounded by prorl_adapter/editor_tools.py.
     file_history: dict[str, list[bytes | None]] = field(default_factory=dict)
+    # Set by a tool when the task's own time for the agent is up (harbor's [agent].timeout_sec): the loop ends the
+    # episode there (finish reason agent_timeout) and it goes on to eval.
+    time_up: bool = False
 
 
 ToolFn = Callable[[SandboxHandle, dict[str, Any], EpisodeState], Awaitable[str]]

@@ -3,7 +3,10 @@
 /logs/verifier, /solution) and all.
 
 - `hello-txt`: scores by reward.txt; its test reads /tests/expected.txt; the oracle writes the answer.
-- `calc-json`: scores by reward.json (`reward` and `style`); the test imports the agent's /app/calc.py.
+- `calc-json`: scores by reward.json (`reward`, and the metric `style` beside it); the test imports the agent's
+  /app/calc.py.
+- `hello-pytest`: `hello-txt`, its test run by pytest as Terminal-Bench's are (`python3 -m pytest
+  /tests/test_outputs.py`).
 - `broken-oracle`: `hello-txt` whose solve.sh writes the wrong answer: the oracle check must flag it.
 """
 
@@ -70,6 +73,20 @@ except Exception as exc:
 with open("/logs/verifier/reward.json", "w") as out:
     json.dump({"reward": passed / len(cases), "style": style}, out)
 """
+PYTEST_TEST = f"""\
+#!/bin/bash
+# {SECRET}
+if python3 -m pytest -q /tests/test_outputs.py; then
+  echo 1 > /logs/verifier/reward.txt
+else
+  echo 0 > /logs/verifier/reward.txt
+fi
+"""
+PYTEST_OUTPUTS = """\
+def test_the_greeting_is_there():
+    with open("/app/hello.txt") as greeting:
+        assert greeting.read().strip() == "hello"
+"""
 CALC_SOLUTION = """\
 #!/bin/bash
 cat > /app/calc.py <<'EOF'
@@ -113,6 +130,16 @@ def hello_task(root: Path, name: str = "hello-txt", prompt_suffix: str = "", sol
         f"Write the word hello into /app/hello.txt. {prompt_suffix}\n",
         {"test.sh": HELLO_TEST, "expected.txt": "hello\n"},
         {"solve.sh": f"#!/bin/bash\necho {solve} > /app/hello.txt\n"},
+    )
+
+
+def pytest_task(root: Path, name: str = "hello-pytest", prompt_suffix: str = "") -> Path:
+    return write_task(
+        root,
+        name,
+        f"Write the word hello into /app/hello.txt. {prompt_suffix}\n",
+        {"test.sh": PYTEST_TEST, "test_outputs.py": PYTEST_OUTPUTS},
+        {"solve.sh": "#!/bin/bash\necho hello > /app/hello.txt\n"},
     )
 
 

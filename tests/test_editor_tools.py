@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from pydantic import ValidationError
 
 from prorl_adapter import editor_tools
 from prorl_adapter.editor_tools import (
@@ -23,6 +24,7 @@ from prorl_adapter.tasks import EpisodeState, TaskConfigError
 from prorl_adapter.testing import ScriptedSandbox
 from prorl_plugins.tasks.swe import SweTask
 from sandbox_runtime.client import SandboxAPIError
+from sandbox_runtime.models import PathQuery, RunResult
 
 EDITOR = str_replace_editor_tool()
 SEARCH = search_tool()
@@ -89,7 +91,7 @@ async def test_view_of_a_directory_lists_two_levels_without_hidden_entries():
     ]
     assert "1 hidden entries" in lines[-1]  # .git; pkg/.cache is below the top
     [find] = sandbox.calls
-    assert find.kind == "run" and find.argv[:2] == ["find", "/workspace/repo"] and "-maxdepth" in find.argv
+    assert find.kind == "run" and find.argv[:3] == ["find", "-H", "/workspace/repo"] and "-maxdepth" in find.argv
     refused = await edit(sandbox, command="view", path="/workspace/repo", view_range=[1, 2])
     assert refused.startswith("error:") and "directory" in refused
 
@@ -183,8 +185,8 @@ async def test_str_replace_refuses_text_that_is_not_there_or_not_unique_and_chan
     twice = await edit(sandbox, command="str_replace", path=FILE, old_str="return a - b", new_str="return a + b")
     assert "occurs 2 times" in twice and "at lines [2, 6]" in twice
     indented = await edit(sandbox, command="str_replace", path=FILE, old_str="  return a - b\n\n", new_str="x")
-    assert "does not occur verbatim" not in indented  # whitespace counts: this one is unique
-    assert text_of(sandbox) != SOURCE
+    assert indented.startswith("Edited")  # whitespace counts: this one is unique (line 6 has one newline after)
+    assert text_of(sandbox) == "def add(a, b):\n  x\ndef sub(a, b):\n    return a - b\n"
     sandbox.files[FILE] = b"aaa\n"
     overlapping = await edit(sandbox, command="str_replace", path=FILE, old_str="aa", new_str="b")
     assert "occurs 2 times" in overlapping and text_of(sandbox) == "aaa\n"  # "aa" starts twice in "aaa"
@@ -216,6 +218,25 @@ async def test_insert_after_a_last_line_without_a_newline_keeps_it_apart():
     sandbox = sandbox_with({FILE: "one\ntwo"})
     await edit(sandbox, command="insert", path=FILE, insert_line=2, new_str="three")
     assert text_of(sandbox) == "one\ntwo\nthree\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "after", "expected"),
+    [
+        ("a\x0cb\nc\n", 1, "a\x0cb\nNEW\nc\n"),  # a form feed is inside a line, as for view and cat -n
+        ("a\u2028b\nc\n", 1, "a\u2028b\nNEW\nc\n"),
+        ("a\rb\x85c\nd", 2, "a\rb\x85c\nd\nNEW\n"),
+    ],
+)
+async def test_insert_numbers_lines_by_newlines_only_as_view_does(text, after, expected):
+    sandbox = sandbox_with({FILE: text})
+    view = await edit(sandbox, command="view", path=FILE)
+    assert view.split("\n")[1:] == [f"{n:6}\t{line}" for n, line in enumerate(text.rstrip("\n").split("\n"), 1)]
+    shown = await edit(sandbox, command="insert", path=FILE, insert_line=after, new_str="NEW")
+    assert text_of(sandbox) == expected
+    assert f"{after + 1:6}\tNEW\n" in shown and f"{after:6}\t{text.split(chr(10))[after - 1]}\n" in shown
+    refused = await edit(sandbox, command="insert", path=FILE, insert_line=9, new_str="x")
+    assert "from 0 to 3" in refused  # the file's line count, newlines only
 
 
 @pytest.mark.parametrize("after", [-1, 3, "x", None, True])
@@ -326,6 +347,101 @@ async def test_search_says_what_was_wrong():
     assert "one line" in await SEARCH.run(sandbox, {"search_term": "a\nb"}, EpisodeState())
     empty = ScriptedSandbox(lambda call, box: "directory\n")
     assert await SEARCH.run(empty, {"search_term": "zzz"}, EpisodeState()) == 'No matches for "zzz" in /workspace.'
+
+
+# --- arguments the sandbox cannot take -------------------------------------------------------------------------------
+
+
+class RefusingSandbox(ScriptedSandbox):
+    """A ScriptedSandbox whose every call fails with `error`, as the runtime or its client would fail it."""
+
+    def __init__(self, error: Exception):
+        super().__init__()
+        self.error = error
+
+    async def read_file(self, path: str) -> bytes:
+        raise self.error
+
+    async def write_file(self, path: str, data: str | bytes) -> None:
+        raise self.error
+
+    async def run(self, **kwargs) -> RunResult:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        ({"command": "view", "path": "/workspace/\ud800.py"}, "'\\ud800', which UTF-8 cannot encode"),
+        ({"command": "view", "path": "/workspace/" + "x" * 4096}, "more than the 4096"),
+        ({"command": "view", "path": "/workspace/a\0b"}, "NUL byte"),
+        ({"command": "create", "path": "/workspace/new.py", "file_text": "x = '\udcff'\n"}, "nothing was written"),
+        ({"command": "str_replace", "path": FILE, "old_str": "a - b", "new_str": "\ud800"}, "UTF-8 cannot encode"),
+        ({"command": "insert", "path": FILE, "insert_line": 0, "new_str": "\ud800"}, "UTF-8 cannot encode"),
+    ],
+)
+async def test_the_editor_refuses_paths_and_text_the_sandbox_cannot_take(args, fragment):
+    sandbox = sandbox_with({FILE: "a - b\n"})
+    answer = await edit(sandbox, **args)
+    assert answer.startswith("error:") and fragment in answer
+    assert sandbox.files == {FILE: b"a - b\n"} and sandbox.calls == []
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        ({"search_term": "a\0b"}, "search_term contains a NUL byte"),
+        ({"search_term": "\ud800"}, "search_term is not valid text"),
+        ({"search_term": "x", "path": "/workspace/\ud800"}, "path is not valid text"),
+        ({"search_term": "x", "path": "/workspace/a\0b"}, "path contains a NUL byte"),
+        ({"search_term": "x", "path": "/" + "x" * 4096}, "more than the 4096"),
+    ],
+)
+async def test_search_refuses_terms_and_paths_the_sandbox_cannot_take(args, fragment):
+    sandbox = ScriptedSandbox()
+    answer = await SEARCH.run(sandbox, args, EpisodeState())
+    assert answer.startswith("error:") and fragment in answer and sandbox.calls == []
+
+
+def validation_error() -> ValidationError:
+    with pytest.raises(ValidationError) as raised:
+        PathQuery(path="x" * 5000)
+    return raised.value
+
+
+@pytest.mark.parametrize(
+    ("error", "fragment"),
+    [
+        (SandboxAPIError(400, "the request is not valid JSON"), "error: the request is not valid JSON"),
+        (SandboxAPIError(422, "argv: invalid"), "error: argv: invalid"),
+        (validation_error(), "error: the sandbox cannot take these arguments: String should have at most 4096"),
+        (UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed"), "surrogates not allowed"),
+        (ValueError("argv entries may not contain NUL"), "may not contain NUL"),
+    ],
+)
+async def test_what_the_runtime_or_its_client_refuses_is_an_observation_of_both_tools(error, fragment):
+    sandbox = RefusingSandbox(error)
+    viewed = await edit(sandbox, command="view", path="/usr/lib/x.py")  # file API, then (a 400) a read in the sandbox
+    created = await edit(sandbox, command="create", path="/workspace/new.py", file_text="x")
+    removed = await edit(
+        sandbox, EpisodeState(file_history={"/workspace/a": [None]}), command="undo_edit", path="/workspace/a"
+    )
+    searched = await SEARCH.run(sandbox, {"search_term": "x"}, EpisodeState())
+    for answer in (viewed, created, removed, searched):
+        assert answer.startswith("error:") and fragment in answer, answer
+
+
+@pytest.mark.parametrize("status", [500, 502, 503])
+async def test_a_runtime_failure_still_raises_from_both_tools(status):
+    sandbox = RefusingSandbox(SandboxAPIError(status, "the runtime failed"))
+    with pytest.raises(SandboxAPIError):
+        await edit(sandbox, command="view", path="/usr/lib/x.py")
+    with pytest.raises(SandboxAPIError):
+        await edit(
+            sandbox, EpisodeState(file_history={"/workspace/a": [None]}), command="undo_edit", path="/workspace/a"
+        )
+    with pytest.raises(SandboxAPIError):
+        await SEARCH.run(sandbox, {"search_term": "x"}, EpisodeState())
 
 
 # --- choosing the tools -----------------------------------------------------------------------------------------------

@@ -136,8 +136,11 @@ def test_a_reward_txt_that_is_not_a_number_is_an_error_naming_it(data, fragment)
 
 
 def test_reward_json_entries_are_components_its_reward_entry_the_outcome():
-    assert parse_reward("reward.json", b'{"reward": 0.5, "style": 0.2}') == {"outcome": 0.5, "style": 0.2}
+    # The `reward` entry is the reward, the others metrics beside it: they never add to it.
+    assert parse_reward("reward.json", b'{"reward": 0.5, "tests_passed": 17}') == {"outcome": 0.5}
+    assert parse_reward("reward.json", b'{"reward": 0, "outcome": 1}') == {"outcome": 0.0}
     assert parse_reward("reward.json", b'{"accuracy": 0.75}') == {"outcome": 0.75}  # the only entry, as Harbor
+    # No `reward` entry and several: a reward of parts, each a component (their sum, unless a plugin weights them)
     assert parse_reward("reward.json", b'{"a": 0.5, "b": 0.25}') == {"outcome": 0.0, "a": 0.5, "b": 0.25}
 
 
@@ -266,8 +269,9 @@ async def test_past_the_agents_time_the_tools_run_nothing(tasks):
     bash = handler.tools(instance)[0]
     assert await bash.run(box, {"command": "make"}, EpisodeState()) == "ran\n[exit code 0]"
     now[0] += 300.0  # [agent].timeout_sec
-    answer = await bash.run(box, {"command": "make"}, EpisodeState())
-    assert "is up" in answer and "300" in answer
+    late = EpisodeState()
+    answer = await bash.run(box, {"command": "make"}, late)
+    assert "is up" in answer and "300" in answer and late.time_up  # the agent loop ends the episode on it
     assert [call.command for call in box.calls] == ["make"]
 
 
@@ -280,7 +284,7 @@ def verifier(reward_file: str | None, content: bytes = b"1\n", status: int = 0):
     def answer(call, box):
         if call.kind == "run" and "test.sh" in (call.command or ""):
             base = call.command.split("/tests/test.sh")[0].split()[-1]
-            box.files[f"{base}/logs/verifier/test-stdout.txt"] = b"tests ran\n"
+            box.files[f"{base}/logs/verifier/test-stdout.txt.tail"] = b"tests ran\n"  # the script's tail of it
             if reward_file is not None:
                 box.files[f"{base}/logs/verifier/{reward_file}"] = content
             return "", status
@@ -292,19 +296,20 @@ def verifier(reward_file: str | None, content: bytes = b"1\n", status: int = 0):
 async def test_eval_places_the_tests_only_now_runs_the_verifier_and_reads_the_reward(tasks):
     handler = HarborTask(datasets=[tasks])
     instance = {"path": str(tasks / "calc-json")}
-    box = Sandbox(answer=verifier("reward.json", b'{"reward": 1, "style": 0.2}'), workdir="/app")
+    box = Sandbox(answer=verifier("reward.json", b'{"correctness": 1, "style": 0.2}'), workdir="/app")
     await handler.init(box.for_task(), instance)
     assert not any("/tests" in path or "grade" in path for path in box.files)  # nothing of the task before eval
     state = EpisodeState()
-    assert await handler.evaluate(box.for_task(), instance, state) == {"outcome": 1.0, "style": 0.2}
+    assert await handler.evaluate(box.for_task(), instance, state) == {"outcome": 0.0, "correctness": 1.0, "style": 0.2}
     placed = {path for path in box.files if path.endswith(("/tests/test.sh", "/tests/grade.py"))}
     base = next(iter(placed)).split("/tests/")[0]
     assert base.startswith("/tmp/harbor-") and len(placed) == 2
     assert f"{base}/logs/verifier/reward.json" in box.files[f"{base}/tests/grade.py"].decode()
     run = next(call for call in box.calls if call.kind == "run")
-    assert run.cwd == "/app" and run.env["HOME"].startswith("/tmp/check-home-") and "PYTHONSAFEPATH" not in run.env
+    assert run.cwd == "/app" and run.env["HOME"].startswith("/tmp/check-home-") and run.env["PYTHONSAFEPATH"] == "1"
+    assert run.env["GIT_CONFIG_VALUE_0"] == "/dev/null" and f": > {base}/pytest.ini" in run.command
     assert state.artifacts["verifier_log"] == "tests ran\n"
-    assert json.loads(state.artifacts["verifier_rewards"]) == {"reward": 1, "style": 0.2}
+    assert json.loads(state.artifacts["verifier_rewards"]) == {"correctness": 1, "style": 0.2}
 
 
 async def test_a_verifier_that_writes_no_reward_scores_zero_and_says_why(tasks):
@@ -316,11 +321,14 @@ async def test_a_verifier_that_writes_no_reward_scores_zero_and_says_why(tasks):
     assert "exit status 127" in state.artifacts["verifier_error"] and "reward.txt" in state.artifacts["verifier_error"]
 
 
-async def test_a_reward_file_that_is_not_a_number_fails_eval_naming_it(tasks):
+async def test_a_reward_file_that_is_not_a_number_scores_zero_naming_it(tasks):
+    """The code under test may write the reward file: what it wrote scores 0 and says why (`prorl-harbor check`
+    shows it as a broken task), rather than failing the episode's eval."""
     handler = HarborTask(datasets=[tasks])
     box = Sandbox(answer=verifier("reward.txt", b"passed\n"), workdir="/app")
-    with pytest.raises(TaskConfigError, match=re.escape("reward.txt is 'passed', not a number")):
-        await handler.evaluate(box.for_task(), {"path": str(tasks / "hello-txt")}, EpisodeState())
+    state = EpisodeState()
+    assert await handler.evaluate(box.for_task(), {"path": str(tasks / "hello-txt")}, state) == {"outcome": 0.0}
+    assert "reward.txt is 'passed', not a number" in state.artifacts["verifier_error"]
 
 
 def test_the_placed_files_keep_their_modes():
@@ -363,3 +371,30 @@ def test_a_workdir_that_would_hide_a_system_directory_is_refused_naming_the_task
     handler = HarborTask(datasets=[tmp_path])
     with pytest.raises(TaskConfigError, match="its workdir '/usr/src/app' cannot be a sandbox's"):
         handler.image({}, handler.task({"path": str(task)}))
+
+
+@pytest.mark.parametrize("linked", ["instruction.md", "tests", "tests/test.sh", "task.toml"])
+def test_a_task_file_that_is_a_link_is_refused_and_nothing_outside_is_read(tmp_path, linked):
+    """A dataset's link to a file of the service's host (a key, a secret) would put it in a prompt or a sandbox."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "id_rsa").write_text("PRIVATE KEY")
+    task = hello_task(tmp_path / "tasks")
+    target = task / linked
+    copy = outside / Path(linked).name
+    (copy.mkdir() if target.is_dir() else copy.write_bytes(target.read_bytes()))
+    if target.is_dir():
+        for path in target.iterdir():
+            (copy / path.name).write_bytes(path.read_bytes())
+        (copy / "id_rsa").write_text("PRIVATE KEY")
+        for path in target.iterdir():
+            path.unlink()
+        target.rmdir()
+    else:
+        target.unlink()
+    target.symlink_to(copy)
+    with pytest.raises(TaskConfigError, match="is a symbolic link"):
+        load_task(task)
+    if linked == "tests":
+        with pytest.raises(TaskConfigError, match="is a symbolic link"):
+            harbor_format.task_files(task / "tests")

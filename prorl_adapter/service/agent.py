@@ -231,7 +231,7 @@ async def tool_turn(
     turn.tools_s = time.perf_counter() - started
     episode.tools_s += turn.tools_s
     if finished:
-        episode.finish_reason = "finish"
+        episode.finish_reason = "agent_timeout" if episode.state.time_up else "finish"
         return False
     turn.observation = "\n".join(results)
     if last:
@@ -285,4 +285,6 @@ async def _run_tools(
             return results, True
         else:
             results.append(clip(await tool.run(env, call.arguments, state)))
+            if state.time_up:  # the task's time for the agent is over: no more turns
+                return results, True
     return results, False

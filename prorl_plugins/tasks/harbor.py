@@ -68,13 +68,12 @@ from .harbor_format import REWARD_JSON, REWARD_TEXT, HarborTaskDir
 DEFAULT_IMAGE_TEMPLATE = "harbor/{name}"
 IMAGE_TEMPLATE_ENV = "PRORL_HARBOR_IMAGE_TEMPLATE"
 DATASETS_ENV = "PRORL_HARBOR_DATASETS"
-# The tools an instance may name ("tools"), each made with the task's tool timeout: the one place where the harbor
-# task's tools are chosen.
-# task's tools are chosen: editor_tools.TOOLS (bash, python, str_replace_editor, search, finish).
+# The tools an instance may name ("tools") are editor_tools.TOOLS (bash, python, str_replace_editor, search,
+# finish), each made with the task's tool timeout; these are the default.
 DEFAULT_TOOLS = ("bash", "finish")  # editor_tools.EDITOR_TOOLS adds the editor and search
 DEFAULT_AGENT_TIMEOUT_S = 600.0  # a task.toml without [agent].timeout_sec
 LOG_TAIL_BYTES = 16 << 10  # of the verifier's output, kept as the artifact `verifier_log`
-TIME_UP = "[the agent's time ([agent].timeout_sec = {timeout:g} s) is up: nothing ran; call finish]"
+TIME_UP = "[the agent's time ([agent].timeout_sec = {timeout:g} s) is up: nothing ran; the episode ends]"
 
 
 @dataclass(frozen=True)
@@ -216,6 +215,7 @@ class HarborTask(TaskHandler):
                 return await run(env, args, state)
             left = deadline[0] - self.clock()
             if left <= 0:
+                state.time_up = True  # the agent loop ends the episode here: no more turns for nothing
                 return TIME_UP.format(timeout=deadline[1])
             return await run(_Bounded(env, left), args, state)
 
@@ -280,11 +280,34 @@ def _tar(files: Mapping[str, tuple[bytes, int]], base: str) -> bytes:
     return buffer.getvalue()
 
 
+# What the agent's repository may not run when a verifier calls git: its hooks, its file-system monitor.
+GIT_SAFE = {
+    "GIT_CONFIG_COUNT": "2",
+    "GIT_CONFIG_KEY_0": "core.hooksPath",
+    "GIT_CONFIG_VALUE_0": "/dev/null",
+    "GIT_CONFIG_KEY_1": "core.fsmonitor",
+    "GIT_CONFIG_VALUE_1": "false",
+}
+# What pytest reads from a directory above its tests: the agent's, where it left them in /tmp.
+PYTEST_DISCOVERY = (
+    "conftest.py",
+    "pytest.ini",
+    ".pytest.ini",
+    "pyproject.toml",
+    "tox.ini",
+    "setup.cfg",
+    "setup.py",
+    "__init__.py",
+)
+
+
 def verifier_env(task: HarborTaskDir, env: Mapping[str, str]) -> dict[str, str]:
-    """clean_check's environment (a fresh HOME in /tmp, no user site, no global git configuration) with the
-    working directory left on Python's path, as Harbor's tests import the agent's code from there, and `env`."""
-    clean = {name: value for name, value in check_env().items() if name != "PYTHONSAFEPATH"}
-    return {**clean, **literal_env(env, task.path / "task.toml", "[verifier].env or [solution].env")}
+    """clean_check's environment (a fresh HOME in /tmp, no user site, no global git configuration, and
+    PYTHONSAFEPATH: the working directory is never on Python's path, so a `pytest.py` or `json.py` the agent left
+    there is not imported in place of the real one; a test that imports the agent's code names its directory, as
+    a test run by Harbor's `uvx pytest` must too), git kept from the repository's hooks, and `env`."""
+    task_env = literal_env(env, task.path / "task.toml", "[verifier].env or [solution].env")
+    return {**check_env(), **GIT_SAFE, **task_env}
 
 
 async def _place(env: SandboxHandle, task: HarborTaskDir, what: str, base: str) -> str:
@@ -317,25 +340,38 @@ async def run_verifier(env: SandboxHandle, task: HarborTaskDir) -> Verdict:
     script = await _place(env, task, "tests", base)
     verifier = f"{base}{harbor_format.VERIFIER_DIR}"
     log = f"{verifier}/test-stdout.txt"
+    # pytest looks for its configuration and conftest.py files up from the tests, through /tmp: the agent's
+    # there are removed, and an empty pytest.ini at `base` ends the search (its rootdir, its conftest cut-off).
+    leftovers = " ".join(f"/tmp/{name}" for name in PYTEST_DISCOVERY)
     result = await env.run(
         script=check_script(
+            f"rm -rf {leftovers} && : > {base}/pytest.ini && "
             f"mkdir -p {verifier} {base}/logs/agent {base}/logs/artifacts && chmod +x {script} && "
-            f"{script} > {shlex.quote(log)} 2>&1"
+            f"{{ {script} > {shlex.quote(log)} 2>&1; status=$?; }}; "
+            f"tail -c {LOG_TAIL_BYTES} {shlex.quote(log)} > {shlex.quote(log)}.tail; exit $status"
         ),
         cwd=task.workdir,
         env=verifier_env(task, task.config.verifier.env),
         timeout=task.config.verifier.timeout_sec,
     )
-    artifacts = {"verifier_log": await _tail(env, log)}
+    artifacts = {"verifier_log": await _tail(env, f"{log}.tail")}
     if result.status != "completed":
         timeout = task.config.verifier.timeout_sec
         artifacts["verifier_error"] = f"test.sh ran past [verifier].timeout_sec ({timeout:g} s)"
         return Verdict({"outcome": 0.0}, artifacts)
     for name in (REWARD_JSON, REWARD_TEXT):  # Harbor's order: reward.json first
-        data = await _read(env, f"{verifier}/{name}")
+        try:
+            data = await _read(env, f"{verifier}/{name}")
+        except SandboxAPIError as exc:  # there, but not a file of its size (a directory, a huge file)
+            artifacts["verifier_error"] = f"/logs/verifier/{name} cannot be read: {exc}"
+            return Verdict({"outcome": 0.0}, artifacts)
         if data is not None:
             artifacts["verifier_rewards"] = data.decode("utf-8", errors="replace")[:4096]
-            return Verdict(harbor_format.parse_reward(name, data), artifacts)
+            try:
+                return Verdict(harbor_format.parse_reward(name, data), artifacts)
+            except TaskConfigError as exc:  # the code under test may write it: a 0, not a failed eval
+                artifacts["verifier_error"] = str(exc)
+                return Verdict({"outcome": 0.0}, artifacts)
     artifacts["verifier_error"] = (
         f"test.sh (exit status {result.exit_code}) wrote neither /logs/verifier/{REWARD_TEXT} nor {REWARD_JSON}"
     )
@@ -343,16 +379,21 @@ async def run_verifier(env: SandboxHandle, task: HarborTaskDir) -> Verdict:
 
 
 async def _read(env: SandboxHandle, path: str) -> bytes | None:
-    """A file the verifier wrote, or None where there is none (or it is not a regular file: the file API follows
-    no link)."""
+    """A file the verifier wrote, or None where there is none (404); SandboxAPIError where it is there but cannot be
+    read as a file (a directory, a link: the file API follows none, a file past its size limit)."""
     try:
         return await env.read_file(path)
     except SandboxAPIError as exc:
-        if exc.status >= 500:
-            raise
-        return None
+        if exc.status == 404:
+            return None
+        raise
 
 
 async def _tail(env: SandboxHandle, path: str) -> str:
-    data = await _read(env, path)
+    try:
+        data = await _read(env, path)
+    except SandboxAPIError as exc:
+        if exc.status >= 500:
+            raise
+        return ""
     return "" if data is None else data[-LOG_TAIL_BYTES:].decode("utf-8", errors="replace")

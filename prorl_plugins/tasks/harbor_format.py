@@ -162,6 +162,8 @@ def load_task(path: str | Path) -> HarborTaskDir:
     root = root.resolve()
     if not root.is_dir():
         raise TaskConfigError(f"{root} is not a directory (a Harbor task directory)")
+    for part in ("task.toml", "instruction.md", "tests/test.sh", "solution/solve.sh", "environment/Dockerfile"):
+        no_link(root, part)
     config = read_task_toml(root / "task.toml")
     instruction_path = root / "instruction.md"
     try:
@@ -190,6 +192,17 @@ def load_task(path: str | Path) -> HarborTaskDir:
         workdir_from_image=from_image,
         has_solution=(root / "solution" / "solve.sh").is_file(),
     )
+
+
+def no_link(root: Path, relative: str) -> None:
+    """TaskConfigError where `relative` or a directory on its way below `root` is a symbolic link: what the service
+    reads of a task, on its own host, stays inside the task directory (a link could lead to any file it can read,
+    into a prompt or a sandbox)."""
+    path = root
+    for part in Path(relative).parts:
+        path = path / part
+        if path.is_symlink():
+            raise TaskConfigError(f"{path} is a symbolic link: a task's files are read in place, never followed")
 
 
 def read_task_toml(path: Path) -> TaskToml:
@@ -260,11 +273,12 @@ def parse_reward(name: str, data: bytes) -> dict[str, float]:
     """The reward components of a verifier's reward file (`name`: reward.txt or reward.json, for the message),
     or TaskConfigError naming the file.
 
-    reward.txt holds one number: the component `outcome`. reward.json holds named numbers. Harbor's own reading
-    decides which is the task's reward (`outcome`): the entry `reward`, else the only entry. Its other entries are
-    components under their own names (the reward is the sum of the components unless a reward plugin weights
-    them, docs/plugins.md); a file of several entries and none named `reward` has an `outcome` of 0, its entries
-    being the parts of the reward."""
+    reward.txt holds one number: the component `outcome`. reward.json holds named numbers, read as Harbor reads
+    them: its entry `reward` (else its only entry) is the task's reward, the component `outcome`, and its other
+    entries are metrics beside it (kept in the artifact `verifier_rewards`, not added to the reward: a file like
+    {"reward": 1, "tests_passed": 17} scores 1). A file of several entries and none named `reward` is a reward
+    made of parts: each entry is a component under its own name (beside an `outcome` of 0, unless one of them is
+    named so), and the reward is their sum unless a reward plugin weights them (docs/plugins.md)."""
     text = data.decode("utf-8", errors="replace").strip()
     if not text:
         raise TaskConfigError(f"the verifier's {name} is empty")
@@ -278,12 +292,10 @@ def parse_reward(name: str, data: bytes) -> dict[str, float]:
         raise TaskConfigError(f"the verifier's {name} must be an object of named numbers, not {text[:200]!r}")
     values = {str(key): _number(value, name, str(key)) for key, value in rewards.items()}
     if PRIMARY_REWARD in values:
-        outcome = values.pop(PRIMARY_REWARD)
-    elif len(values) == 1:
-        outcome = values.pop(next(iter(values)))
-    else:
-        outcome = values.pop("outcome", 0.0)
-    return {"outcome": outcome, **values}
+        return {"outcome": values[PRIMARY_REWARD]}
+    if len(values) == 1:
+        return {"outcome": next(iter(values.values()))}
+    return {"outcome": values.pop("outcome", 0.0), **values}  # the service's eval always has an `outcome`
 
 
 def _number(value: Any, name: str, key: str | None = None) -> float:
@@ -322,6 +334,8 @@ def task_files(directory: Path) -> dict[str, tuple[bytes, int]]:
     MAX_TASK_FILE_BYTES."""
     files: dict[str, tuple[bytes, int]] = {}
     total = 0
+    if directory.is_symlink():
+        raise TaskConfigError(f"{directory} is a symbolic link: a task's files are copied, never followed")
     for path in sorted(directory.rglob("*")):
         relative = path.relative_to(directory).as_posix()
         if path.is_symlink():
