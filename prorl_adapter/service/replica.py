@@ -34,6 +34,12 @@ log = logging.getLogger(__name__)
 TAKEOVER_S = 120.0  # a takeover that takes longer is given up, to be claimed again; the claim holds as long
 
 
+# Every 2 s: a replica is taken for dead after three missed beats, 6 s. At 1 s (3 s), a replica whose process was
+# starved of CPU for a few seconds (vLLM reloading weights on the same two cores, in a CI run) was taken for dead
+# and dropped the episode it was running; a real death is noticed 3 s later instead.
+BEAT_INTERVAL_S = 2.0
+
+
 class Replica:
     def __init__(
         self,
@@ -43,7 +49,7 @@ class Replica:
         producer: Producer,
         sandboxes: SandboxPool,
         url: str | None,
-        interval_s: float = 1.0,
+        interval_s: float = BEAT_INTERVAL_S,
     ) -> None:
         self.coordination = coordination
         self.runner = runner
