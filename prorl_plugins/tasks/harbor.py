@@ -17,10 +17,10 @@ work: [environment].workdir, else the Dockerfile's last WORKDIR (the workspace i
 else /app. Limits: [environment].memory_mb and storage_mb (the runtime's memory_mb and disk_mb; above the runtime's
 maximum the sandbox is refused with its message); cpus is not a limit the runtime has.
 
-The agent's time: [agent].timeout_sec from the end of init. Past it every tool answers that the time is up
-(and runs nothing), as Harbor stops its agent, and the episode goes on to eval; a command in flight is stopped
-at the deadline (its timeout is what is left). An agent program of the user's own (JobRequest.agent) runs its own
-tools: the job's timeout_s bounds it.
+The agent's time: [agent].timeout_sec from the end of init. Past it a tool call answers that the time is up
+(and runs nothing) and the agent loop ends the episode (EpisodeState.time_up), as Harbor stops its agent, and the
+episode goes on to eval; a command in flight is stopped at the deadline (its timeout is what is left). An agent
+program of the user's own (JobRequest.agent) runs its own tools: the job's timeout_s bounds it.
 
 eval, as Harbor's verifier runs, on this service's integrity rules:
 1. the pipeline has ended every process the agent started (end_processes);
@@ -30,11 +30,12 @@ eval, as Harbor's verifier runs, on this service's integrity rules:
    `harbor_format.relocated`); the agent never saw tests/ or solution/, and nothing it left at /tests or
    /logs/verifier is read;
 3. tests/test.sh runs as a one-shot process in the workdir, under [verifier].timeout_sec, with [verifier].env and
-   clean_check's environment (a fresh HOME in /tmp, no user site, no global git configuration), but with the
-   working directory on Python's path: Harbor's tests import the agent's code from there;
+   clean_check's environment (a fresh HOME in /tmp, no user site, no global git configuration, PYTHONSAFEPATH: the
+   workdir is not on Python's path), the agent's git hooks and fsmonitor off, pytest's configuration and conftest
+   files left in /tmp removed and an empty pytest.ini beside the tests (pytest searches no further up);
 4. the reward is read through the file API: reward.json (named numbers), else reward.txt (a number), as Harbor
-   reads them (harbor_format.parse_reward). A verifier that writes neither, or runs past its timeout, scores 0
-   (artifact `verifier_error`); a file that is not a number fails eval with a message naming it.
+   reads them (harbor_format.parse_reward). A verifier that writes neither, runs past its timeout, or writes a
+   file that is not a number scores 0 (artifact `verifier_error`).
 Not defended, as in Harbor: code under test that finds the reward file and writes it. [verifier].user and
 [agent].user are not honoured: every process of a sandbox runs as its one unprivileged user.
 
