@@ -202,7 +202,9 @@ async def test_keep_freezes_a_streamed_turn_and_the_tokens_after_the_resume_carr
 
             async def update() -> None:
                 state = await client.pause_generation("keep", timeout_s=120)
-                assert state.paused and state.mode == "keep" and state.in_flight == 1  # frozen, not ended
+                # Frozen, not ended (1); 0 where the turn ended between `until_mid_turn` and the pause: then it has
+                # no resumption, and caught_mid_turn runs another.
+                assert state.paused and state.mode == "keep" and state.in_flight in (0, 1)
                 await push_weights(vllm.url)
                 await client.resume_generation(version=state.policy_version + 1)
 
