@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -189,7 +190,4 @@ def _by_group(items: Iterable[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]
 
 
 def group_sizes(items: list[dict[str, Any]]) -> dict[str, int]:
-    sizes: dict[str, int] = {}
-    for item in items:
-        sizes[item["group"]] = sizes.get(item["group"], 0) + 1
-    return sizes
+    return dict(Counter(item["group"] for item in items))
