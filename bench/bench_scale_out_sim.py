@@ -130,11 +130,11 @@ class SlowPrompts(MemoryPromptQueue):
         self.server, self.lock_s = server, lock_s
         self.admitted = 0
 
-    async def pop(self, version: int) -> Any:
+    async def pop(self, version: int, fence: Any = None) -> Any:
         if self.lock_s > 0:
             await asyncio.sleep(self.lock_s)
             self.server.busy_s += self.lock_s
-        request = await super().pop(version)
+        request = await super().pop(version, fence)
         self.admitted += request is not None
         return request
 

@@ -59,3 +59,34 @@ class RedisServer:
         if self.process is not None and self.process.poll() is None:
             os.kill(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+class CommandFault:
+    """The `at`-th command a redis-py asyncio client sends from now (counted from 0; its pipelines, separate
+    clients, are not counted) fails as a connection that dies does: before Redis ran it (`lost="request"`) or
+    after (`lost="reply"`). Redis-py's own retries are bypassed: a failure that outlasted them. `hit` says
+    whether the fault struck; `remove()` gives the client back as it was."""
+
+    def __init__(self, client, at: int, lost: str) -> None:
+        import redis
+
+        assert lost in ("request", "reply")
+        self.client, self.hit, sent = client, False, 0
+        send = client.execute_command
+
+        async def execute(*args, **options):
+            nonlocal sent
+            now, sent = sent, sent + 1
+            if now == at and lost == "request":
+                self.hit = True
+                raise redis.ConnectionError(f"injected: the connection died before {args[0]} was sent")
+            reply = await send(*args, **options)
+            if now == at:
+                self.hit = True
+                raise redis.ConnectionError(f"injected: the connection died before the reply to {args[0]}")
+            return reply
+
+        client.execute_command = execute
+
+    def remove(self) -> None:
+        del self.client.execute_command

@@ -15,7 +15,9 @@ from prorl_adapter.hooks.plugin_set import PluginSet
 from prorl_adapter.models import JobRequest
 from prorl_adapter.service import decoupled
 from prorl_adapter.service.decoupled import Producer
-from prorl_adapter.service.storage.coordination import BarrierNews
+from prorl_adapter.service.storage.coordination import AdmissionLapsed, BarrierNews
+from prorl_adapter.service.storage.memory_buffer import MemoryBuffer
+from prorl_adapter.service.storage.prompts import MemoryPromptQueue
 from prorl_adapter.service.storage.redis_buffer import RedisBuffer
 from prorl_adapter.service.storage.redis_coordination import RedisCoordination
 from prorl_adapter.service.storage.redis_prompts import RedisPromptQueue
@@ -180,6 +182,45 @@ async def test_a_replica_cancelled_at_any_point_leaves_the_admission_lock_free_a
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_pop_under_a_lapsed_admission_lock_moves_nothing_and_one_under_the_held_lock_renews_it(redis):
+    a, b = (RedisCoordination(redis.url, name, prefix="tf", admission_lock_s=60) for name in ("a", "b"))
+    prompts = RedisPromptQueue(redis.url, "a", prefix="tf:prompts")
+    try:
+        await prompts.push([JobRequest(task="t", job_id=f"p{i}") for i in range(2)])
+        async with a.admission_lock() as fence:
+            await a.redis.pexpire(fence.key, 1000)
+            assert (await prompts.pop(1, fence)).job_id == "p0"
+            assert await a.redis.pttl(fence.key) > 1000  # renewed for the lock's whole life (60 s)
+            await a.redis.delete(fence.key)  # it expired: its holder stalled
+            with pytest.raises(AdmissionLapsed):
+                await prompts.pop(1, fence)
+            async with b.admission_lock() as taken:  # and another replica takes it
+                with pytest.raises(AdmissionLapsed):
+                    await prompts.pop(1, fence)
+                assert (await prompts.size(), await prompts.running_versions()) == (1, {1: 1})  # nothing moved
+                assert (await prompts.pop(2, taken)).job_id == "p1"
+            assert not await a.redis.exists(fence.key)  # b let go; a's hold ends without touching the lock
+    finally:
+        for part in (a, b, prompts):
+            await part.close()
+
+
+async def test_a_producer_refuses_a_prompt_queue_that_cannot_check_its_admission_lock(redis):
+    """The fence is checked inside the pop: the queue must be on the coordination's Redis server and database."""
+    coordination = RedisCoordination(redis.url, "a", prefix="tg")
+    other_db = RedisPromptQueue(redis.url.rsplit("/", 1)[0] + "/1", "a", prefix="tg")
+    same = RedisPromptQueue(f"redis://127.0.0.1:{redis.port}", "a", prefix="tg")  # db 0 by default: the same
+    episodes = Episodes(PluginSet.load(entry_points=False), coordination=coordination)
+    try:
+        for prompts in (other_db, MemoryPromptQueue()):
+            with pytest.raises(ValueError, match="one Redis"):
+                Producer(episodes, MemoryBuffer(), prompts, coordination=coordination)
+        Producer(episodes, MemoryBuffer(), same, coordination=coordination)
+    finally:
+        for part in (coordination, other_db, same):
+            await part.close()
 
 
 async def test_runtimes_heard_by_one_replica_are_seen_by_all(redis):

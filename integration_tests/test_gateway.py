@@ -14,6 +14,7 @@ import pytest
 
 from prorl_adapter.dev import localstack
 from prorl_adapter.models import Trajectory
+from prorl_adapter.service.agent_program import program_timeout
 from prorl_adapter.service.chat import tool_call_regex
 
 from .conftest import start_rollout
@@ -240,4 +241,6 @@ async def test_a_program_that_runs_out_the_clock_is_stopped_and_graded_not_filte
     trajectory = await run_job(http, request)
     assert trajectory.error is None and not trajectory.filter, trajectory.error
     assert trajectory.finish_reason == "agent_timeout" and trajectory.num_turns == 1
+    # its time: the budget left when it started (30 s less init's), less eval's reserve
+    assert trajectory.cut.budget == "agent_timeout" and 0 < trajectory.cut.limit <= program_timeout(30)
     assert "outcome" in trajectory.reward_components

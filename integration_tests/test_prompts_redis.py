@@ -10,7 +10,7 @@ import pytest
 from prorl_adapter.models import JobRequest
 from prorl_adapter.service.storage.buffer import BufferUnavailable
 
-from .redis_server import REDIS_SKIP, RedisServer
+from .redis_server import REDIS_SKIP, CommandFault, RedisServer
 
 if REDIS_SKIP:
     pytest.skip(REDIS_SKIP, allow_module_level=True)
@@ -59,5 +59,29 @@ async def test_an_unreachable_redis_is_buffer_unavailable_and_the_queue_works_on
             await prompts.push([JobRequest(task="t")])
         redis_server.start()  # the append-only file brings the first prompt back
         assert await prompts.push([JobRequest(task="t")]) == 2
+    finally:
+        await prompts.close()
+
+
+@pytest.mark.parametrize("lost", ["request", "reply"])
+async def test_a_push_of_many_prompts_that_redis_fails_leaves_all_of_them_upcoming_or_none(redis_server, lost):
+    """Producer.enqueue's one write (POST /v1/prompts): the fault at each command of the push in turn."""
+    prompts = queue(redis_server, f"test:{uuid.uuid4().hex}")
+    batch = [JobRequest(task="t", job_id=f"p{i}") for i in range(20)]
+    try:
+        for at in range(10):
+            fault = CommandFault(prompts._connection.redis, at, lost)
+            try:
+                await prompts.push(batch)
+            except BufferUnavailable:
+                assert fault.hit
+            finally:
+                fault.remove()
+            assert await prompts.size() in (0, 20)
+            while await prompts.pop(0) is not None:  # emptied for the next fault
+                pass
+            if not fault.hit:
+                return
+        pytest.fail("the push sent more than 10 commands")
     finally:
         await prompts.close()

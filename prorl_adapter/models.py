@@ -163,6 +163,13 @@ class JobRequest(_Strict):
     retry_of: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_.:-]{1,128}$", description="the job id of the prompt's first run (attempt > 1)"
     )
+    outage_reruns: int = Field(
+        0,
+        ge=0,
+        le=1000,
+        description="of the runs before this one, those an LLM outage failed (`JobError.outage`): not counted against "
+        "max_attempts; set by the service",
+    )
     agent: AgentProgram | None = Field(
         None, description="run this program through the LLM gateway instead of the built-in agent loop"
     )
@@ -229,6 +236,11 @@ FinishReason = Literal["finish", "max_turns", "max_context", "no_tool_call", "er
 class JobError(BaseModel):
     error_class: ErrorClass
     message: str
+    outage: bool = Field(
+        False,
+        description="an LLM outage failed it (no server healthy, or most requests failing), not the episode: decoupled "
+        "mode runs its prompt again without counting the run against max_attempts",
+    )
 
 
 class ToolCall(BaseModel):
@@ -298,6 +310,29 @@ class Segment(BaseModel):
     response_logprobs: list[float]
 
 
+CutBudget = Literal["init_timeout", "run_timeout", "eval_timeout", "max_turns", "max_context", "agent_timeout"]
+
+
+class BudgetCut(BaseModel):
+    """What cut an episode short, and how far in: which budget, where it is set, its limit and what was used of it.
+    A time budget of the job (`*_timeout`, by the stage it ran out in) fails the job (filtered); the others end
+    the episode, which is graded as it stands."""
+
+    budget: CutBudget
+    setting: str = Field(
+        description="where the limit is set: timeout_s (the job's; else the service's --timeout), max_turns, "
+        "max_context_tokens, or the agent's own time (an agent program's share of the job's budget, a task's)"
+    )
+    limit: float | None = Field(
+        description="the limit: seconds for a time budget, turns for max_turns, tokens for max_context; null "
+        "where it is not known"
+    )
+    used: float = Field(
+        description="how far in it was cut: seconds of the job's stage time (or of the agent's), turns taken, "
+        "tokens in the context"
+    )
+
+
 class Trajectory(BaseModel):
     """A finished episode, as the trainer consumes it.
 
@@ -345,6 +380,7 @@ class Trajectory(BaseModel):
     prompt_tools: list[dict[str, Any]] | None = Field(
         None, description="the tool schemas the chat template was given with `prompt_messages` (None: none)"
     )
+    cut: BudgetCut | None = Field(None, description="the budget that cut the episode short, if one did")
 
     @model_validator(mode="before")
     @classmethod
@@ -405,6 +441,17 @@ class LLMServerInfo(BaseModel):
     in_flight: int
     requests: int
     failures: int
+
+
+class LLMOutage(BaseModel):
+    """No episode can generate (docs/reliability.md): turns wait for a server (--llm-outage-wait-s) and, in decoupled
+    mode, admission pauses."""
+
+    reason: str = Field(
+        description="no LLM server configured, none healthy, or an error-rate spike (most recent requests failed)"
+    )
+    since: float = Field(description="when it began (Unix time)")
+    waiting: int = Field(0, description="turns waiting for a healthy server now")
 
 
 def _parsable_url(url: str) -> str:
@@ -710,6 +757,19 @@ class RunConcurrencyState(BaseModel):
     servers: list[EngineLoad] = Field(default_factory=list, description="each LLM server's load (adaptive)")
 
 
+class InitGateState(BaseModel):
+    """Back-pressure between init and run: sandboxes are made only while the run stage can take their episodes."""
+
+    bound: int = Field(
+        description="the most jobs ahead of the run stage, in it and waiting for eval, together: its limit + margin"
+    )
+    margin: int = Field(description="--init-ahead: jobs made ready beyond the run stage's limit")
+    ahead: int = Field(description="jobs taken by init and not yet in the run stage (each holds or makes a sandbox)")
+    running: int = Field(description="episodes in the run stage")
+    waiting_for_eval: int = Field(description="episodes run and waiting for an eval worker, holding their sandboxes")
+    waiting: int = Field(description="init workers waiting for room")
+
+
 class BreakerTally(BaseModel):
     """The circuit breaker's count for one policy version: its finished episodes, and those it flagged."""
 
@@ -749,7 +809,11 @@ class ServiceStatus(BaseModel):
     run_concurrency: RunConcurrencyState | None = Field(
         None, description="the run stage's limit on episodes in flight (null from a service without one)"
     )
+    init_gate: InitGateState | None = Field(
+        None, description="back-pressure from the run stage on init (null from a service without one)"
+    )
     llm_servers: list[LLMServerInfo]
+    llm_outage: LLMOutage | None = Field(None, description="why no episode can generate now; null while one can")
     degraded: str | None
     gateway_address: str | None = Field(
         None, description="HOST:PORT at which the sandbox runtimes reach the LLM gateway (agent programs)"
@@ -866,11 +930,17 @@ class ProducerStats(BaseModel):
         0, description="episodes that failed (infrastructure) max_attempts times, or were cancelled: not buffered"
     )
     retried: int = Field(0, description="failed episodes whose prompt was queued to run again")
+    outage_reruns: int = Field(
+        0, description="of those, episodes an LLM outage failed: their run not counted against max_attempts"
+    )
     dropped: int = Field(0, description="trajectories weighed 0 when taken (too stale)")
     expired: int = Field(0, description="trajectories removed before a take: no plugin would weigh them above 0")
     leased: int = Field(0, description="entries taken and not yet acknowledged")
     redelivered: int = Field(0, description="entries whose lease ran out, handed back to be taken again")
     dead_letters: int = Field(0, description="entries whose lease ran out after max_deliveries: removed")
+    admission_lock_lapses: int = Field(
+        0, description="admissions refused because the shared admission lock expired while they were decided"
+    )
     undelivered: int = Field(0, description="finished trajectories waiting for the buffer to come back")
     degraded: str | None = Field(None, description="why the buffer or the prompt queue cannot be used now")
     versions_in_flight: list[int] = Field(default_factory=list)

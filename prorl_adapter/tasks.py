@@ -151,6 +151,7 @@ class EpisodeState:
     # Set by a tool when the task's own time for the agent is up (harbor's [agent].timeout_sec): the loop ends the
     # episode there (finish reason agent_timeout) and it goes on to eval.
     time_up: bool = False
+    time_limit_s: float | None = None  # that time, for the trajectory's record of what cut it (BudgetCut)
 
 
 ToolFn = Callable[[SandboxHandle, dict[str, Any], EpisodeState], Awaitable[str]]

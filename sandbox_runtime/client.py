@@ -8,13 +8,14 @@ async with SandboxClient("http://127.0.0.1:8765") as client:
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, Literal, TypeVar
 
 import aiohttp
 from pydantic import BaseModel
 
-from server_kit.errors import DownstreamError
+from server_kit.errors import DownstreamError, ProrlError
 
 from .models import (
     ArchiveWritten,
@@ -64,6 +65,10 @@ class SandboxUnreachable(SandboxAPIError):
         super().__init__(503, f"cannot reach the sandbox runtime at {url}: {type(cause).__name__}: {cause}")
 
 
+class RuntimeSevered(ProrlError):
+    """The client's owner took the runtime for gone (`SandboxClient.sever`): the cause of a SandboxUnreachable."""
+
+
 class SandboxClient:
     """Async client; create it inside a running event loop.
 
@@ -81,6 +86,19 @@ class SandboxClient:
             timeout=aiohttp.ClientTimeout(total=timeout),
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0),
         )
+        self._severed: str | None = None  # why the runtime is taken for gone (`sever`); None: it is not
+        self._calls: set[asyncio.Future[bytes]] = set()  # requests in flight, which `sever` ends
+
+    def sever(self, reason: str) -> None:
+        """Take the runtime for gone: every request in flight ends at once, and every new one at its start, with
+        SandboxUnreachable saying `reason`. A runtime whose node vanished without a reset would otherwise keep
+        its callers waiting until each request's own timeout (a command's, and more). `revive` undoes it."""
+        self._severed = reason
+        for call in list(self._calls):
+            call.cancel()
+
+    def revive(self) -> None:
+        self._severed = None
 
     async def __aenter__(self) -> SandboxClient:
         return self
@@ -108,18 +126,34 @@ class SandboxClient:
             kwargs["params"] = query.model_dump(mode="json", exclude_none=True)
         if timeout is not None:
             kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout)
+        if self._severed is not None:
+            raise SandboxUnreachable(self.base_url, RuntimeSevered(self._severed))
+        # A task of its own, so that `sever` can end it without cancelling the caller.
+        call = asyncio.ensure_future(self._send(method, path, kwargs))
+        self._calls.add(call)
         try:
-            async with self._http.request(method, self.base_url + path, **kwargs) as response:
-                content = await response.read()
+            status, content = await call
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self._severed is not None and call.cancelled() and (current is None or not current.cancelling()):
+                raise SandboxUnreachable(self.base_url, RuntimeSevered(self._severed)) from None
+            call.cancel()  # the caller was cancelled: so is its request
+            raise
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise SandboxUnreachable(self.base_url, exc) from exc
-        if response.status >= 400:
+        finally:
+            self._calls.discard(call)
+        if status >= 400:
             try:
                 message = json.loads(content)["error"]
             except (ValueError, KeyError, TypeError):
                 message = content.decode(errors="replace")
-            raise SandboxAPIError(response.status, message)
+            raise SandboxAPIError(status, message)
         return content
+
+    async def _send(self, method: str, path: str, kwargs: dict[str, Any]) -> tuple[int, bytes]:
+        async with self._http.request(method, self.base_url + path, **kwargs) as response:
+            return response.status, await response.read()
 
     async def _answer(self, reply: type[Reply], method: str, path: str, **kwargs: Any) -> Reply:
         """One request whose reply is the wire model `reply`."""
@@ -143,8 +177,10 @@ class SandboxClient:
         return await self._answer(ImageList, "GET", "/v1/images")
 
     # -- sandboxes --------------------------------------------------------------------------------------
-    async def create_sandbox(self, **spec: Any) -> SandboxInfo:
-        return await self._answer(SandboxInfo, "POST", "/v1/sandboxes", body=SandboxSpec(**spec))
+    async def create_sandbox(self, timeout: float | None = None, **spec: Any) -> SandboxInfo:
+        """`timeout`: how long the creation may take (an image's first unpack may take many minutes); default the
+        client's own."""
+        return await self._answer(SandboxInfo, "POST", "/v1/sandboxes", body=SandboxSpec(**spec), timeout=timeout)
 
     async def list_sandboxes(self) -> list[SandboxInfo]:
         return (await self._answer(SandboxList, "GET", "/v1/sandboxes")).sandboxes

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import pwd
 import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server_kit.address import check_exposure
+from server_kit.address import check_exposure, check_token
 from server_kit.connections import ConnectionLimits
 
 from .host_view import check_host_path
@@ -45,6 +46,19 @@ def parse_uid_range(text: str) -> range:
     if not sep or not 0 < low <= high < 2**32 - 1:
         raise argparse.ArgumentTypeError(f"uid range {text!r} must be FIRST-LAST with 0 < FIRST <= LAST < 4294967295")
     return range(low, high + 1)
+
+
+def check_sandbox_uids(uids: range) -> None:
+    """Refuse a --sandbox-uids range that holds the uid of an account of this machine (the passwd database): a
+    root server kills whatever runs as a sandbox uid it takes, and that account's files would be the sandbox's."""
+    taken = sorted((entry.pw_uid, entry.pw_name) for entry in pwd.getpwall() if entry.pw_uid in uids)
+    if taken:
+        (uid, name), more = taken[0], f" and {len(taken) - 1} more" if len(taken) > 1 else ""
+        raise ValueError(
+            f"--sandbox-uids {uids.start}-{uids.stop - 1} holds uid {uid} of the account {name!r}{more}, whose "
+            "processes a sandbox taking that uid would kill: give a range no account uses, such as the default "
+            f"{DEFAULT_SANDBOX_UIDS.start}-{DEFAULT_SANDBOX_UIDS.stop - 1}"
+        )
 
 
 @dataclass
@@ -114,9 +128,14 @@ class ServerConfig:
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
 
     def check(self) -> None:
-        """What start-up refuses, with a message naming the setting: exposure without a token, a host path
-        that sandboxes cannot be shown, and a registration that could not work."""
+        """What start-up refuses, with a message naming the setting: exposure without a token, a token no client
+        can send, a host path that sandboxes cannot be shown, sandbox uids of accounts, and a registration that
+        could not work."""
         check_exposure(self.host, self.token, "PRORL_SANDBOX_TOKEN")
+        check_token(self.token, "--token (or PRORL_SANDBOX_TOKEN)")
+        check_token(self.register_token, "--register-token (or PRORL_REGISTRATION_TOKEN)")
+        if os.geteuid() == 0:  # only a root server runs sandboxes as uids of their own
+            check_sandbox_uids(self.sandbox_uids)
         if self.listen_socket is None and not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} is not a port: give one from 1 to 65535 (0 picks a free one)")
         if self.max_sandboxes < 1:

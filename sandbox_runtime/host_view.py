@@ -159,8 +159,12 @@ def check_host_path(path: Path, state_dir: Path) -> Path:
     (at the named path), so that a link changed after start-up cannot redirect it."""
     if not path.is_absolute() or ".." in path.parts:
         raise ValueError(f"--host-path {str(path)!r} is not an absolute path without '..'")
-    if not os.path.exists(path):
-        raise ValueError(f"--host-path {path} does not exist (or is a link to nothing)")
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise ValueError(f"--host-path {path} does not exist (or is a link to nothing)") from None
+    except OSError as exc:  # a directory on the way this user may not enter, say
+        raise ValueError(f"--host-path {path} cannot be reached by this server: {exc.strerror}") from None
     real, state = Path(os.path.realpath(path)), Path(os.path.realpath(state_dir))
     for shown in (path, real):
         if shown == Path("/") or shown.parts[1] in SANDBOX_OWN:

@@ -19,6 +19,7 @@ import logging
 import os
 import resource
 import secrets
+import shutil
 import stat
 import time
 from collections import OrderedDict, deque
@@ -110,6 +111,21 @@ def capped(limits: Limits, maxima: Limits) -> Limits:
     return Limits(**{k: v if v is None or ceiling[k] is None else min(v, ceiling[k]) for k, v in limits})
 
 
+def _check_image_dir(directory: Path) -> None:
+    """An --image-dir the server can list, or a StartupError naming the flag."""
+    try:
+        with os.scandir(directory):
+            pass
+    except FileNotFoundError:
+        raise StartupError(f"image directory {directory} does not exist: fix --image-dir") from None
+    except NotADirectoryError:
+        raise StartupError(f"image directory {directory} is not a directory: fix --image-dir") from None
+    except OSError as exc:
+        raise StartupError(
+            f"cannot list the image directory {directory}: {exc.strerror}; give --image-dir one this user can read"
+        ) from None
+
+
 def unreachable_ancestor(path: Path) -> Path | None:
     """The first directory on the way to `path` that other users cannot traverse (no o+x), or None."""
     for directory in [*reversed(path.parents), path]:
@@ -156,12 +172,7 @@ class SandboxManager:
     async def start(self) -> None:
         """Take the state dir (StartupError when it cannot be used), clean up after a previous server, and find
         what bounds a sandbox here."""
-        if self.default_backend == "bwrap":  # named with --backend: the server would serve nothing but errors
-            from .backends import BACKENDS
-
-            available, detail = BACKENDS["bwrap"].probe()
-            if not available:
-                raise StartupError(f"--backend bwrap: {detail}; or choose another --backend")
+        self._check_default_backend()
         try:
             self.boxes_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -171,9 +182,14 @@ class SandboxManager:
             ) from None
         self._lock_state_dir()
         for directory in self.images.image_dirs:
-            if not directory.is_dir():
-                raise StartupError(f"image directory {directory} does not exist or is no directory: fix --image-dir")
-        self.images.start()
+            _check_image_dir(directory)
+        try:
+            self.images.start()
+        except OSError as exc:
+            raise StartupError(
+                f"cannot use the state dir's image cache {self.images.cache_dir}: {exc.strerror} ({exc.filename}); "
+                "give a state dir this user can write with --state-dir"
+            ) from None
         if self.sandbox_uids is not None:
             self._check_reachable_by_sandboxes()
             UID_LOCK_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -228,13 +244,46 @@ class SandboxManager:
         """Sandbox uids must reach their own workspaces (bwrap binds them as that uid) and the images."""
         for directory in (self.state_dir, self.boxes_dir):
             directory.chmod(0o711)  # traversable, not listable: a sandbox cannot list the others
-        for path, what in [(self.boxes_dir, "state dir"), *((d, "image directory") for d in self.images.image_dirs)]:
+        checked = [(self.boxes_dir, "the state dir", "--state-dir", "e.g. --state-dir /var/lib/prorl-sandbox")]
+        checked += [(d, "the image directory", "--image-dir", "or give it o+x") for d in self.images.image_dirs]
+        for path, what, flag, fix in checked:
             blocked = unreachable_ancestor(path)
-            if blocked is not None:
-                raise StartupError(
-                    f"the {what} {path} lies below {blocked}, which the sandboxes' unprivileged uids cannot "
-                    "traverse (no o+x); choose one they can reach, e.g. --state-dir /var/lib/prorl-sandbox"
-                )
+            if blocked is None:
+                continue
+            shown = self.state_dir if flag == "--state-dir" else path
+            where = f"lies below {blocked}, which the sandboxes' unprivileged uids cannot traverse"
+            if blocked == path:
+                where = "is one the sandboxes' unprivileged uids cannot traverse"
+            raise StartupError(f"{what} {shown} {where} (no o+x); give {flag} one they can reach, {fix}")
+
+    def _check_default_backend(self) -> None:
+        """A backend named with --backend that can make no sandbox here fails the start: the server would serve
+        nothing but errors. (Chosen by default, it is one that is installed: `_pick_default`.)"""
+        from .backends import BACKENDS
+        from .backends.apptainer import NOT_INSTALLED
+
+        name = self.default_backend
+        if name == "bwrap":
+            available, detail = BACKENDS["bwrap"].probe()
+            if not available:
+                raise StartupError(f"--backend bwrap: {detail}; or choose another --backend")
+        if name not in ("apptainer", "singularity"):
+            return
+        binary = self.config.apptainer_binary
+        if binary is not None and shutil.which(binary) is None:
+            raise StartupError(
+                f"--apptainer-binary {binary} is not an executable; give the path of apptainer or singularity"
+            )
+        if binary is None and not BACKENDS[name].probe()[0]:
+            raise StartupError(
+                f"--backend {name}: {NOT_INSTALLED} (on PATH; --apptainer-binary names one elsewhere); or choose "
+                "another --backend"
+            )
+        if self.sandbox_uids is not None:
+            raise StartupError(
+                f"--backend {name} runs only under an unprivileged server (started by root, Apptainer would run the "
+                "sandboxes as root): run prorl-sandbox as a normal user, or choose --backend bwrap"
+            )
 
     def _lock_state_dir(self) -> None:
         path = self.state_dir / "server.lock"

@@ -31,6 +31,17 @@ def check_exposure(host: str, token: str | None, token_variable: str) -> None:
     )
 
 
+def check_token(token: str | None, named: str) -> None:
+    """A bearer token that a client can send: no control character (a newline kept from a file, say) and no
+    space at either end, which HTTP drops from a header, so that no request would ever match it. `named`: the
+    flag (and variable) it came from."""
+    if token and (token != token.strip(" \t") or any(ord(c) < 0x20 or ord(c) == 0x7F for c in token)):
+        raise ValueError(
+            f"{named} holds a control character (a newline, say) or a space at an end, which no Authorization "
+            "header can carry: give it without them"
+        )
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True

@@ -240,7 +240,11 @@ async def serve_sites(
             runner = web.AppRunner(
                 site.app, access_log=None, max_line_size=MAX_REQUEST_LINE, keepalive_timeout=limits.idle_timeout_s
             )
-            await runner.setup()
+            try:
+                await runner.setup()
+            except BaseException:
+                await cleanup_after_failed_start(site.app)
+                raise
             runners.append(runner)
             assert runner.server is not None
             factory = guard.protocol_factory(runner.server)
@@ -263,6 +267,17 @@ async def serve_sites(
             listener.close()
         for runner in reversed(runners):
             await runner.cleanup()
+
+
+async def cleanup_after_failed_start(app: web.Application) -> None:
+    """Close what the cleanup contexts of `app` had opened when one of them failed to start: aiohttp's runner
+    cleans up only after a start-up that succeeded, and the sessions and connections left open would be reported
+    (an "Unclosed client session" logged at exit, say) under the one line that says why the server did not start.
+    A failure to close them is logged at DEBUG: the start-up's own failure is the one that is raised."""
+    try:
+        await app.cleanup()
+    except Exception:
+        log.debug("closing what a failed start-up had opened failed", exc_info=True)
 
 
 def bound_socket(host: str, port: int) -> socket.socket:

@@ -11,7 +11,16 @@ from typing import Any
 
 import pytest
 
-from prorl_adapter.models import AgentProgram, BatchItem, JobError, JobRequest, JobState, StageTimings, Trajectory
+from prorl_adapter.models import (
+    AgentProgram,
+    BatchItem,
+    BudgetCut,
+    JobError,
+    JobRequest,
+    JobState,
+    StageTimings,
+    Trajectory,
+)
 from prorl_adapter.service.agent_program import run_program
 from prorl_adapter.service.circuit_breaker import BreakerConfig, CircuitBreaker, share_lower_bound
 from prorl_adapter.service.gateway import REFUSED_ARTIFACT
@@ -177,12 +186,16 @@ def test_graded_trajectories_are_measured_in_response_tokens_by_task():
 def test_a_trajectory_cut_by_a_budget_is_counted_by_budget_and_length_bucket():
     metrics = RolloutMetrics()
     timeout = JobError(error_class="timeout", message="time budget of 120 s spent in running")
+
+    def by(budget: str, limit: float = 120, used: float = 120) -> BudgetCut:
+        return BudgetCut(budget=budget, setting="timeout_s", limit=limit, used=used)
+
     cut = [
-        trajectory(tokens=700, error=timeout, finish_reason="error", timings=StageTimings(init_s=1, run_s=119)),
-        trajectory(tokens=0, error=timeout, finish_reason="error", timings=StageTimings(init_s=120)),
-        trajectory(tokens=900, error=timeout, finish_reason="error", timings=StageTimings(run_s=9, eval_s=111)),
-        trajectory(tokens=40_000, finish_reason="max_context"),
-        trajectory(tokens=64, finish_reason="max_turns"),
+        trajectory(tokens=700, error=timeout, finish_reason="error", cut=by("run_timeout")),
+        trajectory(tokens=0, error=timeout, finish_reason="error", cut=by("init_timeout")),
+        trajectory(tokens=900, error=timeout, finish_reason="error", cut=by("eval_timeout")),
+        trajectory(tokens=40_000, finish_reason="max_context", cut=by("max_context", 40_002, 40_002)),
+        trajectory(tokens=64, finish_reason="max_turns", cut=by("max_turns", 1, 1)),
     ]
     assert [truncation_budget(t) for t in cut] == [
         "run_timeout",
@@ -198,7 +211,7 @@ def test_a_trajectory_cut_by_a_budget_is_counted_by_budget_and_length_bucket():
     name = "prorl_rollout_truncated_trajectories_total"
     assert sample(name, {"task": "shell", "budget": "run_timeout", "length_bucket": "<=1024"}) == 1
     assert sample(name, {"task": "shell", "budget": "init_timeout", "length_bucket": "<=64"}) == 1
-    program_cut = trajectory(turns=0, error=timeout, finish_reason="error", timings=StageTimings(run_s=120))
+    program_cut = trajectory(turns=0, error=timeout, finish_reason="error", cut=by("run_timeout"))
     metrics.prorl_job_finished(trajectory=program_cut, state=JobState.failed)  # kept nothing: length unknown
     assert sample(name, {"task": "shell", "budget": "run_timeout", "length_bucket": "unknown"}) == 1
     assert sample(name, {"task": "shell", "budget": "max_context", "length_bucket": ">32768"}) == 1

@@ -272,6 +272,7 @@ async def test_past_the_agents_time_the_tools_run_nothing(tasks):
     late = EpisodeState()
     answer = await bash.run(box, {"command": "make"}, late)
     assert "is up" in answer and "300" in answer and late.time_up  # the agent loop ends the episode on it
+    assert late.time_limit_s == 300.0  # what the trajectory's cut says
     assert [call.command for call in box.calls] == ["make"]
 
 

@@ -78,9 +78,7 @@ async def test_a_malformed_answer_fails_over_to_a_healthy_server(servers, case):
 
 
 async def test_only_malformed_servers_is_a_clean_failure(servers):
-    pool = LLMPool(
-        [await servers(MALFORMED["ids that are not integers"])], health_interval=3600, unavailable_wait_s=0.1
-    )
+    pool = LLMPool([await servers(MALFORMED["ids that are not integers"])], health_interval=3600, outage_wait_s=0.1)
     await pool.start()
     try:
         with pytest.raises(LLMUnavailable, match="no healthy LLM server"):  # it went unhealthy: a clean end

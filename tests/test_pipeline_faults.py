@@ -61,7 +61,7 @@ class FaultySandboxes:
     acquired: set[str] = field(default_factory=set)
     created: int = 0
 
-    async def acquire(self, spec: dict[str, Any], exclude: set[str]) -> Environment:
+    async def acquire(self, spec: dict[str, Any], exclude: set[str], timeout_s: float | None = None) -> Environment:
         if self.faults.step == "create":
             raise Boom("sandbox create")
         self.created += 1

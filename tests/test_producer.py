@@ -27,9 +27,12 @@ class Episodes(SimulatedRunner):
     def running(self) -> list[SimJob]:
         return [j for j in self.jobs.values() if j.state is JobState.running]
 
-    def fail(self, job: SimJob) -> None:
-        """The episode failed for the infrastructure (its sandbox runtime died, say)."""
+    def fail(self, job: SimJob, outage: bool = False) -> None:
+        """The episode failed for the infrastructure (its sandbox runtime died, say; `outage`: the LLM fleet was
+        out, as the pipeline marks it)."""
         error = JobError(error_class="init", message="sandbox runtime gone")
+        if outage:
+            error = JobError(error_class="run", message="LLM: no healthy LLM server", outage=True)
         self.end(job, sim_trajectory(job, self.policy_version, self.policy_version, error), JobState.failed)
 
     def finish(self, job: SimJob, version: int | None = None) -> None:
@@ -229,6 +232,25 @@ async def test_a_prompt_whose_episode_failed_for_the_infrastructure_runs_again_u
         await producer.stop()
 
 
+async def test_runs_an_llm_outage_failed_do_not_count_against_max_attempts_up_to_max_outage_reruns():
+    producer, episodes, _ = rig(max_attempts=2, max_outage_reruns=2, retry_delay_s=0.01)
+    try:
+        await producer.enqueue(prompts(1))
+        # Two runs failed by outages (not counted), then one that counts, then a third outage: past
+        # max_outage_reruns it counts, and with it max_attempts is spent.
+        for attempt, outage in zip((1, 2, 3, 4), (True, True, False, True), strict=True):
+            await until(lambda: len(episodes.running()) == 1)
+            [job] = episodes.running()
+            assert job.request.attempt == attempt
+            assert job.request.outage_reruns == min(attempt - 1, 2)
+            episodes.fail(job, outage=outage)
+        await until(lambda: producer.stats.filtered == 1)
+        assert (producer.stats.retried, producer.stats.outage_reruns) == (3, 2)
+        assert sorted(episodes.jobs) == ["p0", "p0:2", "p0:3", "p0:4"]
+    finally:
+        await producer.stop()
+
+
 class LossyPrompts(MemoryPromptQueue):
     """A prompt queue with a running record, like Redis's, whose next pop moves a prompt to running and then
     loses the reply (the connection died mid-call), when `lose_next_reply` is set."""
@@ -238,8 +260,8 @@ class LossyPrompts(MemoryPromptQueue):
         self.running: dict[str, JobRequest] = {}
         self.lose_next_reply = False
 
-    async def pop(self, version: int) -> JobRequest | None:
-        request = await super().pop(version)
+    async def pop(self, version: int, fence: Any = None) -> JobRequest | None:
+        request = await super().pop(version, fence)
         if request is not None:
             self.running[request.job_id] = request
         if self.lose_next_reply:

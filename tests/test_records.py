@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from prorl_adapter.models import (
+    BudgetCut,
     JobError,
     JobRequest,
     JobState,
@@ -95,14 +96,20 @@ def trajectory(job_id: str, reward: float = 1.0, error: JobError | None = None) 
 
 
 def test_a_recorded_trajectory_reads_back_as_it_was_delivered(tmp_path):
-    delivered = [trajectory("a"), trajectory("b", 0.0, JobError(error_class="eval", message="the check timed out"))]
+    outage = JobError(error_class="timeout", message="time budget of 30 s spent in running", outage=True)
+    cut = trajectory("c", 0.0, outage).model_copy(
+        update={"cut": BudgetCut(budget="run_timeout", setting="timeout_s", limit=30, used=30.002)}
+    )
+    failed = trajectory("b", 0.0, JobError(error_class="eval", message="the check timed out"))
+    delivered = [trajectory("a"), failed, cut]
     records = Records(tmp_path, "replica-1")
     records.prorl_job_finished(delivered[0], JobState.done)
     records.prorl_job_finished(delivered[1], JobState.failed)
+    records.prorl_job_finished(delivered[2], JobState.failed)
     records.close()
     assert list(read_trajectories(tmp_path)) == delivered
     rows = list(read_rows(tmp_path))
-    assert [r["state"] for r in rows] == ["done", "failed"] and rows[1]["error_class"] == "eval"
+    assert [r["state"] for r in rows] == ["done", "failed", "failed"] and rows[1]["error_class"] == "eval"
     assert rows[0]["schema_version"] == RECORD_SCHEMA and rows[0]["replica"] == "replica-1"
     assert rows[0]["token_versions"] == [3, 3, 4, 4, None, 3]  # a resumed turn's rest at its version
     assert rows[0]["timings"]["eval_s"] == 0.75 and dict(rows[0]["labels"]) == {"run": "r1", "split": "train"}

@@ -8,10 +8,13 @@ import asyncio
 
 import pytest
 
-from prorl_adapter.service.sandboxes import RuntimeFailed, SandboxPool
+from prorl_adapter.service.sandboxes import SEVER_AFTER_S, RuntimeFailed, SandboxPool
 from prorl_adapter.service.storage.coordination import MemoryCoordination, RuntimeRecord
+from sandbox_runtime.client import SandboxUnreachable
 from sandbox_runtime.config import ServerConfig
 from sandbox_runtime.models import RuntimeHeartbeat
+from tests.fakes import HANG
+from tests.fakes.sandbox import SandboxStandIn
 
 
 def heartbeat(url: str, capacity: int = 10, sandboxes: int = 0, leaving: bool = False) -> RuntimeHeartbeat:
@@ -153,3 +156,37 @@ async def test_when_every_runtime_is_full_an_init_waits_for_room_then_tries_one_
         assert (await pool._choose(exclude=set())).url in {"http://127.0.0.1:1", "http://127.0.0.1:2"}
     finally:
         await pool.close()
+
+
+async def test_calls_to_a_runtime_gone_silent_end_at_once_and_its_leftovers_go_when_it_beats_again():
+    clock = Clock()
+    coordination = MemoryCoordination("r0", clock=clock)
+    async with SandboxStandIn() as runtime:
+        pool = SandboxPool([], coordination=coordination, wait_for_runtime_s=0.0)
+        try:
+            await coordination.runtime_heard("a", heartbeat(runtime.url))
+            await swept(pool)
+            env = await pool.acquire({"image": None}, exclude=set())
+            runtime.cue("exec", HANG)  # a node that vanished: no answer, no reset
+            call = asyncio.ensure_future(env.exec("make test", timeout=3600))
+            await runtime.until(lambda: runtime.held == 1)
+
+            clock.now += 3.5  # three beats missed: no new sandbox goes there, but its calls go on
+            await pool.refresh()
+            assert not pool.runtimes[runtime.url].alive and not call.done()
+
+            clock.now += SEVER_AFTER_S  # silent for good: taken for gone, its calls end now
+            await pool.refresh()
+            with pytest.raises(SandboxUnreachable, match="taken for gone"):
+                await call
+            with pytest.raises(SandboxUnreachable, match="taken for gone"):  # and new ones at their start
+                await env.exec("echo again")
+            await pool.release(env)  # the episode moves on; the delete cannot reach the runtime
+            assert env.sandbox_id in runtime.boxes
+
+            await coordination.runtime_heard("a", heartbeat(runtime.url))  # back: used again, leftovers deleted
+            await swept(pool)
+            assert pool.runtimes[runtime.url].alive and not runtime.boxes
+        finally:
+            runtime.release()
+            await pool.close()

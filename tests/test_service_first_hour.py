@@ -229,8 +229,10 @@ def test_a_hub_name_not_cached_is_asked_of_the_hub_once(answer, problem, monkeyp
 POOL_LOG = "prorl_adapter.service.llm"
 
 
-def pool_lines(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
-    return [(r.levelname, r.getMessage()) for r in caplog.records if r.name == POOL_LOG]
+def pool_lines(caplog: pytest.LogCaptureFixture, outages: bool = False) -> list[tuple[str, str]]:
+    """The LLM pool's log lines about its servers (`outages`: those about the fleet's outages instead)."""
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == POOL_LOG]
+    return [(level, message) for level, message in lines if message.startswith("LLM outage") == outages]
 
 
 @on_virtual_time
@@ -257,6 +259,13 @@ async def test_a_server_still_starting_is_waited_for_and_its_first_answer_and_re
     [(level, message)] = down
     assert level == "WARNING" and message.startswith(f"LLM server {llm.url} is unhealthy")
     assert back == [("INFO", f"LLM server {llm.url} is healthy again")]
+    # The fleet of one: out while it starts (waited for: info), back, out (a warning: it had answered), back.
+    assert [(level, message.split(";")[0].split(" after")[0]) for level, message in pool_lines(caplog, True)] == [
+        ("INFO", "LLM outage: none of the 1 LLM servers has answered yet (starting, or a wrong URL)"),
+        ("INFO", "LLM outage over"),
+        ("WARNING", "LLM outage: none of the 1 LLM servers is healthy"),
+        ("INFO", "LLM outage over"),
+    ]
 
 
 @on_virtual_time

@@ -62,6 +62,7 @@ async def test_metrics_count_finished_jobs_requests_and_the_decoupled_figures():
     assert 'prorl_rollout_jobs_finished_total{error_class="",state="done",task="shell"} 1.0' in text
     assert "prorl_rollout_policy_version 2.0" in text
     assert 'prorl_rollout_decoupled{figure="produced"} 0.0' in text
+    assert 'prorl_rollout_decoupled{figure="admission_lock_lapses"} 0.0' in text
     assert 'prorl_rollout_jobs_in_flight{state="running"} 0.0' in text
     # requests are counted by route template, never by the raw path (one label per job id)
     assert 'route="/v1/jobs/{id}/result",status="200"' in text and "prorl_rollout_degraded 0.0" in text

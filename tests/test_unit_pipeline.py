@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from prorl_adapter.service.pipeline import RELEASE_WAIT_S
 from prorl_plugins.tasks.clean_check import check_script
 from tests.fakes import (
     CHECK,
@@ -116,9 +117,54 @@ async def test_a_job_out_of_time_in_any_stage_fails_with_timeout_and_releases_it
         trajectory = await stack.client.run(shell_job(timeout_s=120), wait=3600)
         assert trajectory.error.error_class == "timeout" and trajectory.filter
         assert "120" in trajectory.error.message
+        # the cut is on the record: which budget, where it is set, its limit, and how far in
+        cut = trajectory.cut
+        assert (cut.budget, cut.setting, cut.limit) == (f"{stage}_timeout", "timeout_s", 120)
+        assert 120 <= cut.used < 121
         await no_sandbox_left(stack)
         status = await stack.client.status()
         assert status.finished["failed"] == 1 and sum(status.active.values()) == 0
+
+
+@on_virtual_time
+async def test_an_episode_cut_by_its_turn_or_context_limit_records_the_cut_and_one_that_ends_none():
+    async with rollout_stack(script=[bash_call("echo hi")] * 3) as stack:
+        turns = await stack.client.run(shell_job(max_turns=2), wait=60)
+        context = await stack.client.run(shell_job(max_context_tokens=800), wait=60)
+        stack.llm.script = [finish_call()]
+        whole = await stack.client.run(shell_job(), wait=60)
+    assert turns.cut.model_dump() == {"budget": "max_turns", "setting": "max_turns", "limit": 2, "used": 2}
+    assert (context.finish_reason, context.cut.budget, context.cut.setting) == (
+        "max_context",
+        "max_context",
+        "max_context_tokens",
+    )
+    assert context.cut.limit == 800 and context.cut.used == len(context.prompt_ids) + len(context.response_ids)
+    assert not turns.filter and whole.cut is None
+
+
+@on_virtual_time
+async def test_a_turn_longer_than_ten_minutes_is_not_cut_by_any_default_the_user_did_not_set():
+    async with rollout_stack(script=[bash_call("echo hi"), finish_call()]) as stack:
+        stack.llm.cue(HANG)
+        job = await stack.client.submit(shell_job(timeout_s=3600))
+        await stack.llm.until(lambda: stack.llm.held == 1)
+        await asyncio.sleep(900)  # virtual: a long-context turn still generating (it was cut at 600 s)
+        stack.llm.release()
+        trajectory = await stack.client.result(job.job_id, wait=60)
+    assert (trajectory.reward, trajectory.error, trajectory.cut) == (1.0, None, None)
+    assert trajectory.timings.run_s >= 900
+
+
+@on_virtual_time
+async def test_a_sandbox_delete_that_never_answers_does_not_hold_the_result_back():
+    async with rollout_stack(script=[bash_call("echo hi"), finish_call()]) as stack:
+        stack.sandbox.cue("delete", HANG)
+        # the sandbox client gives a delete 120 s; the result waits RELEASE_WAIT_S (10 s) of it at most
+        trajectory = await stack.client.run(shell_job(), wait=RELEASE_WAIT_S + 5)
+        assert (trajectory.reward, trajectory.error) == (1.0, None)
+        assert stack.sandbox.held == 1 and len(stack.sandbox.boxes) == 1  # the delete goes on meanwhile
+        await no_sandbox_left(stack)  # and deletes the sandbox once the runtime answers
 
 
 @on_virtual_time
@@ -239,14 +285,6 @@ async def test_a_caller_that_gives_up_waiting_cancels_its_job():
             await stack.client.run(shell_job(job_id="impatient"), wait=30)
         assert (await stack.client.job("impatient")).state == "cancelled"
         await no_sandbox_left(stack)
-
-
-@on_virtual_time
-async def test_a_sandbox_delete_that_never_answers_does_not_hold_the_result_back_for_good():
-    async with rollout_stack(script=[finish_call()]) as stack:
-        stack.sandbox.cue("delete", HANG)
-        trajectory = await stack.client.run(shell_job(), wait=3600)
-        assert (trajectory.error, trajectory.reward) == (None, 1.0)
 
 
 @on_virtual_time

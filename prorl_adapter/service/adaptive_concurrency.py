@@ -147,6 +147,7 @@ class RunLimiter:
         self._limit = limit
         self.held = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self.on_change: Callable[[], None] | None = None  # told when a slot frees or the limit moves (InitGate)
 
     @property
     def limit(self) -> int:
@@ -159,6 +160,7 @@ class RunLimiter:
     def set_limit(self, limit: int) -> None:
         self._limit = limit
         self._grant()
+        self._changed()
 
     async def acquire(self) -> None:
         if self.held < self._limit and not self._waiters:
@@ -179,6 +181,11 @@ class RunLimiter:
     def release(self) -> None:
         self.held -= 1
         self._grant()
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def _grant(self) -> None:
         while self._waiters and self.held < self._limit:

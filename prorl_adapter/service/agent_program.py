@@ -51,7 +51,8 @@ async def run_program(
     job_id: str, request: JobRequest, handler: TaskHandler, env: SandboxHandle, gateway: Gateway, budget_s: float
 ) -> Episode:
     agent = request.agent
-    episode = gateway.open(job_id, request)
+    time_s = program_timeout(budget_s)
+    episode = gateway.open(job_id, request, time_s + STOP_MARGIN_S)
     try:
         variables = {
             **agent.env,
@@ -63,7 +64,7 @@ async def run_program(
             "PRORL_TASK_PROMPT": handler.user_prompt(request.instance),
         }
         started = time.perf_counter()
-        result = await env.exec(program_command(agent.command, variables), timeout=program_timeout(budget_s))
+        result = await env.exec(program_command(agent.command, variables), timeout=time_s)
     finally:
         gateway.close(episode)
     elapsed = time.perf_counter() - started
@@ -84,6 +85,7 @@ async def run_program(
     )
     run.tools_s = max(elapsed - run.generate_s, 0.0)  # the program's own time: its tools and its thinking
     run.state.turns = len(turns)
+    run.state.time_up, run.state.time_limit_s = result.status == "timeout", time_s
     run.state.response_tokens = sum(t.response_tokens for t in turns)
     run.state.artifacts.update({"agent_output": output, "agent_exit_code": str(result.exit_code)})
     if episode.refused:

@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from server_kit.errors import ProrlError
+
 from ..models import ToolCall
 
 T = TypeVar("T")
@@ -31,22 +33,33 @@ INLINE_SIZE = 4096
 _DUMMY = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
 
 
+class TokenizerError(ProrlError, ValueError):
+    """The tokenizer cannot serve the loop: it does not load, or its chat template is not one the loop can use.
+    The message names the tokenizer; the service's start-up says which flag gives it (--tokenizer)."""
+
+
 class ChatTokenizer:
     def __init__(self, name_or_path: str) -> None:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" banner
         from transformers import AutoTokenizer  # heavy import, paid once per process
 
         self.name = name_or_path
-        self.tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        except Exception as exc:  # a broken file fails transformers with anything: KeyError, OSError, Exception
+            said = " ".join(f"{type(exc).__name__}: {exc}".split())
+            raise TokenizerError(f"tokenizer {name_or_path!r} cannot be loaded ({said})") from exc
         if not self.tokenizer.chat_template:
-            raise ValueError(f"tokenizer {name_or_path!r} has no chat template")
+            raise TokenizerError(f"tokenizer {name_or_path!r} has no chat template")
         self.eos_id: int = self.tokenizer.eos_token_id
         self.eos_text: str = self.tokenizer.eos_token
         self.vocab_size = len(self.tokenizer)  # every id it can decode, added tokens included
         rendered = self.render(_DUMMY, tools=None, add_generation_prompt=False)
-        end = rendered.rfind(self.eos_text)
+        end = rendered.rfind(self.eos_text) if self.eos_text else -1
         if end < 0:
-            raise ValueError("the chat template does not end an assistant turn with the eos token")
+            raise TokenizerError(
+                f"the chat template of tokenizer {name_or_path!r} does not end an assistant turn with the eos token"
+            )
         # What the template writes after the eos that closes an assistant turn (ChatML: a newline).
         self.after_eos = rendered[end + len(self.eos_text) :]
         self._dummy_rendered = rendered

@@ -15,14 +15,16 @@ import re
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from server_kit.address import add_address_arguments
 from server_kit.cli import LOG_LEVELS, OneLineParser, Readiness, StartupError, fail, log_level, stopped_by
 from server_kit.connections import add_connection_arguments, connection_limits
 
-from ..hooks.manager import read_plugin_config
+from ..hooks.manager import PluginConfigError, PluginLoadError, read_plugin_config
 from ..launch.cli import add_ray_parser, run_ray
 from .adaptive_concurrency import AdaptiveConfig
+from .chat import TokenizerError
 from .circuit_breaker import BreakerConfig
 from .config import RolloutConfig
 from .decoupled import ProducerConfig
@@ -87,6 +89,22 @@ def build_parser() -> argparse.ArgumentParser:
         "in mode 'keep' needs (it costs the service CPU per token)",
     )
     serve.add_argument(
+        "--llm-outage-wait-s",
+        type=_positive_float,
+        default=RolloutConfig.llm_outage_wait_s,
+        metavar="S",
+        help="with no LLM server healthy (an outage: servers restarting, reloading weights), how long a turn waits "
+        "for one before its episode fails, as the outage's (default %(default)s; the job's time budget bounds it too)",
+    )
+    serve.add_argument(
+        "--llm-call-timeout-s",
+        type=_positive_float,
+        default=RolloutConfig.llm_call_timeout_s,
+        metavar="S",
+        help="each generation request's own limit, past which its server counts as stalled and the turn fails over "
+        "(default: none; the job's time budget, --timeout or its timeout_s, bounds every call)",
+    )
+    serve.add_argument(
         "--tokenizer",
         required=True,
         help=f"the policy's tokenizer: a directory (the local tiny vLLM's: {TINY_TOKENIZER}) or a Hugging Face Hub "
@@ -142,6 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --target-engine-batch: seconds between reads of the LLM servers' /metrics (default %(default)s)",
     )
     serve.add_argument("--max-eval-workers", type=_at_least(1), default=pipeline.max_eval_workers)
+    serve.add_argument(
+        "--init-ahead",
+        type=_at_least(0),
+        default=pipeline.init_ahead,
+        metavar="N",
+        help="back-pressure: init makes a sandbox only while the episodes in the run stage and the jobs made ready "
+        "for it are fewer than the run stage's limit plus N (default: a quarter of the limit, at least 1)",
+    )
     serve.add_argument("--plugin", action="append", default=[], help="import path of a plugin (repeatable)")
     serve.add_argument("--block-plugin", action="append", default=[], help="name of a plugin not to load")
     serve.add_argument(
@@ -242,6 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="sandbox creations in flight on one runtime from this replica at most, episodes' before warm "
         "refills (default %(default)s: no limit)",
     )
+    serve.add_argument(
+        "--wait-for-runtime-s",
+        type=_positive_float,
+        default=RolloutConfig.wait_for_runtime_s,
+        metavar="S",
+        help="how long an init waits for a sandbox runtime while none is alive (one registering, say) before its "
+        "attempt fails (default %(default)s)",
+    )
     breaker = BreakerConfig()
     serve.add_argument(
         "--breaker-threshold",
@@ -322,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         sandbox_urls=args.sandbox_url,
         llm_urls=args.llm_url,
         llm_stream=args.llm_stream,
+        llm_outage_wait_s=args.llm_outage_wait_s,
+        llm_call_timeout_s=args.llm_call_timeout_s,
         tokenizer=tokenizer_argument(args.tokenizer),
         host=host,
         port=port,
@@ -334,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             max_init_workers=args.max_init_workers,
             max_run_workers=args.max_run_workers,
             max_eval_workers=args.max_eval_workers,
+            init_ahead=args.init_ahead,
             default_timeout_s=args.timeout,
             gateway_address=args.gateway_address,
             adaptive=AdaptiveConfig(
@@ -361,18 +398,16 @@ def main(argv: list[str] | None = None) -> int:
             max_age_s=args.warm_max_age_s,
         ),
         max_concurrent_creates=args.max_concurrent_creates,
+        wait_for_runtime_s=args.wait_for_runtime_s,
         breaker=BreakerConfig(
             threshold=args.breaker_threshold,
             min_episodes=args.breaker_min_episodes,
             signals=tuple(name.strip() for name in args.breaker_signals.split(",") if name.strip()),
         ),
     )
-    if config.buffer_url != "memory://" and not config.buffer_url.startswith(REDIS_SCHEMES):
-        return fail(
-            PROG,
-            f"--buffer (or PRORL_BUFFER_URL) names no buffer ({buffer_scheme(config.buffer_url)}): give memory:// "
-            "or redis://[:PASSWORD@]HOST:PORT/DB (also rediss://, unix://PATH)",
-        )
+    problem = buffer_url_problem(config.buffer_url)
+    if problem is not None:
+        return fail(PROG, problem)
     try:
         config.plugin_config = read_plugin_config(args.plugin_config)
         config.check()
@@ -391,23 +426,100 @@ def main(argv: list[str] | None = None) -> int:
 
 async def serve_checked(config: RolloutConfig, ready: Readiness) -> None:
     """`serve`, after the checks that fail fast and say what to change: the tokenizer can be loaded (without 25 s
-    of download retries first), and the API's port is free (bound here, before the minute start-up may take)."""
+    of download retries first), a Redis --buffer answers, the API's port is free (bound here, before the minute
+    start-up may take) and so is the gateway's address."""
     from server_kit.webapp import bound_socket
 
     from .server import serve
 
     problem = tokenizer_problem(config.tokenizer)
+    if problem is None and config.buffer_url.startswith(REDIS_SCHEMES):
+        problem = await redis_problem(config.buffer_url)
     if problem is not None:
         raise StartupError(problem)
     if config.listen_socket is None:
         try:
             config.listen_socket = bound_socket(config.host, config.port)
         except OSError as exc:
-            raise StartupError(
-                f"cannot listen on {config.host}:{config.port} ({os.strerror(exc.errno) if exc.errno else exc}): "
-                "give --port a free port, or stop what holds this one"
-            ) from exc
+            raise StartupError(listen_problem(exc, config.host, config.port, "--host", "--port")) from exc
+    try:  # bound and closed: `serve` binds it again, once the API's socket holds its own port
+        bound_socket(config.gateway_host, config.gateway_port).close()
+    except OSError as exc:
+        where = listen_problem(exc, config.gateway_host, config.gateway_port, "--gateway-host", "--gateway-port")
+        raise StartupError(f"the LLM gateway {where}") from exc
     await serve(config, ready)
+
+
+def listen_problem(exc: OSError, host: str, port: int, host_flag: str, port_flag: str) -> str:
+    """Why a socket cannot listen on host:port, in one line naming the flag that fixes it."""
+    if isinstance(exc.errno, int) and exc.errno > 0:
+        reason = os.strerror(exc.errno)
+    else:  # a name that does not resolve: create_server's message repeats the address
+        reason = (exc.strerror or str(exc)).partition(" (while")[0]
+    if exc.errno == errno.EADDRINUSE:
+        fix = f"give {port_flag} a free port, or stop what holds this one"
+    elif exc.errno == errno.EACCES:
+        fix = f"give {port_flag} a port above 1023"
+    else:  # a name that does not resolve, an address of another machine
+        fix = f"give {host_flag} a name or address of this machine"
+    return f"cannot listen on {host}:{port} ({reason}): {fix}"
+
+
+BUFFER_FLAG = "--buffer (or PRORL_BUFFER_URL)"
+
+
+def buffer_url_problem(url: str) -> str | None:
+    """What is wrong with a --buffer URL, without showing its password, else None: no known scheme, a port or a
+    database that is no number (redis-py would take `/x` for database 0)."""
+    if url == "memory://":
+        return None
+    if not url.startswith(REDIS_SCHEMES):
+        return (
+            f"{BUFFER_FLAG} names no buffer ({buffer_scheme(url)}): give memory:// or redis://[:PASSWORD@]HOST:PORT/DB "
+            "(also rediss://, unix://PATH)"
+        )
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - parsing it is the check
+    except ValueError as exc:  # its message quotes the port, nothing else of the URL
+        return f"{BUFFER_FLAG}: {exc}; give redis://[:PASSWORD@]HOST:PORT/DB"
+    if url.startswith("unix://"):
+        return None if parts.path else f"{BUFFER_FLAG}: unix:// names no socket; give unix://PATH"
+    database = parts.path.strip("/")
+    if database and not database.isdigit():
+        # Not shown: a URL mistyped (`redis:///:secret@host`) may have its password there.
+        return f"{BUFFER_FLAG}: what follows HOST:PORT is no database number; give redis://HOST:PORT/DB, e.g. /0"
+    return None
+
+
+async def redis_problem(url: str) -> str | None:
+    """Why the Redis of a --buffer URL cannot be used now, found with one PING (5 s at most), else None. A running
+    service rides out a Redis outage; one that starts on a Redis it cannot reach (a wrong host, port or password)
+    would retry for ever before it listens, saying only that Redis is away."""
+    try:
+        from redis import exceptions as redis_errors
+        from redis.asyncio import Redis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+    except ImportError:
+        return f"{BUFFER_FLAG} names Redis, and the redis package is not installed: pip install 'prorl-adapter[redis]'"
+    from .storage.redis_connection import redact
+
+    where = f"{BUFFER_FLAG}: Redis at {redact(url)}"
+    client = Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0, retry=Retry(NoBackoff(), 0))
+    try:
+        await client.ping()
+    except redis_errors.BusyLoadingError:
+        return None  # up, and loading its data: the service's own calls wait for that
+    except redis_errors.AuthenticationError as exc:
+        return f"{where} refused the credentials ({exc}): fix the password in the URL"
+    except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+        return f"{where} cannot be reached ({' '.join(str(exc).split())}): start it, or fix the URL's host and port"
+    except redis_errors.ResponseError as exc:  # a database it does not have, a user without PING
+        return f"{where} refused the connection ({exc}): fix the URL's database, user or password"
+    finally:
+        await client.aclose()
+    return None
 
 
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:(?=//)")
@@ -430,6 +542,14 @@ def failure_line(exc: BaseException, ready: bool = False) -> str:
         return f"stopped by {said} (the traceback is above)"
     if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
         return f"an address is in use ({os.strerror(exc.errno)}): give --gateway-port (or --port) a free port"
+    # What the operator chose, found as the service starts: the message names it, and here the flag that gives it.
+    message = " ".join(str(exc).split())
+    if isinstance(exc, TokenizerError):
+        return f"{message}; give --tokenizer the policy's tokenizer, with its chat template"
+    if isinstance(exc, PluginConfigError):
+        return f"{message}; fix --plugin-config (`prorl-rollout plugins --plugin-config FILE` checks it)"
+    if isinstance(exc, PluginLoadError):
+        return f"{message}; fix --plugin or --block-plugin (`prorl-rollout plugins` lists what loads)"
     return f"failed to start: {said} (--debug shows the traceback)"
 
 
@@ -437,7 +557,7 @@ def tokenizer_argument(name: str) -> str:
     """What the tokenizer loader is given for `--tokenizer name`: a directory with `~` expanded (transformers
     would take `~/tok` for a Hub name), else the name as given."""
     path = Path(name).expanduser()
-    return str(path) if path.is_dir() else name
+    return str(path) if os.path.isdir(path) else name  # one this user cannot reach: `tokenizer_problem` says so
 
 
 def looks_local(name: str) -> bool:
@@ -461,7 +581,15 @@ def tokenizer_problem(name: str) -> str | None:
     fix += f"--tokenizer {TINY_TOKENIZER}, which `make llm` builds)"
     files = " or ".join("+".join(group) for group in TOKENIZER_FILES)
     path = Path(name).expanduser()
+    try:
+        path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        pass  # no such path: a directory missing, or a Hub name
+    except OSError as exc:  # a directory on the way this user may not enter
+        return f"--tokenizer {name}: this user cannot reach it ({exc.strerror}); {fix}"
     if path.is_dir():
+        if not os.access(path, os.R_OK | os.X_OK):
+            return f"--tokenizer {name}: this user cannot read the directory; {fix}"
         if not any(all((path / f).is_file() for f in group) for group in TOKENIZER_FILES):
             return f"--tokenizer {name}: the directory holds no tokenizer (no {files}); {fix}"
         return None

@@ -2,19 +2,39 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+from pydantic import TypeAdapter, ValidationError
 
 from sandbox_runtime.config import SERVICE_URL
-from server_kit.address import advertised_url, check_exposure
+from sandbox_runtime.models import PortForward
+from server_kit.address import advertised_url, check_exposure, check_token
 from server_kit.connections import ConnectionLimits
 
+from ..models import LLM_PROTOCOLS, LLMServerURL
 from .circuit_breaker import BreakerConfig
 from .decoupled import ProducerConfig
+from .llm import OUTAGE_WAIT_S
 from .pipeline import PipelineConfig
+from .sandboxes import WAIT_FOR_RUNTIME_S
 from .warm_sandboxes import WarmConfig
+
+LLM_SERVER_URL = TypeAdapter(LLMServerURL)  # the rule PUT /v1/llm-servers applies
+
+
+def _host_and_port(url: str) -> bool:
+    """Whether the URL's host and port parse (a pattern alone lets `http://h:port` or `http://[::1` through)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - parsing it is the check
+    except ValueError:
+        return False
+    return bool(parts.hostname)
 
 
 @dataclass
@@ -34,6 +54,9 @@ class RolloutConfig:
     buffer_url: str = "memory://"  # or redis://host:port/db: the experience buffer of decoupled mode
     decoupled: ProducerConfig = field(default_factory=ProducerConfig)
     llm_health_interval_s: float = 5.0
+    llm_outage_wait_s: float = OUTAGE_WAIT_S  # how long a turn waits for a healthy LLM server when none is
+    # Each generation request's own limit (a stalled server is failed over past it); None: only the job's time budget.
+    llm_call_timeout_s: float | None = None
     llm_stream: bool = False  # turns read as streams: the barrier's `keep` mode needs it (weight_barrier.py)
     # Labels every sandbox this service creates, so that the next incarnation of it (same id) deletes what a
     # crash left; None: `prorl-rollout@HOST:PORT`.
@@ -52,6 +75,7 @@ class RolloutConfig:
     # Sandboxes created ahead per spec (size 0: none), and the most creations in flight per runtime (0: no limit).
     warm: WarmConfig = field(default_factory=WarmConfig)
     max_concurrent_creates: int = 0
+    wait_for_runtime_s: float = WAIT_FOR_RUNTIME_S  # how long an init waits for a sandbox runtime while none is alive
     # The API's socket listening already, given by whoever started the service (--listen-fd); host and port are
     # its own.
     listen_socket: socket.socket | None = None
@@ -84,11 +108,37 @@ class RolloutConfig:
         return self.advertise_url or advertised_url(self.host, self.port)
 
     def check(self) -> None:
-        """What start-up refuses, naming the setting: exposure without a token, settings that cannot work."""
+        """What start-up refuses, naming the setting: exposure without a token, a token no client can send, URLs
+        that name no server, settings that cannot work."""
         check_exposure(self.host, self.token, "PRORL_ROLLOUT_TOKEN")
+        check_token(self.token, "--token (or PRORL_ROLLOUT_TOKEN)")
+        check_token(self.sandbox_token, "--sandbox-token (or PRORL_SANDBOX_TOKEN)")
+        check_token(self.registration_token, "--registration-token (or PRORL_REGISTRATION_TOKEN)")
+        for url in self.sandbox_urls:
+            if not SERVICE_URL.fullmatch(url) or not _host_and_port(url):
+                raise ValueError(f"--sandbox-url {url!r} is not a sandbox runtime's URL such as http://node-7:8765")
+        for url in self.llm_urls:
+            try:
+                LLM_SERVER_URL.validate_python(url)
+            except ValidationError:
+                raise ValueError(
+                    f"--llm-url {url!r} is not an LLM server's URL such as http://gpu-0:8000 (a protocol may lead it: "
+                    f"{', '.join(f'{name}+http://...' for name in LLM_PROTOCOLS)})"
+                ) from None
+        if not 0 <= self.gateway_port <= 65535:
+            raise ValueError(f"--gateway-port {self.gateway_port} is not a port: give one in 1-65535 (0: a free one)")
+        if self.pipeline.gateway_address is not None:
+            try:
+                PortForward(port=1, target=self.pipeline.gateway_address)  # what the runtimes are sent
+            except ValidationError:
+                raise ValueError(
+                    f"--gateway-address {self.pipeline.gateway_address!r} is not HOST:PORT ([::1]:PORT for IPv6), "
+                    "the address at which the sandbox runtimes reach the LLM gateway"
+                ) from None
         if not self.result_ttl_s > 0:
             raise ValueError(f"--result-ttl-s {self.result_ttl_s:g} must be > 0")
-        if self.record_dir is not None and self.record_dir.exists() and not self.record_dir.is_dir():
+        # os.path's tests: a directory on the way this user may not enter is Records' to report, naming --record.
+        if self.record_dir is not None and os.path.exists(self.record_dir) and not os.path.isdir(self.record_dir):
             raise ValueError(f"--record {self.record_dir}: it is a file; give a directory (made if it is missing)")
         if not 0 < self.heartbeat_s <= 3600:
             raise ValueError(f"the replica heartbeat {self.heartbeat_s:g} s must be in (0, 3600]")

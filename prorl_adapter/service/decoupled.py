@@ -24,11 +24,17 @@ Nothing waits forever and nothing is lost:
   mid-run runs it again when it starts on the same prompt queue (`PromptQueue.recover`), or the replica that
   takes over for it does (`take_over`). An episode that failed for the infrastructure (sandbox, LLM server)
   runs again, up to `max_attempts` runs of its prompt.
+- An LLM outage (`LLMPool.outage`: no server healthy, or an error-rate spike) is not a failing episode: admission
+  pauses while it lasts (`held_back_reason` says so) and resumes when the pool tells its end, and an episode it
+  failed (`JobError.outage`) runs again without its run counting against `max_attempts` (up to
+  `max_outage_reruns` such runs; past them it counts like any other).
 
 Replicas sharing one Redis share the prompts, the buffer and the counts admission weighs (every replica's
 running prompts by version, `PromptQueue.running_versions`); each decision to admit is made under the
 coordination's admission lock, on the shared policy version read inside it, so pace's bound holds for all of
-them together.
+them together. The lock is fenced: a pop made after it lapsed (its holder stalled past its expiry) is refused and
+counted, never a silent breach of the bound. Replicas alive together admit in turns of one prompt, and each hears
+at once of prompts added and room freed at any of them, so that they share the work about evenly.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 from server_kit.errors import ApiError
 
@@ -48,14 +55,21 @@ from ..hooks.specs import hookimpl
 from ..models import AdmissionState, BatchItem, JobRequest, JobState, ProducerStats, Trajectory
 from .job_runner import JobConflict, JobRunner, RunnerJob, UnknownTask
 from .storage.buffer import ExperienceBuffer, ExperienceBufferError
-from .storage.coordination import Coordination, MemoryCoordination
+from .storage.coordination import AdmissionLapsed, Coordination, MemoryCoordination
 from .storage.prompts import MemoryPromptQueue, PromptQueue
+
+if TYPE_CHECKING:
+    from .llm import LLMPool
 
 log = logging.getLogger(__name__)
 
 RETRY_MAX_S = 30.0  # the longest pause between two attempts at an unreachable buffer
 ADMIT_PER_LOCK = 32  # prompts one replica may admit per hold of the shared admission lock
 SHARED_WAKE_S = 1.0  # with replicas, admission is asked again at least this often
+# With other replicas alive, a replica admits one prompt per hold of the shared lock and then waits this long before
+# it asks again: redis-py's lock is no queue (its waiters poll every 5 ms), so without the pause the replica that
+# was woken first would win the lock again and again and run most episodes. Measured in bench_scale_out.
+FAIR_TURN_S = 0.01
 
 
 @dataclass
@@ -68,6 +82,8 @@ class ProducerConfig:
     # died): the prompt runs again until its trajectory is delivered or this many runs have failed.
     max_attempts: int = 5
     retry_delay_s: float = 1.0  # before the second run; doubled for each further one (at most RETRY_MAX_S)
+    # Runs of one prompt an LLM outage failed that do not count against max_attempts; past them, one counts.
+    max_outage_reruns: int = 20
 
 
 class BadTake(ApiError, ValueError):
@@ -103,6 +119,7 @@ class Producer:
         prompts: PromptQueue | None = None,
         config: ProducerConfig | None = None,
         coordination: Coordination | None = None,
+        llm: LLMPool | None = None,
     ) -> None:
         self.runner = runner
         self.buffer = buffer
@@ -111,6 +128,12 @@ class Producer:
         # The admission lock, and the policy version admission and takes weigh against (in the service, the same
         # coordination the runner reads the version from).
         self.coordination = coordination or MemoryCoordination("prorl-rollout")
+        if self.coordination.shared and self.prompts.redis_server != self.coordination.redis_server:
+            # Admission's pops are fenced by the shared lock: one Redis must hold both (`PromptQueue.pop`).
+            raise ValueError(
+                f"the prompt queue ({self.prompts.redis_server or 'in this process'}) and the coordination (Redis "
+                f"at {self.coordination.redis_server}) must be on one Redis: give both the same URL"
+            )
         self._in_flight: set[str] = set()  # job ids of the prompts this replica runs
         self._finished: deque[RunnerJob] = deque()  # waiting to be put into the buffer, in order
         self._leases: dict[str, Lease] = {}
@@ -123,7 +146,13 @@ class Producer:
         self._retries: set[asyncio.Task[None]] = set()
         self.stats = ProducerStats()
         self._dead: deque[str] = deque(maxlen=100)
-        self.coordination.on_prompts_added(self.wake)
+        self.coordination.on_admission_news(self.wake)
+        # Replicas alive (this one too), as the replica last read them: with others, admission takes turns.
+        self.replicas_alive = 1
+        # The runner's LLM servers: admission pauses during their outage, and their recovery wakes it.
+        self.llm = llm
+        if llm is not None:
+            llm.on_outage(lambda outage: self.wake())
 
     # -- life cycle -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -230,19 +259,31 @@ class Producer:
     async def _admit_while_allowed(self) -> None:
         while True:
             admitted: list[JobRequest] = []
-            async with self.coordination.admission_lock():
+            lapsed = False
+            # Alone, several per hold (the counts change with each pop); beside other replicas, turns of one each.
+            per_hold = ADMIT_PER_LOCK if self.replicas_alive <= 1 else 1
+            async with self.coordination.admission_lock() as fence:
                 if self.coordination.shared:  # read under the lock: what another replica set a moment ago counts
                     await self.coordination.policy_version()  # `version` follows the read
-                # Several per hold (the counts change with each pop): the lock is shared by every replica.
-                while len(admitted) < ADMIT_PER_LOCK and await self._admitted(len(admitted)):
-                    request = await self.prompts.pop(self.coordination.version)
+                while len(admitted) < per_hold and await self._admitted(len(admitted)):
+                    try:
+                        request = await self.prompts.pop(self.coordination.version, fence)
+                    except AdmissionLapsed as exc:
+                        # The lock expired while this hold decided: another replica may have admitted on the same
+                        # counts since. The pop refused; the decision is made again under a fresh lock.
+                        lapsed = True
+                        self.stats.admission_lock_lapses += 1
+                        log.warning("%s; admission is asked again under a fresh lock", exc)
+                        break
                     if request is None:
                         break
                     admitted.append(request)
             for request in admitted:
                 await self._submit(request)
-            if len(admitted) < ADMIT_PER_LOCK:
+            if len(admitted) < per_hold and not lapsed:
                 return
+            if per_hold == 1:
+                await asyncio.sleep(FAIR_TURN_S)  # the other replicas' turn at the lock (FAIR_TURN_S)
 
     async def _submit(self, request: JobRequest) -> None:
         try:
@@ -268,6 +309,10 @@ class Producer:
             held = f"the buffer holds or is about to hold max_buffered={self.config.max_buffered} entries"
         elif len(self._finished) >= self.config.max_undelivered:
             held = f"{len(self._finished)} finished trajectories wait for the buffer"
+        elif self.llm is not None and (outage := self.llm.outage()) is not None:
+            # In every mode: an episode started now would only wait for a server, or fail.
+            others = "; the other replicas admit" if self.coordination.shared else ""
+            held = f"LLM outage: {outage.reason}; admission resumes when an LLM server is healthy again{others}"
         elif self.coordination.shared and (running_here := len(self._in_flight) + popped) >= self.runner.capacity():
             # Replicas share the upcoming prompts: each admits what its own workers can run, and the others the rest.
             held = f"this replica runs {running_here} episodes, what its workers take; the others admit"
@@ -315,6 +360,8 @@ class Producer:
             self.stats.filtered += 1
         await self._settle(job)
         self._finished.popleft()
+        if job.result is None or job.result.filter:  # nothing went into the buffer: its room is free now
+            await self._room_freed()
 
     async def _settle(self, job: RunnerJob) -> None:
         """The job's prompt is done with; only now does it stop counting as in flight for admission."""
@@ -325,7 +372,8 @@ class Producer:
     def _retry_later(self, job: RunnerJob, again: JobRequest) -> None:
         """Queue the prompt anew after a backoff (an outage that failed this run may fail the next at once).
         Until then it stays recorded as running, so a restart in between runs it again."""
-        delay = min(self.config.retry_delay_s * 2 ** (again.attempt - 2), RETRY_MAX_S)
+        counted = again.attempt - again.outage_reruns  # the backoff grows with the runs that count
+        delay = min(self.config.retry_delay_s * 2 ** max(counted - 2, 0), RETRY_MAX_S)
         task = asyncio.ensure_future(self._requeue_after(job, again, delay))
         self._retries.add(task)
         task.add_done_callback(self._retries.discard)
@@ -337,20 +385,30 @@ class Producer:
     async def _requeue(self, job: RunnerJob, again: JobRequest) -> None:
         await self.prompts.push([again])
         self.stats.retried += 1
+        self.stats.outage_reruns += again.outage_reruns > job.request.outage_reruns
         await self._settle(job)
 
     def _another_attempt(self, job: RunnerJob) -> JobRequest | None:
         """The prompt of an episode that failed for the infrastructure, to run again under a job id of its own;
-        None once it has failed max_attempts times, or when it was cancelled."""
+        None once it has failed max_attempts times, or when it was cancelled. A run an LLM outage failed does not
+        count (`outage_reruns`, up to max_outage_reruns): the outage was no fault of the episode's, and admission
+        holds the rerun until the outage is over."""
         error = job.result.error if job.result is not None else None
         if error is None or error.error_class == "cancelled":
             return None
-        attempt = job.request.attempt + 1
-        if attempt > self.config.max_attempts:
+        request = job.request
+        attempt = request.attempt + 1
+        outage_reruns = request.outage_reruns + (error.outage and request.outage_reruns < self.config.max_outage_reruns)
+        if attempt - outage_reruns > self.config.max_attempts:
             return None
-        first = job.request.retry_of or job.id
-        update = {"job_id": f"{first[:120]}:{attempt}", "attempt": attempt, "retry_of": first}
-        return job.request.model_copy(update=update)
+        first = request.retry_of or job.id
+        update = {
+            "job_id": f"{first[:120]}:{attempt}",
+            "attempt": attempt,
+            "retry_of": first,
+            "outage_reruns": outage_reruns,
+        }
+        return request.model_copy(update=update)
 
     # -- consuming --------------------------------------------------------------------------------------
     async def take_batch(
@@ -473,7 +531,16 @@ class Producer:
         for entry_id in ids:
             self._leases.pop(entry_id, None)
         self.wake()
+        await self._room_freed()
         return acknowledged
+
+    async def _room_freed(self) -> None:
+        """Tell every replica that room was freed here (an ack, a filtered episode, dead letters): the first to ask
+        under the admission lock gets it, not this replica alone because it looked at once while the others
+        looked at their next period (SHARED_WAKE_S), which ran most episodes where the trainer acknowledged."""
+        if self.coordination.shared:
+            with contextlib.suppress(ExperienceBufferError):  # the others look again anyway
+                await self.coordination.room_freed()
 
     async def _expire_leases_forever(self) -> None:
         while True:
@@ -502,6 +569,8 @@ class Producer:
         for entry_id in dead + again:
             self._leases.pop(entry_id, None)
         self.wake()
+        if dead:
+            await self._room_freed()
 
     async def snapshot(self) -> ProducerStats:
         try:

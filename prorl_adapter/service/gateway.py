@@ -118,6 +118,9 @@ class GatewayEpisode:
     open: bool = True
     slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(CALLS_IN_FLIGHT))
     responses: ResponseStore = field(default_factory=ResponseStore)  # what `previous_response_id` continues
+    # When the program's time is up (time.monotonic()): a call still sampling then is cut, so that no generation
+    # outlives the run it belongs to (nothing else bounds one: llm.CONNECT_TIMEOUT_S).
+    deadline: float | None = None
 
     def base_url(self) -> str:
         """As the program sees it: the forwarded port on the sandbox's loopback."""
@@ -156,8 +159,10 @@ class Gateway:
         """The model id the gateway answers with: the policy's tokenizer's name."""
         return Path(self.chat.name).name or "policy"
 
-    def open(self, job_id: str, request: JobRequest) -> GatewayEpisode:
-        episode = GatewayEpisode(secrets.token_urlsafe(32), job_id, request)
+    def open(self, job_id: str, request: JobRequest, time_s: float | None = None) -> GatewayEpisode:
+        """A run's episode and its key; `time_s`: how long its calls may go on."""
+        deadline = None if time_s is None else time.monotonic() + time_s
+        episode = GatewayEpisode(secrets.token_urlsafe(32), job_id, request, deadline=deadline)
         self._episodes[episode.key] = episode
         return episode
 
@@ -400,8 +405,12 @@ class Gateway:
                 "stop": [*job.sampling.stop, *stops],
             }
         )
+        left = None if episode.deadline is None else max(episode.deadline - time.monotonic(), 0.0)
         try:
-            sampled = await sample(self.llm, self.chat, prompt_ids, sampling, episode.pin, self.barrier)
+            async with asyncio.timeout(left):
+                sampled = await sample(self.llm, self.chat, prompt_ids, sampling, episode.pin, self.barrier)
+        except TimeoutError as exc:
+            raise GatewayError(504, "the episode's time is up (its job's time budget): the call was cut") from exc
         except LLMUnavailable as exc:
             raise GatewayError(503, f"no LLM server can answer now: {exc}") from exc
         except LLMRequestError as exc:

@@ -11,11 +11,18 @@ The same holds for SGLang's native /generate and ProRL's token-level /generate, 
 Balancing: an episode is pinned to one server (its growing prompt stays in that server's prefix cache);
 new episodes go to the healthy server with the fewest requests in flight. A server that fails a request is
 marked unhealthy after two failures in a row (or a failed health check) and the episode fails over to
-another; a background health check brings it back. With none healthy, an episode waits a while before failing.
+another; a background health check brings it back.
 The log says each transition once: a server not answering yet is waited for (an info line, vLLM starts in a
 minute or more; from the second notice, WAITING_LOG_S later, a warning naming --llm-url, as a mistyped URL never
 answers), its first answer and each recovery are info lines, and only a server that had answered and stops is a
 warning.
+
+An outage: every configured server unhealthy (down, starting, restarting for a weight sync), none configured, or
+an error-rate spike (SPIKE_FAILURES requests in a row, fleet-wide, failed for their servers: health checks can pass
+while generation fails, as with an engine dead behind a live API server). `outage()` says which and since when,
+and `on_outage` listeners hear each start and end (the decoupled producer pauses admission meanwhile). With no
+server healthy a turn waits for one, up to --llm-outage-wait-s, before its episode fails (LLMUnavailable, marked as
+the outage's: decoupled mode runs the prompt again without counting the run against max_attempts).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import aiohttp
 
 from server_kit.errors import DownstreamError, ProrlError
 
-from ..models import LLMServerInfo, SamplingParams
+from ..models import LLMOutage, LLMServerInfo, SamplingParams
 from .llm_protocols import PROTOCOLS, MalformedAnswer, Protocol, Request, Sampled, UnsupportedRequest, split_url
 
 if TYPE_CHECKING:
@@ -41,16 +48,38 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+# A server that does not take a connection in this long is failed over. Nothing else bounds a generation request
+# by default: a long turn of a long-context model may take many minutes, and the job's own time budget (which
+# the pipeline enforces on the whole stage) is the limit its user chose. `call_timeout_s` adds one per call.
+CONNECT_TIMEOUT_S = 30.0
+# A server unhealthy this long (every health check failing meanwhile) has its requests in flight ended: they fail
+# over. A node that vanished without a reset (a partition) would otherwise hold them until the job's budget ends,
+# since no call has a limit of its own. Long enough that a server busy for a while (its health checks timing out
+# under load) keeps the turns it is generating.
+SILENT_SERVER_S = 60.0
 # A pause waits while the server aborts its requests (vLLM: milliseconds) or they finish.
 _CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=60.0)
 # A server not answering yet is said to be waited for once this often at most (vLLM starts in a minute or more).
 WAITING_LOG_S = 60.0
+# How long a turn waits for a healthy server when none is (--llm-outage-wait-s): a fleet restarting, or reloading
+# weights, takes minutes.
+OUTAGE_WAIT_S = 300.0
+# An error-rate spike: this many requests in a row, fleet-wide, failed for their servers (5xx, a malformed answer, a
+# timeout, a refused connection) with none answered in between. It lasts until a request is answered, or until
+# SPIKE_HOLD_S after the last failure (then admitted episodes try again; the next failure starts it again).
+SPIKE_FAILURES = 20
+SPIKE_HOLD_S = 30.0
 
 
 class LLMUnavailable(DownstreamError):
-    """No healthy LLM server could serve the request."""
+    """No healthy LLM server could serve the request. `outage`: the fleet was out when the request was given up
+    (`LLMPool.outage`): not the episode's fault."""
 
     answer_status = 503
+
+    def __init__(self, message: str, outage: bool = False) -> None:
+        super().__init__(message)
+        self.outage = outage
 
 
 class LLMRequestError(DownstreamError):
@@ -101,6 +130,8 @@ class LLMServer:
     answered: bool = False
     waiting_logged_at: float | None = None
     waiting_since: float | None = None
+    unhealthy_since: float | None = None  # time.monotonic() when it last went unhealthy; None while healthy
+    calls: set[asyncio.Future[Sampled]] = field(default_factory=set)  # its requests in flight (`_end_calls_to`)
 
     @property
     def url(self) -> str:
@@ -146,10 +177,10 @@ class LLMPool:
         self,
         urls: list[str],
         *,
-        request_timeout: float = 600.0,
+        call_timeout_s: float | None = None,
         health_interval: float = 5.0,
         max_failovers: int = 3,
-        unavailable_wait_s: float = 30.0,
+        outage_wait_s: float = OUTAGE_WAIT_S,
         plugins: PluginSet | None = None,
         stream: bool = False,
     ) -> None:
@@ -160,12 +191,23 @@ class LLMPool:
         self._servers: dict[str, LLMServer] = {}
         for url in urls:
             self.add(url)
-        self._request_timeout = aiohttp.ClientTimeout(total=request_timeout)
+        self._request_timeout = aiohttp.ClientTimeout(total=call_timeout_s, sock_connect=CONNECT_TIMEOUT_S)
         self._http: aiohttp.ClientSession | None = None
         self._health_interval = health_interval
         self._max_failovers = max_failovers
-        self._unavailable_wait_s = unavailable_wait_s
+        self._outage_wait_s = outage_wait_s
         self._health_task: asyncio.Task[None] | None = None
+        self._rechecking: asyncio.Future[None] | None = None  # the health round waiting turns share
+        # The outage (`outage()`), as last told to the listeners; the turns waiting for a server now, and in total.
+        self._outage: LLMOutage | None = None
+        self._outage_listeners: list[Callable[[LLMOutage | None], None]] = []
+        self._waiting = 0
+        self.outage_waits = 0
+        # The fleet's run of requests failed for their servers (an error-rate spike past SPIKE_FAILURES), until when
+        # it counts as one (SPIKE_HOLD_S after its last failure), and the timer that notices that end.
+        self._failing_in_a_row = 0
+        self._spike_until = 0.0
+        self._spike_end: asyncio.TimerHandle | None = None
 
     # -- membership -------------------------------------------------------------------------------------
     def add(self, url: str) -> LLMServer:
@@ -180,6 +222,11 @@ class LLMPool:
         return server
 
     def remove(self, url: str) -> bool:
+        removed = self._drop(url)
+        self._follow_outage()  # the last healthy one gone
+        return removed
+
+    def _drop(self, url: str) -> bool:
         server = self._servers.pop(split_url(url)[1], None)
         if server is None:
             return False
@@ -187,12 +234,16 @@ class LLMPool:
         return True
 
     def replace(self, urls: list[str]) -> None:
-        """Make `urls` the whole set, in one step of the event loop: concurrent callers cannot interleave."""
+        """Make `urls` the whole set, in one step of the event loop: concurrent callers cannot interleave. An
+        outage is followed at the health check that comes next (the new servers count as healthy until then), or
+        at once where the set is now empty."""
         wanted = {split_url(url)[1]: url for url in urls}
         for base in [b for b in self._servers if b not in wanted]:
-            self.remove(base)
+            self._drop(base)
         for url in wanted.values():
             self.add(url)
+        if not self._servers:
+            self._follow_outage()
 
     def servers(self) -> list[LLMServerInfo]:
         return [s.info() for s in self._servers.values()]
@@ -200,6 +251,78 @@ class LLMPool:
     def any_healthy(self) -> bool:
         """Whether an episode could generate now: at least one server configured and healthy."""
         return any(s.healthy for s in self._servers.values())
+
+    # -- outages ----------------------------------------------------------------------------------------
+    def outage(self) -> LLMOutage | None:
+        """Why no episode can generate now, since when, and how many turns wait for a server; None while one can."""
+        outage = self._follow_outage()
+        return None if outage is None else outage.model_copy(update={"waiting": self._waiting})
+
+    def on_outage(self, listener: Callable[[LLMOutage | None], None]) -> None:
+        """Call `listener` at each start of an outage (with it) and at each end (with None), at once, on the
+        event loop: a health check that finds a server again ends it."""
+        self._outage_listeners.append(listener)
+
+    def _outage_reason(self) -> str | None:
+        if not self._servers:
+            return "no LLM server is configured (--llm-url, PUT /v1/llm-servers)"
+        if not any(s.healthy for s in self._servers.values()):
+            if not any(s.answered for s in self._servers.values()):
+                return f"none of the {len(self._servers)} LLM servers has answered yet (starting, or a wrong URL)"
+            return f"none of the {len(self._servers)} LLM servers is healthy"
+        if self._failing_in_a_row >= SPIKE_FAILURES and time.monotonic() < self._spike_until:
+            return f"error-rate spike: the last {self._failing_in_a_row} requests to the LLM servers all failed"
+        return None
+
+    def _follow_outage(self) -> LLMOutage | None:
+        """The outage now, looked at afresh; each start is logged as a warning (an info line while no server has
+        ever answered) and each end as an info line, and both are told to the listeners (a listener's failure is
+        logged, never raised)."""
+        reason, was = self._outage_reason(), self._outage
+        if (reason is None) == (was is None):
+            if was is not None:
+                was.reason = reason  # the same outage, for another reason now (a spike, then every server down)
+            return was
+        if reason is not None:
+            self._outage = LLMOutage(reason=reason, since=time.time())
+            # Servers still starting (none has ever answered: vLLM takes a minute or more) are waited for, not down.
+            level = logging.WARNING if any(s.answered for s in self._servers.values()) else logging.INFO
+            log.log(
+                level,
+                "LLM outage: %s; turns wait up to %g s for a server (--llm-outage-wait-s)",
+                reason,
+                self._outage_wait_s,
+            )
+        else:
+            self._outage = None
+            log.info("LLM outage over after %.0f s", time.time() - was.since)
+        for listener in list(self._outage_listeners):
+            try:
+                listener(self._outage)
+            except Exception:
+                log.exception("a listener of LLM outages failed")
+        return self._outage
+
+    def _server_failed(self) -> None:
+        """A request failed for its server: the fleet's run of failures grows (a spike once past SPIKE_FAILURES)."""
+        self._failing_in_a_row += 1
+        if self._failing_in_a_row >= SPIKE_FAILURES:
+            self._spike_until = time.monotonic() + SPIKE_HOLD_S
+            if self._spike_end is not None:
+                self._spike_end.cancel()
+            # Its end is noticed then even with no request left to notice it (admission paused, episodes failed).
+            self._spike_end = asyncio.get_running_loop().call_later(SPIKE_HOLD_S, self._spike_over)
+        self._follow_outage()
+
+    def _spike_over(self) -> None:
+        self._spike_end, self._spike_until = None, 0.0
+        self._follow_outage()
+
+    def _server_answered(self) -> None:
+        """A request was answered: whatever run of failures there was has ended."""
+        if self._failing_in_a_row:
+            self._failing_in_a_row = 0
+            self._follow_outage()
 
     # -- life cycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -210,6 +333,8 @@ class LLMPool:
         self._health_task = asyncio.create_task(self._health_forever())
 
     async def close(self) -> None:
+        if self._spike_end is not None:
+            self._spike_end.cancel()
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -224,6 +349,29 @@ class LLMPool:
 
     async def check_health(self) -> None:
         await asyncio.gather(*(self._probe(s) for s in list(self._servers.values())))
+        self._follow_outage()  # with no server at all, no probe looked
+        now = time.monotonic()
+        for server in self._servers.values():
+            if server.calls and server.unhealthy_since is not None and now - server.unhealthy_since >= SILENT_SERVER_S:
+                self._end_calls_to(server)
+
+    @staticmethod
+    def _end_calls_to(server: LLMServer) -> None:
+        log.warning(
+            "LLM server %s has failed its health checks for %g s: its %d requests in flight end and fail over",
+            server.url,
+            SILENT_SERVER_S,
+            len(server.calls),
+        )
+        for call in list(server.calls):
+            call.cancel()
+
+    async def _recheck(self) -> None:
+        """A health round that every turn waiting for a server shares: one at a time, whoever asks, and not
+        cancelled when one of them is."""
+        if self._rechecking is None or self._rechecking.done():
+            self._rechecking = asyncio.ensure_future(self.check_health())
+        await asyncio.shield(self._rechecking)
 
     async def check(self, url: str) -> LLMServerInfo:
         """Probe one server now (one just added), not the whole pool."""
@@ -244,6 +392,7 @@ class LLMPool:
         except Exception as exc:  # a probe must never end the health checks (or fail the API call that asked)
             log.exception("LLM server %s: its health check failed unexpectedly", server.url)
             self._mark_unhealthy(server, exc)
+        self._follow_outage()  # a server back ends an outage; the last one down starts one
 
     @staticmethod
     def _mark_healthy(server: LLMServer) -> None:
@@ -254,7 +403,7 @@ class LLMPool:
         elif not server.healthy:
             log.info("LLM server %s is healthy again", server.url)
         server.answered, server.healthy = True, True
-        server.waiting_logged_at = server.waiting_since = None
+        server.waiting_logged_at = server.waiting_since = server.unhealthy_since = None
 
     @staticmethod
     def _mark_unhealthy(server: LLMServer, reason: Exception) -> None:
@@ -280,6 +429,8 @@ class LLMPool:
                     reason,
                 )
                 server.waiting_logged_at = now
+        if server.unhealthy_since is None:
+            server.unhealthy_since = time.monotonic()
         server.healthy = False
 
     async def _fetch(self, server: LLMServer, request: Request) -> bytes:
@@ -319,17 +470,33 @@ class LLMPool:
         current = pin.server
         if current is not None and current.healthy and not current.removed:
             return current
-        deadline = time.monotonic() + self._unavailable_wait_s
+        deadline = time.monotonic() + self._outage_wait_s
         delay = 0.25
-        while not (healthy := [s for s in self._servers.values() if s.healthy]):
-            # A server restarting, or one failed probe, must not fail every episode at once: wait a while.
-            if time.monotonic() + delay > deadline:
-                raise LLMUnavailable(
-                    f"no healthy LLM server among {len(self._servers)} configured for {self._unavailable_wait_s:g} s"
-                )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 4.0)
-            await self.check_health()
+        waiting = False
+        try:
+            while not (healthy := [s for s in self._servers.values() if s.healthy]):
+                # An outage (servers restarting, reloading weights, or one failed probe) must not fail every episode
+                # at once: the turn waits for a server, up to --llm-outage-wait-s. The wait counts against the job's
+                # time budget, unlike a weight update's pause (pipeline._within_budget): that pause is the trainer's
+                # own, ended by its resume, while an outage has no known end, and the budget is what bounds how long
+                # an episode holds its sandbox and run slot. A budget that runs out meanwhile fails the job as the
+                # outage's (`timeout`, JobError.outage), not the episode's.
+                if not waiting:
+                    waiting = True
+                    self._waiting += 1
+                    self.outage_waits += 1
+                if time.monotonic() + delay > deadline:
+                    raise LLMUnavailable(
+                        f"no healthy LLM server among {len(self._servers)} configured for {self._outage_wait_s:g} s "
+                        "(--llm-outage-wait-s)",
+                        outage=True,
+                    )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 4.0)
+                await self._recheck()
+        finally:
+            if waiting:
+                self._waiting -= 1
         chosen = min(healthy, key=lambda s: (s.in_flight, s.requests))
         if current is not None and chosen is not current:
             pin.failovers += 1
@@ -354,9 +521,11 @@ class LLMPool:
                 # port may accept a retry into its backlog and leave it waiting until it is up, or for good).
                 if exc.down or server.consecutive_failures >= 2:
                     self._mark_unhealthy(server, exc)
+                self._server_failed()
                 log.warning("LLM server %s failed (%s); retrying", server.url, exc)
                 if attempts > self._max_failovers + 1:
-                    raise LLMUnavailable(f"gave up after {attempts} attempts; last error: {exc}") from exc
+                    outage = self.outage() is not None  # the fleet failing, not this episode's request
+                    raise LLMUnavailable(f"gave up after {attempts} attempts; last error: {exc}", outage) from exc
 
     async def _complete(
         self, server: LLMServer, prompt_ids: list[int], sampling: SamplingParams, progress: Progress
@@ -374,20 +543,21 @@ class LLMPool:
         server.in_flight += 1
         started, monotonic = time.perf_counter(), time.monotonic()
         choice, error = None, None
+        # A task of its own, so that a server taken for gone can have it ended (`_end_calls_to`) without
+        # cancelling the episode that waits for it.
+        call = asyncio.ensure_future(self._exchange(server, path, body, streamed, progress))
+        server.calls.add(call)
         try:
-            async with self._http.post(server.base + path, json=body) as response:
-                if response.status >= 500:
-                    raise _ServerError(f"{response.status}: {(await response.text())[:300]}")
-                if response.status >= 400:
-                    raise LLMRequestError(f"{server.url} refused the request: {(await response.text())[:500]}")
-                try:
-                    if streamed:
-                        progress.restart()  # a retry starts over
-                        choice = await _read_stream(server.protocol, response, progress)
-                    else:
-                        choice = server.protocol.parse(await response.read())
-                except MalformedAnswer as exc:  # a malformed 200 is the server's failure, like a 5xx
-                    raise _ServerError(str(exc)) from None
+            try:
+                choice = await call
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if not call.cancelled() or (current is not None and current.cancelling()):
+                    call.cancel()  # the caller was cancelled: so is its request
+                    raise
+                raise _ServerError(f"no answer while it failed its health checks for {SILENT_SERVER_S:g} s") from None
+            finally:
+                server.calls.discard(call)
         except (TimeoutError, aiohttp.ClientError) as exc:
             error = f"{type(exc).__name__}: {exc}"
             raise _ServerError(error, down=isinstance(exc, aiohttp.ClientConnectorError)) from exc
@@ -408,6 +578,7 @@ class LLMPool:
                 )
         server.requests += 1  # answered ones: `failures` counts the others
         server.consecutive_failures = 0
+        self._server_answered()
         return Generation(
             token_ids=choice.token_ids,
             logprobs=choice.logprobs,
@@ -417,6 +588,21 @@ class LLMPool:
             seconds=time.perf_counter() - started,
             aborted=choice.aborted,
         )
+
+    async def _exchange(self, server: LLMServer, path: str, body: dict, streamed: bool, progress: Progress) -> Sampled:
+        """One generation request and its answer, read whole or as a stream."""
+        async with self._http.post(server.base + path, json=body) as response:
+            if response.status >= 500:
+                raise _ServerError(f"{response.status}: {(await response.text())[:300]}")
+            if response.status >= 400:
+                raise LLMRequestError(f"{server.url} refused the request: {(await response.text())[:500]}")
+            try:
+                if streamed:
+                    progress.restart()  # a retry starts over
+                    return await _read_stream(server.protocol, response, progress)
+                return server.protocol.parse(await response.read())
+            except MalformedAnswer as exc:  # a malformed 200 is the server's failure, like a 5xx
+                raise _ServerError(str(exc)) from None
 
     # -- weight updates (weight_barrier.py) -----------------------------------------------------------------
     def _serving(self) -> list[LLMServer]:

@@ -5,15 +5,12 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..hooks.specs import hookimpl
-from ..models import BatchItem, BreakerState, JobState, RunConcurrencyState, Trajectory
+from ..models import BatchItem, BreakerState, JobState, LLMOutage, RunConcurrencyState, Trajectory
 
 TAMPERED_ARTIFACT = "tampered"  # the artifact a task's eval sets when it found the grading tampered with
 _SECONDS = (0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900, 1800)
 _STALENESS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
 TOKEN_BUCKETS = tuple(2**n for n in range(6, 16))  # 64 .. 32768
-# What cut a trajectory short (`truncation_budget`): a stage overran the job's time budget (it is filtered), or
-# the episode ran into its turn or context limit, or an agent program ran out of its time (graded all the same).
-CUT_BY_FINISH = ("max_turns", "max_context", "agent_timeout")
 
 
 def response_tokens(trajectory: Trajectory) -> int:
@@ -31,16 +28,8 @@ def length_bucket(tokens: int) -> str:
 
 
 def truncation_budget(trajectory: Trajectory) -> str | None:
-    """The budget that cut the trajectory short, or None: `init_timeout`, `run_timeout`, `eval_timeout` (the
-    job's time budget ran out in that stage: the last stage that took time, since the pipeline counts a stage's
-    time before it ends the job), or its finish reason among CUT_BY_FINISH."""
-    error = trajectory.error
-    if error is not None:
-        if error.error_class != "timeout":
-            return None
-        timings = trajectory.timings
-        return "eval_timeout" if timings.eval_s > 0 else "run_timeout" if timings.run_s > 0 else "init_timeout"
-    return trajectory.finish_reason if trajectory.finish_reason in CUT_BY_FINISH else None
+    """The budget that cut the trajectory short (its `cut`, as the pipeline recorded it), or None."""
+    return trajectory.cut.budget if trajectory.cut is not None else None
 
 
 class RolloutMetrics:
@@ -110,14 +99,26 @@ class RolloutMetrics:
         # Decoupled mode, set from the producer's figures at each scrape (totals since the service started).
         self.decoupled = Gauge(
             "prorl_rollout_decoupled",
-            "Decoupled mode: upcoming, in_flight, leased, undelivered now; produced, filtered, retried, dropped, "
-            "expired, redelivered, dead_letters since start",
+            "Decoupled mode: upcoming, in_flight, leased, undelivered now; produced, filtered, retried, outage_reruns, "
+            "dropped, expired, redelivered, dead_letters, admission_lock_lapses since start",
             ["figure"],
             registry=r,
         )
         self.degraded = Gauge(
             "prorl_rollout_degraded", "1 while the buffer or the prompt queue cannot be used (see /healthz)", registry=r
         )
+        # LLM outages (llm.LLMPool.outage), set from the pool at each scrape.
+        self.llm_outage = Gauge(
+            "prorl_rollout_llm_outage",
+            "1 while no episode can generate: no LLM server healthy, or an error-rate spike (see /healthz)",
+            registry=r,
+        )
+        self.llm_outage_waits = Counter(
+            "prorl_rollout_llm_outage_waits",
+            "Turns that waited for a healthy LLM server during an outage",
+            registry=r,
+        )
+        self._outage_waits_counted = 0
         self.warm = Counter(
             "prorl_rollout_warm_sandboxes",
             "Sandboxes asked for with --warm-sandboxes: hit (a warm one) or miss",
@@ -154,6 +155,12 @@ class RolloutMetrics:
         for name, (counter, total) in counters.items():
             counter.inc(total - self._breaker_counted.get(name, 0))
             self._breaker_counted[name] = total
+
+    def set_llm_outage(self, outage: LLMOutage | None, waits: int) -> None:
+        """The outage gauge, and the waits counter brought up to the pool's total (at each scrape)."""
+        self.llm_outage.set(outage is not None)
+        self.llm_outage_waits.inc(waits - self._outage_waits_counted)
+        self._outage_waits_counted = waits
 
     def took(self, items: list[BatchItem], version: int) -> None:
         """A trainer took `items` at policy `version`: their staleness then."""

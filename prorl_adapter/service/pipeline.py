@@ -28,13 +28,14 @@ from sandbox_runtime.client import SandboxAPIError, SandboxUnreachable
 from server_kit.errors import ProrlError
 
 from ..hooks.plugin_set import PluginSet, RewardComponentConflict
-from ..models import ErrorClass, JobError, JobRequest, JobState, JobStatus, StageTimings, Trajectory
+from ..models import BudgetCut, ErrorClass, JobError, JobRequest, JobState, JobStatus, StageTimings, Trajectory
 from ..tasks import Environment, TaskConfigError, TaskHandler
 from .adaptive_concurrency import AdaptiveConfig, RunConcurrency
 from .agent import Episode, PromptTooLong, run_episode
 from .agent_program import ProgramFailed, run_program
 from .chat import ChatTokenizer
 from .gateway import SANDBOX_PORT, Gateway
+from .init_gate import InitGate
 from .job_runner import JobConflict, UnknownTask
 from .llm import LLMPool, LLMRequestError, LLMUnavailable
 from .sandboxes import RuntimeFailed, SandboxPool
@@ -49,6 +50,8 @@ class PipelineConfig:
     max_init_workers: int = 32
     max_run_workers: int = 256
     max_eval_workers: int = 32
+    # Jobs init may make ready beyond the run stage's limit (init_gate.py); None: a quarter of the limit, at least 1.
+    init_ahead: int | None = None
     default_timeout_s: float = 1800.0
     max_init_attempts: int = 2
     keep_finished: int = 100_000  # finished jobs kept for their results; the oldest are forgotten first
@@ -60,12 +63,20 @@ class PipelineConfig:
 
 
 SANDBOX_TTL_MARGIN_S = 600.0
+# A sandbox's creation may take the job's time budget left, and this: the stage's own deadline ends it first, as
+# the job's budget running out (a cut recorded as such), not as a runtime that failed to create.
+CREATE_GRACE_S = 5.0
+# How long a finished job's result waits for its sandbox's delete: a runtime that never answers one must not hold
+# the result back for the sandbox client's whole timeout. The delete goes on in the background (the sandbox pool
+# waits for it at close), and the sandbox's TTL reaps what a delete never reaches.
+RELEASE_WAIT_S = 10.0
 
 
 class StageFailed(ProrlError):
-    def __init__(self, error_class: ErrorClass, message: str):
+    def __init__(self, error_class: ErrorClass, message: str, outage: bool = False):
         super().__init__(message)
         self.error_class = error_class
+        self.outage = outage  # an LLM outage failed it (JobError.outage)
 
 
 class RuntimeLost(StageFailed):
@@ -98,6 +109,7 @@ class Job:
     lost_runtimes: set[str] = field(default_factory=set)  # runtimes this job's episode was lost on
     partial: Episode | None = None  # the agent loop's episode while it runs: kept if the time budget cuts it
     paused_s: float = 0.0  # of its run stage, spent while the weight-update barrier held generation
+    ahead: bool = False  # counted by the init gate: taken by init, not yet given a run slot
 
     def budget_left(self, default_timeout: float) -> float:
         """Its time budget less its stages' time, where a weight update's pause does not count."""
@@ -152,9 +164,16 @@ class RolloutPipeline:
         self._finish_times: deque[float] = deque(maxlen=10_000)
         self._queues = {name: asyncio.Queue() for name in ("init", "run", "eval")}
         self._workers: list[asyncio.Task] = []
+        self._releases: set[asyncio.Task[None]] = set()  # sandbox deletes that outlived RELEASE_WAIT_S: awaited at stop
         # How many episodes the run workers hold at once: max_run_workers, or what the engines' load says.
         self.run_concurrency = RunConcurrency(
             self.config.adaptive, self.config.max_run_workers, llm, queued=lambda: self._queued()["run"]
+        )
+        # Init makes a sandbox only when the run stage can take its episode soon (back-pressure).
+        self.init_gate = InitGate(
+            self.run_concurrency.limiter,
+            self.config.init_ahead,
+            waiting_for_eval=self._queues["eval"].qsize,
         )
         # Every generation request, the agent loop's and the gateway's, passes the weight-update barrier.
         self.barrier = WeightBarrier(self._coordination, llm)
@@ -198,6 +217,7 @@ class RolloutPipeline:
             worker.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
         self._workers.clear()
+        await asyncio.gather(*self._releases, return_exceptions=True)  # bounded by the sandbox client's timeout
         await self.barrier.close()
 
     # -- the API ----------------------------------------------------------------------------------------
@@ -310,6 +330,7 @@ class RolloutPipeline:
                 "eval": self.config.max_eval_workers,
             },
             "run_concurrency": self.run_concurrency.describe(),
+            "init_gate": self.init_gate.describe(),
         }
 
     def _queued(self) -> dict[str, int]:
@@ -335,7 +356,8 @@ class RolloutPipeline:
         for _ in range(self.config.max_init_attempts):
             job.attempts += 1
             try:
-                job.env = await self.sandboxes.acquire(spec, exclude=failed_on)
+                create_s = job.budget_left(self.config.default_timeout_s) + CREATE_GRACE_S
+                job.env = await self.sandboxes.acquire(spec, exclude=failed_on, timeout_s=create_s)
                 await job.handler.init(job.env.for_task(), job.request.instance)
                 for path, content in (job.request.agent.files if job.request.agent else {}).items():
                     await job.env.write_file(path, content)
@@ -360,7 +382,9 @@ class RolloutPipeline:
                 )
         except ProgramFailed as exc:
             raise StageFailed("run", str(exc)) from exc
-        except (LLMUnavailable, LLMRequestError) as exc:
+        except LLMUnavailable as exc:
+            raise StageFailed("run", f"LLM: {exc}", outage=exc.outage) from exc
+        except LLMRequestError as exc:
             raise StageFailed("run", f"LLM: {exc}") from exc
         except PromptTooLong as exc:
             raise StageFailed("run", str(exc)) from exc
@@ -414,11 +438,13 @@ class RolloutPipeline:
         # (a lowered limit stops new episodes from starting; it never interrupts one).
         limiter = self.run_concurrency.limiter if state is JobState.running else None
         while True:
-            job = await queue.get()
+            job = await self._next_job(name, queue)
             if limiter is not None:
                 await limiter.acquire()
+                self._not_ahead(job)  # it holds a run slot now
             try:
                 if job.state.finished:  # cancelled while it waited in the queue (or for a slot)
+                    self._not_ahead(job)
                     continue
                 if state is JobState.init:
                     job.timings.queued_s = time.monotonic() - job.submitted_mono
@@ -435,6 +461,29 @@ class RolloutPipeline:
             finally:
                 if limiter is not None:
                     limiter.release()
+
+    async def _next_job(self, name: str, queue: asyncio.Queue[Job]) -> Job:
+        """The next job of a stage's queue; an init worker first waits for room at the init gate, which counts the
+        job it gets as ahead of the run stage."""
+        if name != "init":
+            job = await queue.get()
+            if name == "eval":
+                self.init_gate.changed()  # the eval queue shrank
+            return job
+        await self.init_gate.enter()
+        try:
+            job = await queue.get()
+        except asyncio.CancelledError:
+            self.init_gate.cancel()
+            raise
+        self.init_gate.taken()
+        job.ahead = True
+        return job
+
+    def _not_ahead(self, job: Job) -> None:
+        if job.ahead:
+            job.ahead = False
+            self.init_gate.leave()
 
     async def _run_stage(self, job: Job, state: JobState, work: Callable[[Job], Awaitable[None]]) -> None:
         job.state = state
@@ -501,7 +550,9 @@ class RolloutPipeline:
                 # What the agent loop had made when the budget cut it: the trajectory (filtered all the same) shows
                 # how long an episode ran before it was cut, which the truncation metric counts by length.
                 job.episode = job.partial
-            await self._finish(job, JobState.failed, JobError(error_class="timeout", message=message))
+            # A run cut while the LLM fleet is out was cut by the outage (its turn waits for a server: llm._choose).
+            outage = state is JobState.running and self.llm.outage() is not None
+            await self._finish(job, JobState.failed, JobError(error_class="timeout", message=message, outage=outage))
         elif task.cancelled():
             await self._finish(job, JobState.cancelled, JobError(error_class="cancelled", message="cancelled"))
         elif (exc := task.exception()) is not None:
@@ -509,7 +560,7 @@ class RolloutPipeline:
                 await self._start_again(job, exc)
                 return
             if isinstance(exc, StageFailed):
-                error = JobError(error_class=exc.error_class, message=str(exc))
+                error = JobError(error_class=exc.error_class, message=str(exc), outage=exc.outage)
             else:
                 log.error("job %s: unexpected error in %s", job.id, state.value, exc_info=exc)
                 error = JobError(error_class=_STAGE_NAMES[state], message=f"{type(exc).__name__}: {exc}")
@@ -529,14 +580,31 @@ class RolloutPipeline:
         job.state = JobState.queued
 
     async def _release(self, job: Job) -> None:
+        """Delete the job's sandbox, waiting RELEASE_WAIT_S at most: past that it goes on in the background. A
+        cancelled caller does not cancel the delete either."""
         env, job.env = job.env, None
-        if env is not None:
-            await asyncio.shield(self.sandboxes.release(env))
+        if env is None:
+            return
+        delete = asyncio.ensure_future(self.sandboxes.release(env))
+        self._releases.add(delete)
+        delete.add_done_callback(self._releases.discard)
+        done, _ = await asyncio.wait({delete}, timeout=RELEASE_WAIT_S)
+        if delete in done:
+            delete.result()
+        else:
+            log.warning(
+                "job %s: the delete of sandbox %s at %s has not answered in %g s; the job goes on without it",
+                job.id,
+                env.sandbox_id,
+                env.server_url,
+                RELEASE_WAIT_S,
+            )
 
     async def _finish(self, job: Job, state: JobState, error: JobError | None = None) -> None:
         if job.state.finished:
             return
         job.state, job.error, job.partial = state, error, None  # what a cut run made is job.episode by now
+        self._not_ahead(job)
         try:
             await self._release(job)
         except Exception:  # the job's result must still be delivered: never leave a waiter hanging
@@ -586,7 +654,33 @@ class RolloutPipeline:
             segments=episode.segments,
             prompt_messages=episode.prompt_messages,
             prompt_tools=episode.prompt_tools,
+            cut=self._cut(job, episode),
         )
+
+    def _cut(self, job: Job, episode: Episode) -> BudgetCut | None:
+        """Which budget cut the episode short, if one did, and how far in (metrics count them by length)."""
+        request, timings = job.request, job.timings
+        if job.error is not None:
+            if job.error.error_class != "timeout":
+                return None
+            # The stage it ran out in: the last that took time (a stage's time is counted before the job ends).
+            stage = "eval" if timings.eval_s > 0 else "run" if timings.run_s > 0 else "init"
+            spent = timings.init_s + timings.run_s + timings.eval_s - job.paused_s
+            limit = request.timeout_s or self.config.default_timeout_s
+            return BudgetCut(budget=f"{stage}_timeout", setting="timeout_s", limit=limit, used=round(spent, 3))
+        if episode.finish_reason == "max_turns":
+            return BudgetCut(budget="max_turns", setting="max_turns", limit=request.max_turns, used=len(episode.turns))
+        if episode.finish_reason == "max_context":
+            limit = request.max_context_tokens
+            return BudgetCut(
+                budget="max_context", setting="max_context_tokens", limit=limit, used=episode.context_length
+            )
+        if episode.finish_reason == "agent_timeout":
+            limit = episode.state.time_limit_s
+            return BudgetCut(
+                budget="agent_timeout", setting="the agent's time", limit=limit, used=round(timings.run_s, 3)
+            )
+        return None
 
     def _forget_old_jobs(self) -> None:
         excess = len(self.jobs) - self.config.keep_finished

@@ -27,6 +27,7 @@ import math
 import os
 import queue
 import secrets
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,13 +38,17 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from server_kit.cli import StartupError
+
 from ..hooks.specs import hookimpl
-from ..models import JobError, JobState, Segment, StageTimings, ToolCall, Trajectory, Turn
+from ..models import BudgetCut, JobError, JobState, Segment, StageTimings, ToolCall, Trajectory, Turn
 from .token_history import Call, Sampled
 
 log = logging.getLogger(__name__)
 
-RECORD_SCHEMA = 2  # 2: the prompt's chat messages and tools, each call's messages and reply (1: without them)
+# 3: the budget that cut an episode (`cut_json`) and whether an LLM outage failed it (`error_outage`); 2: the
+# prompt's chat messages and tools, each call's messages and reply (1: without them). Earlier rows read with nulls.
+RECORD_SCHEMA = 3
 SHARD_BYTES = 64 * 1024 * 1024
 SHARD_AGE_S = 600.0
 FLUSH_ROWS = 256  # rows per Parquet row group, at most
@@ -70,6 +75,8 @@ TRAJECTORY_SCHEMA = pa.schema(
         ("finish_reason", pa.string()),
         ("error_class", pa.string()),
         ("error_message", pa.string()),
+        ("error_outage", pa.bool_()),
+        ("cut_json", pa.string()),
         ("filter", pa.bool_()),
         ("reward", pa.float64()),
         ("reward_components", pa.map_(pa.string(), pa.float64())),
@@ -108,6 +115,8 @@ def trajectory_row(trajectory: Trajectory, state: JobState, replica: str, record
         "finish_reason": t.finish_reason,
         "error_class": t.error.error_class if t.error else None,
         "error_message": t.error.message if t.error else None,
+        "error_outage": t.error.outage if t.error else None,
+        "cut_json": t.cut.model_dump_json() if t.cut else None,
         "filter": t.filter,
         "reward": t.reward,
         "reward_components": list(t.reward_components.items()),
@@ -131,7 +140,9 @@ def trajectory_row(trajectory: Trajectory, state: JobState, replica: str, record
 def row_trajectory(row: dict[str, Any]) -> Trajectory:
     """The trajectory a record's row (as `read_rows` gives it) holds, as the service delivered
     it."""
-    error = JobError(error_class=row["error_class"], message=row["error_message"]) if row["error_class"] else None
+    error = None
+    if row["error_class"]:
+        error = JobError(error_class=row["error_class"], message=row["error_message"], outage=bool(row["error_outage"]))
     return Trajectory(
         job_id=row["job_id"],
         task=row["task"],
@@ -158,6 +169,7 @@ def row_trajectory(row: dict[str, Any]) -> Trajectory:
         segments=[Segment.model_validate(s) for s in json.loads(row["segments_json"])],
         prompt_messages=json.loads(row["prompt_messages_json"] or "[]"),
         prompt_tools=json.loads(row["prompt_tools_json"] or "null"),
+        cut=BudgetCut.model_validate_json(row["cut_json"]) if row["cut_json"] else None,
     )
 
 
@@ -278,9 +290,16 @@ class Records:
     (`prorl_job_finished`), and the gateway's recorder of every answered call (`call`)."""
 
     def __init__(self, directory: Path, replica: str, **shards: Any) -> None:
+        """StartupError, naming --record, for a directory this user cannot make or write in."""
         self.replica = replica
-        self.trajectories = ShardWriter(directory / "trajectories", TRAJECTORY_SCHEMA, replica, **shards)
-        self.calls = ShardWriter(directory / "gateway_calls", CALL_SCHEMA, replica, **shards)
+        try:
+            self.trajectories = ShardWriter(directory / "trajectories", TRAJECTORY_SCHEMA, replica, **shards)
+            self.calls = ShardWriter(directory / "gateway_calls", CALL_SCHEMA, replica, **shards)
+        except OSError as exc:
+            raise StartupError(
+                f"--record {directory}: cannot write records in {exc.filename} ({exc.strerror}); give --record a "
+                "directory this user can create and write"
+            ) from None
 
     @hookimpl
     def prorl_job_finished(self, trajectory: Trajectory, state: JobState) -> None:
@@ -322,7 +341,10 @@ class ShardWriter:
         flush_s: float = FLUSH_S,
     ) -> None:
         self.directory, self.schema, self.replica = directory, schema, replica
-        self.directory.mkdir(parents=True, exist_ok=True)  # here, at start-up: a directory it cannot make fails it
+        # Here, at start-up: a directory it cannot make, or write in, fails it (not its first shard, minutes later).
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=self.directory):
+            pass
         self.shard_bytes, self.shard_age_s = shard_bytes, shard_age_s
         self.flush_rows, self.flush_s = flush_rows, flush_s
         self.recorded = 0  # rows written to a shard (closed or open)

@@ -104,6 +104,8 @@ class Replica:
             try:
                 for dead in await self.coordination.claim_dead(hold_s=TAKEOVER_S):
                     self._spawn(self._take_over_bounded(dead))
+                now, records = await self.coordination.replicas()
+                self.producer.replicas_alive = max(sum(r.alive(now) for r in records), 1)
             except Exception as exc:
                 log.warning("replica %s cannot look for dead replicas: %s", self.id, exc)
             await asyncio.sleep(self.interval_s)  # a period, not a synchronisation

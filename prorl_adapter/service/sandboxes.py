@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sandbox_runtime.client import SandboxAPIError, SandboxClient
+from sandbox_runtime.images import UNPACK_TIMEOUT_S
 from sandbox_runtime.models import SandboxInfo
 from server_kit.errors import DownstreamError
 
@@ -44,6 +45,13 @@ REFRESH_S = 1.0  # how old the view of the registered runtimes may be when a san
 WAIT_FOR_RUNTIME_S = 30.0  # how long an init waits for a runtime when none is alive
 HEALTH_CHECK_S = 5.0  # how long a runtime suspected lost has to answer its health check
 SWEEP_S = 30.0  # how long a new runtime has to list its sandboxes before it is used all the same
+# A registered runtime silent this long (and at least two of its heartbeat intervals) is taken for gone: its calls
+# in flight end. Longer than the registry's three missed beats, after which it only gets no new sandbox: a runtime
+# starved of CPU for a few seconds must not lose every episode it runs.
+SEVER_AFTER_S = 10.0
+# How long a sandbox's creation may take where no job's budget says (a warm one): the runtime's own bound on an
+# image's unpack, and a minute for the rest. An episode's creation is bounded by its job's time budget instead.
+CREATE_TIMEOUT_S = UNPACK_TIMEOUT_S + 60.0
 
 
 class RuntimeFailed(DownstreamError):
@@ -72,6 +80,7 @@ class Runtime:
     swept: bool = True  # a registered one: no sandbox goes there before an earlier run's leftovers are gone
     gate: CreateGate = field(default_factory=CreateGate)  # its creations in flight from this replica
     token: str | None = None  # a registered one's own, as its heartbeats carry it
+    severed: bool = False  # taken for gone: its client's calls end at once (SandboxClient.sever)
 
     def free(self) -> int:
         return self.capacity - max(self.reported, self.active)
@@ -140,13 +149,49 @@ class SandboxPool:
                     self._in_background(old.aclose())
                 if not runtime.static:
                     runtime.capacity, runtime.reported = record.heartbeat.capacity, record.heartbeat.sandboxes
-                    runtime.seen_at, runtime.alive = record.seen_at, record.alive(now)
+                    runtime.seen_at = record.seen_at
+                    silent_s = now - record.seen_at
+                    gone = record.heartbeat.leaving or silent_s > max(SEVER_AFTER_S, 2 * record.heartbeat.interval_s)
+                    self._set_alive(runtime, record.alive(now), gone)
             for url, runtime in list(self.runtimes.items()):
                 if not runtime.static and url not in heard:
-                    runtime.alive = False
+                    self._set_alive(runtime, False, gone=True)
                     if runtime.active == 0:  # forgotten by the registry and unused here: let it go
                         del self.runtimes[url]
                         self._in_background(runtime.client.aclose())
+
+    def _set_alive(self, runtime: Runtime, alive: bool, gone: bool) -> None:
+        """A registered runtime whose heartbeats lapsed gets no new sandbox. One `gone` (it left, the registry
+        forgot it, or it has been silent SEVER_AFTER_S) has every call in flight to it ended at once, since a node
+        that vanished without a reset would hold them until their own timeouts: the episodes there start again
+        elsewhere. One that beats again is used again, once what this replica left there meanwhile (sandboxes
+        whose deletes failed fast while it was cut off) is deleted."""
+        if alive and (runtime.severed or not runtime.alive):
+            log.info("sandbox runtime %s (%s) beats again", runtime.name, runtime.url)
+            if runtime.severed:
+                runtime.severed = False
+                runtime.client.revive()
+                runtime.swept = False
+                self._in_background(self._delete_leftovers_on(runtime), self._sweeps)
+        elif not alive and gone and not runtime.severed:
+            log.warning("sandbox runtime %s (%s) is gone: its calls in flight end now", runtime.name, runtime.url)
+            runtime.severed = True
+            runtime.client.sever(f"the runtime {runtime.name} is taken for gone (it left, or beats no more)")
+        runtime.alive = alive
+
+    def start_watching(self) -> None:
+        self._in_background(self.watch_forever(), self._sweeps)  # cancelled at close, like the sweeps
+
+    async def watch_forever(self) -> None:
+        """While episodes hold sandboxes on registered runtimes, read the registry every REFRESH_S: a runtime that
+        dies mid-episode is noticed within its heartbeats' lapse, not at the next placement."""
+        while True:
+            await asyncio.sleep(REFRESH_S)
+            if any(not runtime.static and runtime.active for runtime in self.runtimes.values()):
+                try:
+                    await self._refresh_if_stale()
+                except Exception:  # the watch must outlive a bug of its own
+                    log.exception("watching the sandbox runtimes failed")
 
     async def _refresh_if_stale(self) -> None:
         if time.monotonic() - self._refreshed >= REFRESH_S:
@@ -188,15 +233,19 @@ class SandboxPool:
             await asyncio.sleep(REFRESH_S)  # a period: a runtime may register, or room free up, meanwhile
 
     # -- sandboxes --------------------------------------------------------------------------------------
-    async def acquire(self, spec: dict[str, Any], exclude: set[str]) -> Environment:
+    async def acquire(self, spec: dict[str, Any], exclude: set[str], timeout_s: float | None = None) -> Environment:
+        """A sandbox for an episode: a warm one, or one made now, whose creation may take `timeout_s` (default
+        CREATE_TIMEOUT_S): the pipeline gives the job's time budget, which bounds the init stage anyway."""
         if self.warm is not None and (box := self.warm.take(spec, exclude)) is not None:
             runtime = self.runtimes[box.server_url]  # counted in `active` since it was created
             return Environment(runtime.client, box.sandbox_id, runtime.url, box.workdir)
         runtime = await self._choose(exclude)
-        info = await self._create(runtime, spec, urgent=True)
+        info = await self._create(runtime, spec, urgent=True, timeout_s=timeout_s)
         return Environment(runtime.client, info.id, runtime.url, info.workdir)
 
-    async def _create(self, runtime: Runtime, spec: dict[str, Any], urgent: bool) -> SandboxInfo:
+    async def _create(
+        self, runtime: Runtime, spec: dict[str, Any], urgent: bool, timeout_s: float | None = None
+    ) -> SandboxInfo:
         """A sandbox on `runtime`, counted there; through its gate (an episode's creation is `urgent`)."""
         spec = {**spec, "labels": {**spec.get("labels", {}), OWNER_LABEL: self.owner}}
         runtime.active += 1  # counted before the request, so concurrent inits spread over the runtimes
@@ -205,7 +254,8 @@ class SandboxPool:
         except asyncio.CancelledError:
             runtime.active -= 1
             raise
-        creation = asyncio.ensure_future(runtime.client.create_sandbox(**spec))
+        timeout = CREATE_TIMEOUT_S if timeout_s is None else timeout_s
+        creation = asyncio.ensure_future(runtime.client.create_sandbox(timeout=timeout, **spec))
         creation.add_done_callback(lambda _: runtime.gate.leave())
         self._creations.add(creation)
         creation.add_done_callback(self._creations.discard)

@@ -49,6 +49,7 @@ from ..models import (
     JobRequest,
     JobsQuery,
     JobStatus,
+    LLMOutage,
     LLMServerInfo,
     LLMServerList,
     LLMServerQuery,
@@ -121,10 +122,12 @@ DECOUPLED_FIGURES = (
     "produced",
     "filtered",
     "retried",
+    "outage_reruns",
     "dropped",
     "expired",
     "redelivered",
     "dead_letters",
+    "admission_lock_lapses",
 )
 
 
@@ -138,10 +141,21 @@ class Conflict(ApiError, ValueError):
 
 # -- handlers -------------------------------------------------------------------------------------------
 async def healthz(request: web.Request) -> web.Response:
-    """200 while the service serves jobs; `degraded` says what does not work now (the buffer, say) and why."""
+    """200 while the service serves jobs; `degraded` says what does not work now (the buffer, the LLM servers)
+    and why."""
     producer = request.app.get(PRODUCER)
     degraded = producer.stats.degraded if producer is not None else None
+    llm = request.app.get(LLM)
+    degraded = with_outage(degraded, llm.outage() if llm is not None else None)
     return json_response(ServiceHealth(ok=True, version=__version__, degraded=degraded))
+
+
+def with_outage(degraded: str | None, outage: LLMOutage | None) -> str | None:
+    """`degraded` with the LLM outage's reason added, where there is one."""
+    if outage is None:
+        return degraded
+    said = f"LLM outage: {outage.reason} ({outage.waiting} turns waiting for a server)"
+    return said if degraded is None else f"{degraded}; {said}"
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -166,6 +180,8 @@ async def metrics(request: web.Request) -> web.Response:
     for figure in DECOUPLED_FIGURES:
         app_metrics.decoupled.labels(figure).set(getattr(figures, figure))
     app_metrics.degraded.set(figures.degraded is not None)
+    llm = request.app[LLM]
+    app_metrics.set_llm_outage(llm.outage(), llm.outage_waits)
     warm = request.app[SANDBOXES].warm
     if warm is not None:
         app_metrics.count_warm(warm.hits, warm.misses)
@@ -175,9 +191,12 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def refuse_service_fields(request: JobRequest) -> None:
-    """`attempt` and `retry_of` are the service's: set by a client, they would change how often its prompt runs."""
-    if request.attempt != 1 or request.retry_of is not None:
-        raise BadRequest("attempt and retry_of are set by the service (a prompt run again): leave them out")
+    """`attempt`, `retry_of` and `outage_reruns` are the service's: set by a client, they would change how often its
+    prompt runs."""
+    if request.attempt != 1 or request.retry_of is not None or request.outage_reruns:
+        raise BadRequest(
+            "attempt and retry_of are set by the service (a prompt run again), and outage_reruns too: leave them out"
+        )
 
 
 async def submit_job(request: web.Request, body: JobRequest) -> web.Response:
@@ -239,11 +258,13 @@ async def service_status(request: web.Request) -> web.Response:
     except ExperienceBufferError as exc:  # the shared state is away: this replica's own view still answers
         replicas = []
         degraded = degraded or f"reading the replicas: {exc}"
+    outage = request.app[LLM].outage()
     return json_response(
         ServiceStatus(
             **runner.status(),
             llm_servers=request.app[LLM].servers(),
-            degraded=degraded,
+            llm_outage=outage,
+            degraded=with_outage(degraded, outage),
             gateway_address=request.app[GATEWAY_ADDRESS],
             replica=replica.id,
             replicas=replicas,
@@ -748,6 +769,8 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
         app[LLM] = LLMPool(
             config.llm_urls,
             health_interval=config.llm_health_interval_s,
+            outage_wait_s=config.llm_outage_wait_s,
+            call_timeout_s=config.llm_call_timeout_s,
             plugins=app[PLUGINS],
             stream=config.llm_stream,
         )
@@ -776,8 +799,10 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
             coordination=app[COORDINATION],
             warm=config.warm,
             max_concurrent_creates=config.max_concurrent_creates,
+            wait_for_runtime_s=config.wait_for_runtime_s,
         )
         await app[SANDBOXES].delete_leftovers()
+        app[SANDBOXES].start_watching()
         yield
         await app[SANDBOXES].close()
 
@@ -819,7 +844,9 @@ def create_app(config: RolloutConfig, chat: ChatTokenizer | None = None) -> web.
         await app[BOARD].stop()
 
     async def producer(app: web.Application):
-        app[PRODUCER] = Producer(app[PIPELINE], app[BUFFER], app[PROMPTS], config.decoupled, app[COORDINATION])
+        app[PRODUCER] = Producer(
+            app[PIPELINE], app[BUFFER], app[PROMPTS], config.decoupled, app[COORDINATION], llm=app[LLM]
+        )
         app[PLUGINS].register(app[PRODUCER], name="decoupled-producer")  # it observes jobs and versions
         app[PRODUCER].start()
         yield

@@ -217,6 +217,7 @@ class HarborTask(TaskHandler):
             left = deadline[0] - self.clock()
             if left <= 0:
                 state.time_up = True  # the agent loop ends the episode here: no more turns for nothing
+                state.time_limit_s = deadline[1]
                 return TIME_UP.format(timeout=deadline[1])
             return await run(_Bounded(env, left), args, state)
 

@@ -21,7 +21,8 @@ def make_backend(name: str, config: ServerConfig) -> Backend:
     cls = BACKENDS.get(name)
     if cls is None:
         raise BackendError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}", 400)
-    available, detail = cls.probe()
+    # --apptainer-binary names the operator's Apptainer wherever PATH looks (start-up checked it is one).
+    available, detail = (True, "") if cls is ApptainerBackend and config.apptainer_binary else cls.probe()
     if not available:
         raise BackendError(f"backend {name!r} is not available here: {detail}", 400)
     if cls is BwrapBackend:

@@ -31,7 +31,7 @@ from prorl_adapter.service.agent import Episode, run_episode
 from prorl_adapter.service.circuit_breaker import BreakerConfig
 from prorl_adapter.service.config import RolloutConfig
 from prorl_adapter.service.decoupled import ProducerConfig
-from prorl_adapter.service.llm import LLMPool
+from prorl_adapter.service.llm import OUTAGE_WAIT_S, LLMPool
 from prorl_adapter.service.pipeline import PipelineConfig
 from prorl_adapter.service.server import GATEWAY_APP, create_app
 from prorl_adapter.service.storage.coordination import MemoryCoordination
@@ -73,6 +73,7 @@ async def rollout_stack(
     decoupled: dict[str, Any] | None = None,
     pipeline: dict[str, Any] | None = None,
     llm_health_interval_s: float = 3600.0,
+    llm_outage_wait_s: float = OUTAGE_WAIT_S,
     llm_stream: bool = False,
     sandbox_runtimes: int = 1,
     plugins: tuple[str, ...] = (),
@@ -97,6 +98,7 @@ async def rollout_stack(
             decoupled=ProducerConfig(**(decoupled or {})),
             pipeline=PipelineConfig(**{**workers, **(pipeline or {})}),
             llm_health_interval_s=llm_health_interval_s,
+            llm_outage_wait_s=llm_outage_wait_s,
             llm_stream=llm_stream,
             service_id="unit-tests",
             record_dir=record_dir,

@@ -44,6 +44,7 @@ class SandboxStandIn(StandIn):
         self.outputs = dict(outputs or {})
         self.exit_codes = dict(exit_codes or {})
         self.boxes: dict[str, SandboxInfo] = {}  # the live ones
+        self.peak = 0  # the most sandboxes alive at once
         self.created: list[SandboxInfo] = []
         self.files: dict[tuple[str, str], bytes] = {}
         self.log: list[tuple[str, str, str]] = []
@@ -66,6 +67,10 @@ class SandboxStandIn(StandIn):
     def cue(self, operation: str, *answers: Fail | Hang) -> None:
         """Answer the next requests of `operation` (create, delete, exec, run, kill, ...) like this, in order."""
         self._cued[operation] += answers
+
+    def uncue(self, operation: str) -> None:
+        """Forget what is still cued for `operation`: its next requests are answered normally."""
+        self._cued[operation].clear()
 
     def ops(self, sandbox_id: str | None = None) -> list[str]:
         """The operations logged, in order (on one sandbox, if given)."""
@@ -109,6 +114,7 @@ class SandboxStandIn(StandIn):
         )
         self.boxes[box_id] = info
         self.created.append(info)
+        self.peak = max(self.peak, len(self.boxes))
         self.changed()
         return answer(info, status=201)
 

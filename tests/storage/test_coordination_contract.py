@@ -1,5 +1,6 @@
 """The coordination's contract (`storage/coordination.py`), over `MemoryCoordination` and `RedisCoordination`, as one
-replica sees it: its heartbeat, the runtimes it hears, the policy version and its listeners, the admission lock.
+replica sees it: its heartbeat, the runtimes it hears, the policy version and its listeners, the admission lock and
+its fence.
 What needs several replicas (a dead one handed to exactly one survivor, a version or a runtime seen by all, the lock
 across replicas) is Redis's alone: integration_tests/test_coordination_redis.py.
 """
@@ -11,7 +12,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from prorl_adapter.models import JobRequest
 from prorl_adapter.service.storage.coordination import Coordination, MemoryCoordination
+from prorl_adapter.service.storage.prompts import MemoryPromptQueue, PromptQueue
 from sandbox_runtime.models import RuntimeHeartbeat
 
 from . import until
@@ -74,16 +77,17 @@ async def test_listeners_hear_each_change_of_the_version_once_and_in_order(coord
     # A barrier: a message sent after the sets arrives after theirs (one channel keeps its order), so when it is
     # heard every late message of theirs has been too.
     prompts: list[None] = []
-    coordination.on_prompts_added(lambda: prompts.append(None))
+    coordination.on_admission_news(lambda: prompts.append(None))
     await coordination.prompts_added()
     await until(lambda: bool(prompts))
     assert heard == [5, 2, 7] and coordination.version == 7
 
 
-async def test_listeners_hear_of_prompts_added_through_this_replica(coordination):
+@pytest.mark.parametrize("news", ["prompts_added", "room_freed"])
+async def test_listeners_hear_of_prompts_added_and_room_freed_through_this_replica(coordination, news):
     heard: list[None] = []
-    coordination.on_prompts_added(lambda: heard.append(None))
-    await coordination.prompts_added()
+    coordination.on_admission_news(lambda: heard.append(None))
+    await getattr(coordination, news)()
     await until(lambda: bool(heard), timeout=1.0)
 
 
@@ -102,3 +106,23 @@ async def test_admission_is_one_holder_at_a_time(coordination):
 
     await asyncio.wait_for(asyncio.gather(admit(1), admit(2)), 30)
     assert not overlap
+
+
+async def test_a_prompt_is_popped_under_the_admission_lock_with_its_fence(coordination, kind, prefix, request):
+    """What the producer does: each pop of a hold is given the hold's fence (None where the lock cannot expire
+    under its holder, in one process), which the prompt queue beside the coordination checks."""
+    if kind == "memory":
+        prompts: PromptQueue = MemoryPromptQueue()
+    else:
+        from prorl_adapter.service.storage.redis_prompts import RedisPromptQueue
+
+        prompts = RedisPromptQueue(request.getfixturevalue("redis_url"), "r0", prefix=f"{prefix}:prompts")
+    try:
+        await prompts.push([JobRequest(task="t", job_id="p")])
+        async with coordination.admission_lock() as fence:
+            assert (fence is None) == (not coordination.shared)
+            assert (await prompts.pop(3, fence)).job_id == "p"
+            assert await prompts.pop(3, fence) is None
+        assert await prompts.running_versions() == {3: 1}
+    finally:
+        await prompts.close()

@@ -12,6 +12,12 @@ given the same URL. A replica whose heartbeat lapses is *dead*: `claim_dead()` h
 exactly one survivor, which takes over its work (runs its jobs and prompts again, hands back its leased
 entries, deletes its sandboxes). Liveness is judged on one clock (Redis's own `TIME`), so clock skew between
 nodes does not kill anyone.
+
+The admission lock on Redis expires (a holder that died must not stop admission for ever), so a holder that stalls
+past its expiry (a pause, a slow Redis, retries) could decide on counts another holder has changed since. It is
+*fenced*: holding it yields an `AdmissionFence`, and the prompt queue's pop moves a prompt only if the lock still
+holds that fence's token, checked in the same atomic step; otherwise it refuses (`AdmissionLapsed`), and the
+holder's decision is void.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from sandbox_runtime.models import RuntimeHeartbeat
+from server_kit.errors import ProrlError
 
 # A replica or runtime that missed this many heartbeats in a row is taken for dead.
 MISSED_BEATS = 3
@@ -58,6 +65,23 @@ class ReplicaRecord:
 
 
 @dataclass(frozen=True)
+class AdmissionFence:
+    """The admission lock as one hold of it holds it: a write made under the lock (`PromptQueue.pop`) is made only
+    if `key` on the Redis server `redis_server` still holds `token`, checked in the same atomic step, and then
+    renews the lock for `renew_ms`. A token is never used twice, so a lock that lapsed never holds it again."""
+
+    redis_server: str  # host:port/db (`RedisConnection.server`): only a client of that server can check it
+    key: str
+    token: str
+    renew_ms: int
+
+
+class AdmissionLapsed(ProrlError):
+    """A write under the admission lock was refused: the lock no longer held the hold's token (it expired while
+    its holder stalled; another admitter may hold it now). Nothing was written; the hold's decision is void."""
+
+
+@dataclass(frozen=True)
 class BarrierNews:
     """A weight-update barrier taken (`pause`, renewed by a second pause), about to be released in `keep` mode
     (`mark`: note where each frozen request stands) or released (`resume`) at a replica (weight_barrier.py).
@@ -83,6 +107,7 @@ class Coordination(abc.ABC):
     and raises the buffer's errors (`BufferUnavailable` while Redis cannot be reached)."""
 
     shared = False  # whether other processes see this state
+    redis_server: str | None = None  # the Redis server (host:port/db) the state is on; None: this process
 
     def __init__(self, replica_id: str) -> None:
         self.replica_id = replica_id
@@ -172,13 +197,19 @@ class Coordination(abc.ABC):
     async def prompts_added(self) -> None:
         """Prompts were added to the shared queue: every replica's listeners hear of it (this one's included),
         so that each admits what its workers can run now rather than at its next look."""
-        self._prompts_were_added()
+        self._admission_news()
 
-    def on_prompts_added(self, listener: Callable[[], None]) -> None:
-        """Call `listener()` in this process when any replica adds prompts to the shared queue."""
+    async def room_freed(self) -> None:
+        """Room under the shared bounds was freed at this replica (entries acknowledged, an episode filtered):
+        every replica hears of it, so that the room goes to whichever asks under the admission lock, not to this
+        one alone because it looked first."""
+        self._admission_news()
+
+    def on_admission_news(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` in this process when any replica adds prompts or frees room."""
         self._prompt_listeners.append(listener)
 
-    def _prompts_were_added(self) -> None:
+    def _admission_news(self) -> None:
         for listener in self._prompt_listeners:
             listener()
 
@@ -211,9 +242,11 @@ class Coordination(abc.ABC):
 
     # -- admission ---------------------------------------------------------------------------------------
     @abc.abstractmethod
-    def admission_lock(self) -> contextlib.AbstractAsyncContextManager[None]:
+    def admission_lock(self) -> contextlib.AbstractAsyncContextManager[AdmissionFence | None]:
         """Held while one replica decides on and admits an episode, so that the counts it decided on are the
-        counts it changes: pace's bound holds over all replicas together."""
+        counts it changes: pace's bound holds over all replicas together. Yields the fence every pop of the hold
+        passes to the prompt queue (`PromptQueue.pop`), where the lock can expire under its holder (Redis); None
+        where it cannot (one process)."""
 
     async def start(self) -> None:
         return None
@@ -261,5 +294,5 @@ class MemoryCoordination(Coordination):
 
     @contextlib.asynccontextmanager
     async def admission_lock(self) -> AsyncIterator[None]:
-        async with self._lock:
-            yield
+        async with self._lock:  # never expires: no fence
+            yield None

@@ -8,6 +8,11 @@ the process (`redis_prompts.RedisPromptQueue`), every prompt enqueued is deliver
 `running_versions` counts the running prompts of every replica by the version they were admitted at: what
 admission control weighs. `MemoryPromptQueue` (the default, with the memory buffer) lives and dies with the
 process, like that buffer.
+
+A pop is admission's one write, made under the coordination's admission lock; where that lock can expire under
+its holder (Redis), the pop is given the hold's fence and checks it in the same atomic step (`pop`), so a holder
+that stalled past the lock's expiry admits nothing on the counts it read before. The queue must then be on the
+lock's Redis server (`redis_server`): only there can one step check both.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import uuid
 from collections import Counter, deque
 
 from ...models import JobRequest
+from .coordination import AdmissionFence
 
 
 def with_job_id(request: JobRequest) -> JobRequest:
@@ -24,15 +30,30 @@ def with_job_id(request: JobRequest) -> JobRequest:
     return request if request.job_id else request.model_copy(update={"job_id": uuid.uuid4().hex})
 
 
+def check_fence(queue: PromptQueue, fence: AdmissionFence | None) -> None:
+    """Refuse a fence the queue cannot check: its lock is on another Redis server (or the queue on none)."""
+    if fence is not None and fence.redis_server != queue.redis_server:
+        where = f"Redis at {queue.redis_server}" if queue.redis_server else "this process"
+        raise ValueError(
+            f"the prompt queue ({where}) cannot check the admission lock on Redis at {fence.redis_server}: "
+            "give the prompt queue and the coordination the same Redis URL"
+        )
+
+
 class PromptQueue(abc.ABC):
-    @abc.abstractmethod
-    async def push(self, requests: list[JobRequest]) -> int:
-        """Append prompts (each given a job id if it has none); returns how many are upcoming now."""
+    redis_server: str | None = None  # the Redis server (host:port/db) the queue is on; None: this process
 
     @abc.abstractmethod
-    async def pop(self, version: int) -> JobRequest | None:
+    async def push(self, requests: list[JobRequest]) -> int:
+        """Append prompts (each given a job id if it has none), all in one step: all are upcoming or none;
+        returns how many are upcoming now."""
+
+    @abc.abstractmethod
+    async def pop(self, version: int, fence: AdmissionFence | None = None) -> JobRequest | None:
         """The next upcoming prompt, now recorded as running here, admitted at `version`; None when there is
-        none."""
+        none. With `fence` (the admission lock's, `Coordination.admission_lock`): only if the lock still holds
+        its token, checked in the same step, which also renews the lock; `AdmissionLapsed` otherwise, and nothing
+        moves. A fence of another Redis server than the queue's cannot be checked: ValueError."""
 
     @abc.abstractmethod
     async def done(self, job_id: str) -> None:
@@ -70,7 +91,8 @@ class MemoryPromptQueue(PromptQueue):
         self._upcoming.extend(with_job_id(r) for r in requests)
         return len(self._upcoming)
 
-    async def pop(self, version: int) -> JobRequest | None:
+    async def pop(self, version: int, fence: AdmissionFence | None = None) -> JobRequest | None:
+        check_fence(self, fence)
         if not self._upcoming:
             return None
         request = self._upcoming.popleft()

@@ -77,6 +77,10 @@ class RedisConnection:
             **redis_kwargs,
         )
         self.closed = False
+        where = self.redis.connection_pool.connection_kwargs
+        # Which server and database the keys live on (not the URL's spelling): what fences compare.
+        address = f"unix:{where['path']}" if "path" in where else f"{where.get('host')}:{where.get('port')}"
+        self.server = f"{address}/{where.get('db', 0)}"
 
     def check_open(self) -> None:
         if self.closed:

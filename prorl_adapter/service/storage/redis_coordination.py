@@ -5,7 +5,9 @@ Keys (prefix default `prorl`):
 - `{prefix}:runtimes`: a hash, runtime name -> JSON {heartbeat, seen_at};
 - `{prefix}:policy_version`: the version, as a string, and `{prefix}:policy_version_change`: how many times it
   changed (each change's number travels with it, so that news of it heard out of order is put in order);
-- `{prefix}:admission`: the admission lock (redis-py's `Lock`: it expires if its holder dies);
+- `{prefix}:admission`: the admission lock (redis-py's `Lock`: it expires if its holder dies), holding its holder's
+  token, a new one per hold: the prompt queue's pop moves a prompt only while the lock still holds the token of the
+  hold it is made under (`coordination.AdmissionFence`), and renews it;
 - `{prefix}:weight_barrier`: the weight-update barrier held now (JSON `BarrierNews`), expiring with it, for a replica
   that starts or reconnects while it holds;
 - channel `{prefix}:events`: `KIND:PAYLOAD` messages (`version:7:<change>`, `finished:<job id>`, `cancel:<job id>`,
@@ -29,7 +31,7 @@ from collections.abc import AsyncIterator, Callable
 
 from sandbox_runtime.models import RuntimeHeartbeat
 
-from .coordination import MISSED_BEATS, BarrierNews, Coordination, ReplicaRecord, RuntimeRecord
+from .coordination import MISSED_BEATS, AdmissionFence, BarrierNews, Coordination, ReplicaRecord, RuntimeRecord
 from .redis_connection import RedisConnection, keeping_cancellation, redis_errors
 
 log = logging.getLogger(__name__)
@@ -157,7 +159,9 @@ local record = redis.call('HGET', KEYS[1], ARGV[1])
 if record and cjson.decode(record)['taken_by'] == ARGV[2] then redis.call('HDEL', KEYS[1], ARGV[1]) end
 return 1
 """
-ADMISSION_LOCK_S = 10.0  # the lock expires this long after its holder died mid-admission
+# The lock expires this long after it was taken or last renewed (by a pop made under it): a holder that died
+# mid-admission holds up the others no longer, and one that stalls this long finds its next pop refused.
+ADMISSION_LOCK_S = 10.0
 
 
 _END_BARRIER = """
@@ -171,7 +175,15 @@ return 0
 class RedisCoordination(Coordination):
     shared = True
 
-    def __init__(self, url: str, replica_id: str, *, prefix: str = "prorl", socket_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        replica_id: str,
+        *,
+        prefix: str = "prorl",
+        socket_timeout: float = 5.0,
+        admission_lock_s: float = ADMISSION_LOCK_S,
+    ) -> None:
         super().__init__(replica_id)
         self._connection = RedisConnection(url, socket_timeout=socket_timeout)
         self._url = url
@@ -191,7 +203,9 @@ class RedisCoordination(Coordination):
         self._release = redis.register_script(_RELEASE)
         self._beaten = False
         # Polled every 5 ms while another replica holds it (redis-py's default, 100 ms, would idle admission).
-        self._lock = redis.lock(f"{prefix}:admission", timeout=ADMISSION_LOCK_S, sleep=0.005, blocking_timeout=None)
+        self._admission_key = f"{prefix}:admission"
+        self._admission_lock_ms = max(1, int(admission_lock_s * 1000))
+        self._lock = redis.lock(self._admission_key, timeout=admission_lock_s, sleep=0.005, blocking_timeout=None)
         self._listeners: dict[str, list[Callable[[str], None]]] = {}
         self._listening: asyncio.Task[None] | None = None
         self._subscribed = asyncio.Event()
@@ -204,6 +218,10 @@ class RedisCoordination(Coordination):
     @property
     def url(self) -> str:
         return self._url
+
+    @property
+    def redis_server(self) -> str:
+        return self._connection.server
 
     @property
     def redis(self):
@@ -341,10 +359,10 @@ class RedisCoordination(Coordination):
 
     # -- admission ---------------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def admission_lock(self) -> AsyncIterator[None]:
+    async def admission_lock(self) -> AsyncIterator[AdmissionFence]:
         token = uuid.uuid4().hex
         try:
-            with self.errors(f"taking the admission lock {self.prefix}:admission"):
+            with self.errors(f"taking the admission lock {self._admission_key}"):
                 await self._lock.acquire(token=token)
         except asyncio.CancelledError:
             # Perhaps after Redis granted it: the reply unread, or a cancellation redis-py swallowed raised once
@@ -353,9 +371,9 @@ class RedisCoordination(Coordination):
             await self._release_admission_lock(token)
             raise
         try:
-            yield
+            yield AdmissionFence(self.redis_server, self._admission_key, token, self._admission_lock_ms)
         finally:
-            await self._release_admission_lock(token)
+            await self._release_admission_lock(token)  # a lapsed one is not ours to release: left alone
 
     async def _release_admission_lock(self, token: str) -> None:
         self._lock.local.token = token.encode()  # as acquire records it, which a cancelled acquire may not have
@@ -370,13 +388,17 @@ class RedisCoordination(Coordination):
     async def prompts_added(self) -> None:
         await self.publish("prompts", "")
 
+    async def room_freed(self) -> None:
+        await self.publish("room", "")
+
     async def publish(self, kind: str, payload: str) -> None:
         with self.errors(f"PUBLISH to {self.channel}"):
             await self.redis.publish(self.channel, f"{kind}:{payload}")
 
     async def start(self) -> None:
         self.on_event("version", self._version_message)
-        self.on_event("prompts", lambda _: self._prompts_were_added())
+        self.on_event("prompts", lambda _: self._admission_news())
+        self.on_event("room", lambda _: self._admission_news())
         self.on_event("barrier", lambda payload: self._barrier_heard(BarrierNews.from_json(payload)))
         self.on_event("drained", self._drained_message)
         self._listening = asyncio.create_task(self._listen_forever())

@@ -6,6 +6,10 @@ Keys (prefix default `prorl:jobs`):
 - `{prefix}:job:{id}`: a hash: `request` (JobRequest JSON), `status` (JobStatus JSON, kept current by the replica
   running it), `result` (Trajectory JSON, once finished); it expires `result_ttl_s` after the job finished.
 
+A submission records and queues all its samples not yet recorded in one script, after checking that the records
+it read (to refuse a conflicting one with a 409) are unchanged: however Redis fails, all are queued or none, and
+a retry of it gives back the jobs made.
+
 A replica takes a job with `BLMOVE queue -> claimed:{replica}` (atomic: the id is in exactly one list at any
 time) whenever it has room (fewer unfinished jobs of its own than its init and run workers together), so jobs
 go to whoever is free. It finishes one with a script that writes the result and removes the id from its list,
@@ -36,13 +40,23 @@ from .redis_coordination import RedisCoordination
 log = logging.getLogger(__name__)
 
 _SUBMIT = """
--- KEYS: the job's hash, the queue; ARGV: request JSON, status JSON, job id. Returns the request already recorded
--- under this id (the caller compares), or false when this one is new and queued.
-local known = redis.call('HGET', KEYS[1], 'request')
-if known then return known end
-redis.call('HSET', KEYS[1], 'request', ARGV[1], 'status', ARGV[2])
-redis.call('RPUSH', KEYS[2], ARGV[3])
-return false
+-- KEYS: the queue, then each sample's job hash; ARGV: for each sample, 4 values: the request recorded under its id
+-- when the caller read it ('' for none), its request JSON, its status JSON, its job id. One step for a whole
+-- submission: if any record differs from what the caller read (a submission beside this one), nothing is written
+-- and 0 returned (the caller reads and checks again); else every sample not recorded is recorded and queued, in
+-- order, and 1 returned. Every check comes before the first write: a script that fails writes nothing.
+redis.call('LLEN', KEYS[1])  -- the queue is a list (or none yet)
+for i = 2, #KEYS do
+  if (redis.call('HGET', KEYS[i], 'request') or '') ~= ARGV[4 * (i - 2) + 1] then return 0 end
+end
+for i = 2, #KEYS do
+  local a = 4 * (i - 2)
+  if ARGV[a + 1] == '' then
+    redis.call('HSET', KEYS[i], 'request', ARGV[a + 2], 'status', ARGV[a + 3])
+    redis.call('RPUSH', KEYS[1], ARGV[a + 4])
+  end
+end
+return 1
 """
 
 _FINISH = """
@@ -172,30 +186,30 @@ class RedisJobBoard(JobBoard):
         for sample in samples:
             self.runner.check(sample)  # 400 for a task this service cannot run, before anything is queued
         samples = [with_job_id(sample) for sample in samples]
-        with self.coordination.errors("reading job records"):
-            pipe = self.coordination.redis.pipeline(transaction=False)
-            for sample in samples:
-                pipe.hget(self._key(sample.job_id), "request")
-            recorded = await pipe.execute()
-        for sample, document in zip(samples, recorded, strict=True):
-            _check_same(sample, document)
-        statuses, created = [], False
-        for sample in samples:
-            status = JobStatus(
-                job_id=sample.job_id, task=sample.task, state=JobState.queued, submitted_at=time.time(), timings={}
-            )
-            with self.coordination.errors(f"queueing job {sample.job_id}"):
-                document = await self._submit(
-                    keys=[self._key(sample.job_id), self._queue],
-                    args=[sample.model_dump_json(), status.model_dump_json(), sample.job_id],
-                )
-            if document:  # recorded meanwhile, or earlier (a retry): that job
-                _check_same(sample, document)
-                status = await self.status(sample.job_id)
-            else:
-                created = True
-            statuses.append(status)
-        return statuses, created
+        keys = [self._key(sample.job_id) for sample in samples]
+        while True:  # until no submission of the same ids came between the read and the write (rare; records stay)
+            with self.coordination.errors("reading job records"):
+                pipe = self.coordination.redis.pipeline(transaction=False)
+                for key in keys:
+                    pipe.hget(key, "request")
+                recorded = await pipe.execute()
+            for sample, document in zip(samples, recorded, strict=True):
+                _check_same(sample, document)  # 409 for any, before anything is queued
+            statuses = [
+                JobStatus(job_id=s.job_id, task=s.task, state=JobState.queued, submitted_at=time.time(), timings={})
+                for s in samples
+            ]
+            args: list[str] = []
+            for sample, document, status in zip(samples, recorded, statuses, strict=True):
+                args += [document or "", sample.model_dump_json(), status.model_dump_json(), sample.job_id]
+            # Every new sample in one script: a failure (Redis gone, a reply lost) leaves all queued or none.
+            with self.coordination.errors(f"queueing {len(samples)} jobs"):
+                if await self._submit(keys=[self._queue, *keys], args=args):
+                    break
+        for i, (sample, document) in enumerate(zip(samples, recorded, strict=True)):
+            if document is not None:  # recorded earlier (a retry): that job
+                statuses[i] = await self.status(sample.job_id)
+        return statuses, any(document is None for document in recorded)
 
     def _local(self, job_id: str) -> RunnerJob | None:
         """The job as this replica runs it: one of the board's it holds, or one that never went through the

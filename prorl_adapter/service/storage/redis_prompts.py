@@ -8,22 +8,31 @@ Keys (prefix default `prorl:prompts`):
 - `{prefix}:versions`: a hash, version -> how many running prompts were admitted at it (for admission control).
 
 `pop` moves the head of the list into the running records in one Lua script, so a crash between the two cannot
-lose a prompt; `done` deletes them once its trajectory is in the experience buffer. A replica that starts on the
-same Redis takes back what is recorded as its own (`recover`: an earlier incarnation's, or a pop whose reply was
-lost) and runs it again, and the replica that takes over a dead one takes its prompts (`take_over`): delivery is
-at least once. A running record with no owner (written before owners were recorded) is anyone's to recover.
-Errors are the experience buffer's: `BufferUnavailable` when Redis cannot be reached (the producer waits it
-out), `ExperienceBufferError` when Redis refuses a command.
+lose a prompt; under a fence (`coordination.AdmissionFence`, the admission lock's key on this same Redis) the
+script first checks that the lock still holds the fence's token and renews it, or moves nothing. `push` is one
+RPUSH of every prompt: all or none. `done` deletes them once its trajectory is in the experience buffer. A
+replica that starts on the same Redis takes back what is recorded as its own (`recover`: an earlier
+incarnation's, or a pop whose reply was lost) and runs it again, and the replica that takes over a dead one takes
+its prompts (`take_over`): delivery is at least once. A running record with no owner (written before owners
+were recorded) is anyone's to recover. Errors are the experience buffer's: `BufferUnavailable` when Redis cannot
+be reached (the producer waits it out), `ExperienceBufferError` when Redis refuses a command.
 """
 
 from __future__ import annotations
 
 from ...models import JobRequest
-from .prompts import PromptQueue, with_job_id
+from .coordination import AdmissionFence, AdmissionLapsed
+from .prompts import PromptQueue, check_fence, with_job_id
 from .redis_connection import RedisConnection
 
 _POP = """
--- KEYS: upcoming list, running, owner, version, versions hashes; ARGV: replica, version. The JSON moved, or false.
+-- KEYS: upcoming list, running, owner, version, versions hashes[, the admission lock]; ARGV: replica, version[,
+-- the hold's token, the lock's lifetime in ms]. The JSON moved, or false when none is upcoming. Fenced (the lock
+-- given): 0, and nothing moves, unless the lock still holds the token; if it does, it is renewed.
+if KEYS[6] then
+  if redis.call('GET', KEYS[6]) ~= ARGV[3] then return 0 end
+  redis.call('PEXPIRE', KEYS[6], ARGV[4])
+end
 local document = redis.call('LPOP', KEYS[1])
 if not document then return false end
 local id = cjson.decode(document)['job_id']
@@ -83,6 +92,10 @@ class RedisPromptQueue(PromptQueue):
         redis = self._connection.redis
         self._pop, self._done, self._claim = (redis.register_script(s) for s in (_POP, _DONE, _CLAIM))
 
+    @property
+    def redis_server(self) -> str:
+        return self._connection.server
+
     async def push(self, requests: list[JobRequest]) -> int:
         documents = [with_job_id(r).model_dump_json(exclude_none=True) for r in requests]
         with self._connection.errors(f"RPUSH to {self._upcoming}"):
@@ -90,9 +103,16 @@ class RedisPromptQueue(PromptQueue):
                 int(await self._connection.redis.rpush(self._upcoming, *documents)) if documents else await self.size()
             )
 
-    async def pop(self, version: int) -> JobRequest | None:
+    async def pop(self, version: int, fence: AdmissionFence | None = None) -> JobRequest | None:
+        keys, args = [self._upcoming, *self._records], [self.replica, version]
+        if fence is not None:
+            check_fence(self, fence)
+            keys.append(fence.key)
+            args += [fence.token, fence.renew_ms]
         with self._connection.errors(f"moving a prompt from {self._upcoming} to {self._running}"):
-            document = await self._pop(keys=[self._upcoming, *self._records], args=[self.replica, version])
+            document = await self._pop(keys=keys, args=args)
+        if document == 0 and fence is not None:
+            raise AdmissionLapsed(f"the admission lock {fence.key} lapsed before a pop made under it")
         return JobRequest.model_validate_json(document) if document else None
 
     async def done(self, job_id: str) -> None:
