@@ -41,8 +41,10 @@ _NOW = "local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]
 _BEAT = (
     _NOW
     + """
--- KEYS: replicas hash; ARGV: id, JSON {url, figures, interval_s}, whether this process has beaten before (1/0).
--- Returns 1 when another replica took this one over since its last beat (its work is no longer its own), else 0.
+-- KEYS: replicas hash; ARGV: id, JSON {url, figures, interval_s}, whether this process has beaten before (1/0),
+-- this beat's own id. Returns 1 when another replica took this one over since its last beat (its work is no longer
+-- its own), else 0. Said again to the same beat run twice (its reply lost, redis-py sent it again): the news is
+-- told once, and a lost reply must not lose it.
 -- `since` keeps the time of the beat before: a replica just back from a gap of its own (a partition, Redis
 -- away) must not judge the others, who could not beat either, until it has beaten twice in a row.
 local previous = redis.call('HGET', KEYS[1], ARGV[1])
@@ -51,11 +53,13 @@ local last = now
 if previous then
   local old = cjson.decode(previous)
   if old['taken_by'] and old['taken_by'] ~= ARGV[1] then taken = 1 end
+  if old['taken_told'] == ARGV[4] then taken = 1 end  -- this very beat again
   last = old['seen_at']
 elseif ARGV[3] == '1' then
   taken = 1  -- forgotten: taken over and done with
 end
 local record = cjson.decode(ARGV[2])
+if taken == 1 then record['taken_told'] = ARGV[4] end
 record['seen_at'] = now
 record['since'] = last
 redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(record))
@@ -235,9 +239,8 @@ class RedisCoordination(Coordination):
     async def beat(self, url: str | None, figures: dict, interval_s: float) -> bool:
         record = json.dumps({"url": url, "figures": figures, "interval_s": interval_s})
         with self.errors(f"a heartbeat in {self._replicas_key}"):
-            taken = await self._beat(
-                keys=[self._replicas_key], args=[self.replica_id, record, "1" if self._beaten else "0"]
-            )
+            args = [self.replica_id, record, "1" if self._beaten else "0", uuid.uuid4().hex]
+            taken = await self._beat(keys=[self._replicas_key], args=args)
         self._beaten = True
         return bool(taken)
 
