@@ -412,7 +412,8 @@ class LLMPool:
         warning that names the flag to check, since a server that never answers would otherwise be only info."""
         if server.answered:
             if server.healthy:
-                log.warning("LLM server %s is unhealthy: %s", server.url, reason)
+                # A timeout's own text is empty: its type says what happened.
+                log.warning("LLM server %s is unhealthy: %s", server.url, str(reason) or type(reason).__name__)
         else:
             now = asyncio.get_running_loop().time()
             if server.waiting_since is None:

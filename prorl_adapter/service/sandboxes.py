@@ -333,7 +333,13 @@ class SandboxPool:
         finally:
             runtime.swept = True
         if deleted:
-            log.warning("deleted %d sandboxes an earlier run of %s left on %s", deleted, self.owner, runtime.url)
+            log.warning(
+                "deleted %d sandboxes of %s on %s that no episode holds (an earlier run's, or this one's while the "
+                "runtime was cut off)",
+                deleted,
+                self.owner,
+                runtime.url,
+            )
 
     async def delete_leftovers(self) -> int:
         """Delete every sandbox labelled with this replica's id on the runtimes given by URL (the registered
