@@ -50,6 +50,7 @@ def start_deployment(
 @pytest.fixture(scope="module", params=DEPLOYMENTS)
 def server(request, tmp_path_factory):
     images = reachable(tmp_path_factory.mktemp("images"))
+    images.chmod(0o755)  # the server lists its image directories: an unprivileged one is refused one it cannot
     (images / "empty").mkdir()
     (images / "escape").symlink_to("/")  # a link out of the image directory is no image
     runtime = start_deployment(request.param, tmp_path_factory.mktemp("state"), "bwrap", "--image-dir", str(images))
