@@ -67,8 +67,8 @@ SANDBOX_TTL_MARGIN_S = 600.0
 # the job's budget running out (a cut recorded as such), not as a runtime that failed to create.
 CREATE_GRACE_S = 5.0
 # How long a finished job's result waits for its sandbox's delete: a runtime that never answers one must not hold
-# the result back for the sandbox client's whole timeout. The delete goes on in the background (the sandbox pool
-# waits for it at close), and the sandbox's TTL reaps what a delete never reaches.
+# the result back for the sandbox client's whole timeout. The delete goes on in the background (the pipeline waits
+# for it at stop), and the sandbox's TTL reaps what a delete never reaches.
 RELEASE_WAIT_S = 10.0
 
 
@@ -111,10 +111,15 @@ class Job:
     paused_s: float = 0.0  # of its run stage, spent while the weight-update barrier held generation
     ahead: bool = False  # counted by the init gate: taken by init, not yet given a run slot
 
+    def budget(self, default_timeout: float) -> float:
+        return self.request.timeout_s or default_timeout
+
+    def spent_s(self) -> float:
+        """Its stages' time, where a weight update's pause does not count."""
+        return self.timings.init_s + self.timings.run_s + self.timings.eval_s - self.paused_s
+
     def budget_left(self, default_timeout: float) -> float:
-        """Its time budget less its stages' time, where a weight update's pause does not count."""
-        spent = self.timings.init_s + self.timings.run_s + self.timings.eval_s - self.paused_s
-        return (self.request.timeout_s or default_timeout) - spent
+        return self.budget(default_timeout) - self.spent_s()
 
     def keep_partial(self, episode: Episode) -> None:
         self.partial = episode
@@ -543,9 +548,7 @@ class RolloutPipeline:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-            message = (
-                f"time budget of {job.request.timeout_s or self.config.default_timeout_s:g} s spent in {state.value}"
-            )
+            message = f"time budget of {job.budget(self.config.default_timeout_s):g} s spent in {state.value}"
             if state is JobState.running and job.episode is None:
                 # What the agent loop had made when the budget cut it: the trajectory (filtered all the same) shows
                 # how long an episode ran before it was cut, which the truncation metric counts by length.
@@ -665,9 +668,8 @@ class RolloutPipeline:
                 return None
             # The stage it ran out in: the last that took time (a stage's time is counted before the job ends).
             stage = "eval" if timings.eval_s > 0 else "run" if timings.run_s > 0 else "init"
-            spent = timings.init_s + timings.run_s + timings.eval_s - job.paused_s
-            limit = request.timeout_s or self.config.default_timeout_s
-            return BudgetCut(budget=f"{stage}_timeout", setting="timeout_s", limit=limit, used=round(spent, 3))
+            limit, used = job.budget(self.config.default_timeout_s), round(job.spent_s(), 3)
+            return BudgetCut(budget=f"{stage}_timeout", setting="timeout_s", limit=limit, used=used)
         if episode.finish_reason == "max_turns":
             return BudgetCut(budget="max_turns", setting="max_turns", limit=request.max_turns, used=len(episode.turns))
         if episode.finish_reason == "max_context":
