@@ -15,7 +15,13 @@ from prorl_adapter.hooks.plugin_set import PluginSet
 from prorl_adapter.models import JobRequest
 from prorl_adapter.service import decoupled
 from prorl_adapter.service.decoupled import Producer
-from prorl_adapter.service.storage.coordination import AdmissionLapsed, BarrierNews
+from prorl_adapter.service.storage.coordination import (
+    ALONE_MISSED_BEATS,
+    MISSED_BEATS,
+    AdmissionLapsed,
+    BarrierNews,
+    BeatReply,
+)
 from prorl_adapter.service.storage.memory_buffer import MemoryBuffer
 from prorl_adapter.service.storage.prompts import MemoryPromptQueue
 from prorl_adapter.service.storage.redis_buffer import RedisBuffer
@@ -61,9 +67,10 @@ async def lapse(observer: RedisCoordination, replica_id: str, silent_s: float) -
 async def test_a_dead_replica_is_handed_to_exactly_one_survivor(redis):
     dead, a, b = await replicas(redis.url, "dead", "a", "b")
     try:
-        await dead.beat("http://dead", {}, interval_s=0.05)
         await a.beat("http://a", {}, interval_s=10)
         await b.beat("http://b", {}, interval_s=10)
+        # Its last beat tells it of the two others: they may take it over after its three missed beats.
+        assert await dead.beat("http://dead", {}, interval_s=0.05) == BeatReply(taken=False, others_alive=2)
         assert await a.claim_dead(hold_s=60) == [] and await b.claim_dead(hold_s=60) == []  # all alive
         await lapse(a, "dead", 0.15)  # its three intervals of 0.05 s
         claims = await asyncio.gather(a.claim_dead(hold_s=60), b.claim_dead(hold_s=60))
@@ -86,9 +93,9 @@ async def test_a_claim_given_up_or_run_out_hands_the_dead_replica_out_again(redi
     that never ends loses it once the hold passes: either way a survivor claims the dead replica again."""
     dead, a, b = await replicas(redis.url, "dead", "a", "b")
     try:
-        await dead.beat("http://dead", {}, interval_s=0.05)
         await a.beat("http://a", {}, interval_s=10)
         await b.beat("http://b", {}, interval_s=10)
+        await dead.beat("http://dead", {}, interval_s=0.05)
         await lapse(a, "dead", 0.15)
         first = await a.claim_dead(hold_s=60) or await b.claim_dead(hold_s=60)
         assert first == ["dead"]
@@ -103,6 +110,23 @@ async def test_a_claim_given_up_or_run_out_hands_the_dead_replica_out_again(redi
     finally:
         for replica in (dead, a, b):
             await replica.close()
+
+
+async def test_a_replica_that_was_told_of_no_other_is_taken_over_only_after_the_missed_beats_of_one_alone(redis):
+    """A replica whose last beat found nobody else alive fences itself only after ALONE_MISSED_BEATS (replica.py):
+    a replica started since may take it over only then, not after the usual three missed beats."""
+    alone, newcomer = await replicas(redis.url, "alone", "newcomer")
+    try:
+        assert await alone.beat("http://alone", {}, interval_s=0.01) == BeatReply(taken=False, others_alive=0)
+        await newcomer.beat("http://newcomer", {}, interval_s=10)  # started after the other's last beat
+        await lapse(newcomer, "alone", MISSED_BEATS * 0.01)
+        await newcomer.beat("http://newcomer", {}, interval_s=10)
+        assert await newcomer.claim_dead(hold_s=60) == []
+        await lapse(newcomer, "alone", ALONE_MISSED_BEATS * 0.01)
+        assert await newcomer.claim_dead(hold_s=60) == ["alone"]
+    finally:
+        await alone.close()
+        await newcomer.close()
 
 
 async def _holds(replica: RedisCoordination) -> bool:
@@ -259,8 +283,8 @@ async def test_a_dead_replicas_prompts_are_run_by_the_one_that_takes_over(redis)
 async def test_a_replica_taken_for_dead_learns_it_from_its_next_beat_and_a_cut_off_one_claims_nobody(redis):
     slow, survivor = await replicas(redis.url, "slow", "survivor")
     try:
-        assert await slow.beat("http://slow", {}, interval_s=0.05) is False
-        assert await survivor.beat("http://survivor", {}, interval_s=0.05) is False
+        assert (await survivor.beat("http://survivor", {}, interval_s=0.05)).taken is False
+        assert (await slow.beat("http://slow", {}, interval_s=0.05)).taken is False
         await lapse(survivor, "slow", 0.3)  # twice the slow one's three intervals
         # The survivor was silent as long: back from a gap of its own, it judges nobody on this beat...
         await survivor.beat("http://survivor", {}, interval_s=0.05)
@@ -268,8 +292,10 @@ async def test_a_replica_taken_for_dead_learns_it_from_its_next_beat_and_a_cut_o
         # ...and on the next one, beating in time again, it does.
         await survivor.beat("http://survivor", {}, interval_s=10)
         assert await survivor.claim_dead(hold_s=60) == ["slow"]
-        assert await slow.beat("http://slow", {}, interval_s=0.05) is True  # taken over: its work is not its own
-        assert await slow.beat("http://slow", {}, interval_s=0.05) is False
+        assert (
+            await slow.beat("http://slow", {}, interval_s=0.05)
+        ).taken is True  # taken over: its work is not its own
+        assert (await slow.beat("http://slow", {}, interval_s=0.05)).taken is False
         await survivor.forget_replica("slow")  # the slow one beat since: its record is its own, and stays
         assert {r.id for r in (await survivor.replicas())[1]} == {"slow", "survivor"}
     finally:

@@ -6,6 +6,7 @@ The board is not started: no replica takes jobs from the queue, so the queue sho
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
@@ -14,7 +15,7 @@ import pytest
 from prorl_adapter.hooks import PluginSet
 from prorl_adapter.models import JobRequest, JobState
 from prorl_adapter.service.job_runner import JobConflict
-from prorl_adapter.testing import SimulatedRunner
+from prorl_adapter.testing import SimulatedRunner, sim_trajectory
 
 from .redis_server import REDIS_SKIP, CommandFault, RedisServer
 
@@ -116,3 +117,39 @@ async def test_a_conflicting_sample_recorded_between_the_check_and_the_write_is_
     with pytest.raises(JobConflict):
         await board.submit(GROUP)
     assert await left(board) == ([], ["g.2"])
+
+
+async def until(condition) -> None:
+    async with asyncio.timeout(30):  # a bound on waiting, not a measurement
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+async def test_a_fenced_board_stops_its_jobs_writes_nothing_and_runs_them_anew_when_not_taken_over(coordination):
+    """The replica's fence (replica.py) at the board: the jobs running here stop, their records stay as they were
+    (not cancelled: they are still to run), and once the replica learns it was not taken over they run here again,
+    anew, to their own results."""
+    board = new_board(coordination)
+    runner, ids = board.runner, {"f.0", "f.1"}
+    await board.start()
+    try:
+        await board.submit(JobRequest(task="t", job_id="f", num_samples=2))
+        await until(lambda: ids <= runner.jobs.keys())
+        stopped = [runner.jobs[job_id] for job_id in sorted(ids)]
+        board.fence()
+        await until(lambda: not ids & runner.jobs.keys())  # stopped, and their runs forgotten
+        assert [job.state for job in stopped] == [JobState.cancelled] * 2
+        for job_id in sorted(ids):
+            assert not (await board.status(job_id)).state.finished
+
+        board.unfence()
+        await until(lambda: ids <= runner.jobs.keys())
+        for job_id in sorted(ids):
+            job = runner.jobs[job_id]
+            assert job not in stopped and job.state is JobState.running
+            runner.end(job, sim_trajectory(job, 0, 0))
+        results = [await board.result(job_id, wait=10) for job_id in sorted(ids)]
+        assert [(r.job_id, r.error) for r in results] == [("f.0", None), ("f.1", None)]
+        assert [(await board.status(job_id)).state for job_id in sorted(ids)] == [JobState.done] * 2
+    finally:
+        await board.stop()

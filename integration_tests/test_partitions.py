@@ -56,6 +56,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(BACKEND_SKIPS["bwrap"]),
 
 LIVENESS_S = 180.0  # a bound on waiting for what must happen, never a measurement
 EPISODES = 3  # episodes cut off at once, in (a) and (c)
+PROMPTS = 2  # decoupled prompts cut off besides, in (c)
 SLEEP_ARGV = b"sleep\x00600\x00"  # their tool call, as its process's command line
 
 
@@ -179,6 +180,14 @@ async def _held(url: str, count: int) -> bool:
 
 async def _alive_replicas(client: RolloutClient, expected: set[str]) -> bool:
     return {r.id for r in (await client.status()).replicas if r.alive} == expected
+
+
+async def _told_of_others(client: RolloutClient, replica_id: str) -> bool:
+    return any(r.id == replica_id and r.figures.get("others_alive") for r in (await client.status()).replicas)
+
+
+async def _fences(client: RolloutClient, replica_id: str) -> int:
+    return sum(r.figures.get("fences", 0) for r in (await client.status()).replicas if r.id == replica_id)
 
 
 @pytest.fixture
@@ -472,19 +481,13 @@ def start_redis(workdir: Path, link: netns.Link) -> localstack.Service:
         client.close()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="product bug, open (issue 45): a cut-off replica that was taken over does not always learn it after the "
-    "link is back, and runs the jobs it no longer owns to their end (about 1 run in 3 here). A beat whose reply was "
-    "lost and which redis-py sent again no longer loses the news (the beat script tells the same beat again), but "
-    "in failing runs the replica's log shows no beat at all after the restore: its beat loop seems to hang; and "
-    "the replica does not fence itself while it cannot beat (docs/reliability.md, Partitions)",
-)
 async def test_a_replica_cut_off_from_redis_is_taken_over_and_drops_what_it_held(link, parts, tmp_path):
     """Two replicas on one Redis; the one in the namespace, with its own runtime and LLM server there, holds every
-    job (`sleep 600` at its runtime, an instant command at the other's). Cut: the other replica takes it over and
-    runs the jobs. Restored: the cut-off replica learns at its next beat that it was taken over and drops what it
-    held (its episodes end, their sandboxes go), and every replica answers each job with the survivor's result."""
+    job (`sleep 600` at its runtime, an instant command at the other's). Cut: the cut-off replica fences itself
+    (its episodes end, their sandboxes go) before the other may take it over; the other takes it over and runs
+    the jobs, so no job runs at both at once. Restored: the cut-off replica learns at its next beat that it was
+    taken over and acts again, writing nothing of those jobs, and every replica answers each job with the
+    survivor's result."""
     if REDIS_SKIP:
         pytest.skip(REDIS_SKIP)
     cut_uids, survivor_uids = uid_block()
@@ -533,7 +536,12 @@ async def test_a_replica_cut_off_from_redis_is_taken_over_and_drops_what_it_held
         async with RolloutClient(cut.url, token=token) as client:
             request = JobRequest(task="long_shell", instance={"goal": "[script:stuck]", "check": "true"}, max_turns=3)
             ids = [(await client.submit(request)).job_id for _ in range(EPISODES)]
-            await until(lambda: _sleeping(cut_uids, EPISODES), what="every episode's tool call running at the replica")
+            # Decoupled prompts besides the jobs: each must reach the buffer exactly once.
+            prompt_ids = [f"prompt-{i}" for i in range(PROMPTS)]
+            await client.enqueue_prompts([request.model_copy(update={"job_id": i}) for i in prompt_ids])
+            await until(
+                lambda: _sleeping(cut_uids, EPISODES + PROMPTS), what="every episode's tool call running at the replica"
+            )
             assert {(await client.job(i)).replica for i in ids} == {cut_id}
 
         # The survivor starts once the other holds every job: it takes them only by taking that replica over.
@@ -551,16 +559,23 @@ async def test_a_replica_cut_off_from_redis_is_taken_over_and_drops_what_it_held
         async with RolloutClient(survivor.url) as client:
             both = {cut_id, survivor_id}
             await until(lambda: _alive_replicas(client, both), what="both replicas beating")
+            # ...and the one to be cut off told of the other by a beat: its lease is the short one (replica.py).
+            await until(lambda: _told_of_others(client, cut_id), what="the replica told of the other")
 
             link.cut()
             cut_at = time.monotonic()
             taken_over_at: float | None = None
+            fenced_at: float | None = None
+            running_at_takeover: int | None = None
             finished: dict[str, float] = {}
 
             async def all_finished() -> bool:
-                nonlocal taken_over_at
+                nonlocal taken_over_at, fenced_at, running_at_takeover
+                if fenced_at is None and processes_of(cut_uids, SLEEP_ARGV) == 0:
+                    fenced_at = round(time.monotonic() - cut_at, 1)
                 if taken_over_at is None and cut_id not in {r.id for r in (await client.status()).replicas}:
                     taken_over_at = round(time.monotonic() - cut_at, 1)  # forgotten once taken over
+                    running_at_takeover = processes_of(cut_uids, SLEEP_ARGV)
                 for job_id in ids:
                     if (await client.job(job_id)).state.finished:
                         finished.setdefault(job_id, round(time.monotonic() - cut_at, 1))
@@ -570,11 +585,27 @@ async def test_a_replica_cut_off_from_redis_is_taken_over_and_drops_what_it_held
             still_running = processes_of(cut_uids, SLEEP_ARGV)
             figures.update(
                 {
+                    "seconds from the cut to the cut-off replica's tool calls ended by its fence": fenced_at,
                     "seconds from the cut to the takeover": taken_over_at,
+                    "tool calls the cut-off replica still ran when it was taken over": running_at_takeover,
                     "seconds from the cut to each job done at the survivor": sorted(finished.values()),
                     "tool calls the cut-off replica still ran when the survivor had finished every job": still_running,
                 }
             )
+            # Fenced before the takeover: no job's tool call ran at both replicas at once.
+            assert running_at_takeover == 0 and still_running == 0, figures
+            # The prompts ran at the survivor, and reached the buffer once each.
+            delivered: list[Trajectory] = []
+
+            async def all_delivered() -> bool:
+                batch = (await client.take_batch(PROMPTS, timeout=1)).items
+                delivered.extend(item.trajectory for item in batch)
+                await client.ack([item.id for item in batch])
+                return len(delivered) >= PROMPTS
+
+            await until(all_delivered, what="every prompt's trajectory in the buffer")
+            assert sorted(t.job_id for t in delivered) == prompt_ids
+            assert all(t.error is None and t.reward == 1.0 and t.num_turns == 2 for t in delivered)
             statuses = [await client.job(job_id) for job_id in ids]
             results = [await client.result(job_id, wait=30) for job_id in ids]
             assert [(s.state, s.replica) for s in statuses] == [(JobState.done, survivor_id)] * EPISODES
@@ -585,22 +616,22 @@ async def test_a_replica_cut_off_from_redis_is_taken_over_and_drops_what_it_held
             link.restore()
             restored_at = time.monotonic()
 
-            # Back in touch, the cut-off replica learns at its next beat that it was taken over and drops what it
-            # held: its episodes end, their sandboxes go, and it writes nothing of those jobs.
+            # Back in touch, the cut-off replica learns at its next beat that it was taken over, and acts again:
+            # it runs nothing of those jobs, and writes nothing of them.
             async with RolloutClient(cut.url, token=token) as cut_client:
-
-                async def dropped() -> bool:
-                    with contextlib.suppress(httpx.TransportError, TimeoutError):
-                        active = (await asyncio.wait_for(cut_client.status(), 10)).active
-                        return not any(active.values()) and processes_of(cut_uids) == 0
-                    return False
-
-                # A bound of a minute for what the docs promise at the next beat (every second, as deployed).
-                await until(dropped, timeout=60, what="the cut-off replica dropped what it held")
-                figures["seconds from the restore to the cut-off replica dropping its episodes"] = round(
+                await until(lambda: _alive_replicas(client, both), what="the cut-off replica beating again")
+                figures["seconds from the restore to the cut-off replica beating again"] = round(
                     time.monotonic() - restored_at, 1
                 )
-                await until(lambda: _alive_replicas(client, both), what="the cut-off replica beating again")
+                # Its figures travel with its beats: the fence shows from a beat sent after it.
+                await until(lambda: _fences(cut_client, cut_id), what="the fence in the cut-off replica's figures")
+                cut_status = await cut_client.status()
+                assert not any(cut_status.active.values()) and processes_of(cut_uids) == 0
+                [fences] = [r.figures["fences"] for r in cut_status.replicas if r.id == cut_id]
+                assert fences == 1, cut_status.replicas
+                # Nothing of the prompts came from the cut-off replica once back: each is in the buffer once.
+                buffer = await client.buffer()
+                assert (buffer.ready, buffer.pending, buffer.acked) == (0, 0, PROMPTS), buffer
                 for reader in (client, cut_client):  # every replica answers the same: the survivor's results
                     assert [(s.state, s.replica) for s in [await reader.job(i) for i in ids]] == [
                         (JobState.done, survivor_id)
@@ -608,8 +639,8 @@ async def test_a_replica_cut_off_from_redis_is_taken_over_and_drops_what_it_held
                     again = [await reader.result(job_id, wait=30) for job_id in ids]
                     assert [r.model_dump() for r in again] == [r.model_dump() for r in results]
             # The policy was asked the first turn of each job at the cut-off replica, and both turns at the survivor.
-            assert (await llm_stats(cut_llm.url))["answered"] == EPISODES
-            assert (await llm_stats(survivor_llm.url))["answered"] == 2 * EPISODES
+            assert (await llm_stats(cut_llm.url))["answered"] == EPISODES + PROMPTS
+            assert (await llm_stats(survivor_llm.url))["answered"] == 2 * (EPISODES + PROMPTS)
     finally:
         if link.cut_now:
             link.restore()

@@ -54,12 +54,13 @@ async def client(rollout):
         await client.resume_generation()  # a failed test must not leave the shared vLLM paused
 
 
-async def until_mid_turn(clients: list[RolloutClient], vllm_url: str, unless: asyncio.Future | None = None) -> None:
+async def until_mid_turn(clients: list[RolloutClient], vllm_url: str, unless: asyncio.Future) -> None:
     """Until a turn of the service (one of its replicas) is mid-generation at vLLM: a request is in flight, and a
     probe of PROBE_TOKENS tokens sent after it has been answered (vLLM schedules the earlier request no later, so
-    it has sampled at least as many). vLLM's own counters are no signal here: on two cores its front end answers
-    them seconds late while it generates."""
-    while not (unless and unless.done()):
+    it has sampled at least as many), or until `unless` is done (the work ended before it was seen in flight: a
+    turn the random model ended at once can start and end between two polls). vLLM's own counters are no signal
+    here: on two cores its front end answers them seconds late while it generates."""
+    while not unless.done():
         if sum([(await c.weight_update_state()).in_flight for c in clients]) > 0:
             break
         await asyncio.sleep(0.02)  # polled: the service's count of its requests in flight
@@ -78,9 +79,14 @@ async def caught_mid_turn(
     before it (the random model sampled its end token early) tests nothing: another is run, up to 5 in all."""
     for _ in range(5):
         client, job_id = await submit()
-        await until_mid_turn(clients, vllm_url)
-        await update()
-        trajectory = await client.result(job_id, wait=300)
+        result = asyncio.ensure_future(client.result(job_id, wait=300))
+        try:
+            await until_mid_turn(clients, vllm_url, unless=result)
+            if not result.done():
+                await update()
+            trajectory = await result
+        finally:
+            result.cancel()
         assert trajectory.error is None
         if trajectory.turns[0].resumptions:
             return trajectory

@@ -183,7 +183,7 @@ class SimJob:
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
     def status(self) -> JobStatus:
-        return JobStatus(job_id=self.id, task=self.request.task, state=self.state, submitted_at=0.0)
+        return JobStatus(job_id=self.id, task=self.request.task, state=self.state, submitted_at=0.0, timings={})
 
 
 class SimulatedRunner:
@@ -240,6 +240,11 @@ class SimulatedRunner:
             error = JobError(error_class="cancelled", message="cancelled by request")
             self.end(job, sim_trajectory(job, self.policy_version, self.policy_version, error), JobState.cancelled)
         return job
+
+    def forget(self, job_id: str) -> None:
+        job = self.jobs.get(job_id)
+        if job is not None and job.state.finished:
+            del self.jobs[job_id]
 
     async def wait(self, job_id: str, timeout: float) -> SimJob:
         job = self.jobs[job_id]

@@ -173,6 +173,38 @@ async def test_a_buffer_outage_pauses_production_and_loses_nothing():
         await producer.stop()
 
 
+async def test_a_fenced_producer_stops_its_episodes_delivers_nothing_and_runs_them_anew_when_not_taken_over():
+    """The replica's fence (replica.py) at the producer: the episodes still running stop, a trajectory already
+    made waits undelivered, nothing is admitted; unfenced (not taken over), the trajectory is delivered and the
+    stopped prompts run again, anew, each delivered once."""
+    producer, episodes, buffer = rig()
+    try:
+        await producer.enqueue(prompts(3))
+        await until(lambda: len(episodes.running()) == 3)
+        done, *stopped = sorted(episodes.running(), key=lambda job: job.id)
+        buffer.down = True  # the trajectory made before the fence is not delivered yet...
+        episodes.finish(done)
+        await until(lambda: producer.stats.degraded is not None)
+        producer.fence()
+        buffer.down = False  # ...and waits while the fence holds
+        await until(lambda: not {job.id for job in stopped} & episodes.jobs.keys())  # stopped and forgotten
+        assert [job.state for job in stopped] == [JobState.cancelled] * 2
+        await producer.enqueue(prompts(1, start=3))
+        await until(lambda: producer.stats.held_back_reason is not None)
+        assert "fenced" in producer.stats.held_back_reason and producer.stats.produced == 0
+
+        producer.unfence()
+        await until(lambda: len(episodes.running()) == 3)  # the two stopped again, and the one held back
+        assert not {id(job) for job in episodes.running()} & {id(job) for job in stopped}
+        for job in episodes.running():
+            episodes.finish(job)
+        await until(lambda: producer.stats.produced == 4)
+        batch = await producer.take_batch(10, timeout=0)
+        assert sorted(taken.trajectory.job_id for taken in batch) == ["p0", "p1", "p2", "p3"]
+    finally:
+        await producer.stop()
+
+
 async def test_entries_too_stale_to_weigh_are_removed_at_take_time_even_when_not_the_newest():
     producer, episodes, _ = rig(staleness={"mode": "drop", "max_staleness": 1})
     try:

@@ -21,6 +21,7 @@ from .circuit_breaker import BreakerConfig
 from .decoupled import ProducerConfig
 from .llm import OUTAGE_WAIT_S
 from .pipeline import PipelineConfig
+from .replica import BEAT_INTERVAL_S
 from .sandboxes import WAIT_FOR_RUNTIME_S
 from .warm_sandboxes import WarmConfig
 
@@ -68,7 +69,7 @@ class RolloutConfig:
     # Replicas (a shared Redis in buffer_url): where the others and operators reach this one, how often it beats,
     # and how long a finished job's result stays readable.
     advertise_url: str | None = None  # None: http://HOST:PORT
-    heartbeat_s: float = 1.0
+    heartbeat_s: float = BEAT_INTERVAL_S
     result_ttl_s: float = 86_400.0
     # Every finished trajectory kept as Parquet shards under this directory (records.py); None: not kept.
     record_dir: Path | None = None

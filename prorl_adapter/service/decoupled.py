@@ -139,11 +139,14 @@ class Producer:
         self._leases: dict[str, Lease] = {}
         self._wakeup = asyncio.Event()
         self._delivery = asyncio.Event()
+        self._acting = asyncio.Event()  # clear while the replica is fenced: nothing is delivered (`fence`)
+        self._acting.set()
         self._lease_change = asyncio.Event()
         self._changed = asyncio.Event()  # set by `wake` and replaced: every deadline take waiting on it wakes
         self._deadline_take = asyncio.Lock()  # a deadline take's check and its take are one step
         self._tasks: list[asyncio.Task[None]] = []
         self._retries: set[asyncio.Task[None]] = set()
+        self._stopping: set[asyncio.Task[None]] = set()  # episodes a fence is stopping
         self.stats = ProducerStats()
         self._dead: deque[str] = deque(maxlen=100)
         self.coordination.on_admission_news(self.wake)
@@ -160,7 +163,7 @@ class Producer:
             self._tasks.append(asyncio.create_task(loop()))
 
     async def stop(self) -> None:
-        tasks = [*self._tasks, *self._retries]
+        tasks = [*self._tasks, *self._retries, *self._stopping]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -232,7 +235,9 @@ class Producer:
 
     async def _resubmit_running(self) -> None:
         """Prompts recorded as running that no episode here is running (an earlier incarnation admitted them,
-        or a reply was lost) run again: admission was granted. Those in flight here are left alone."""
+        or a reply was lost, or a fence stopped them) run again: admission was granted. Those in flight here are
+        left alone; those a fence is still stopping are waited for (submitted now, they would be the ending run)."""
+        await asyncio.gather(*self._stopping, return_exceptions=True)
         for request in await self.prompts.recover():
             await self._submit(request)
 
@@ -245,6 +250,34 @@ class Producer:
                 task = asyncio.ensure_future(self.runner.cancel(job_id))
                 self._retries.add(task)
                 task.add_done_callback(self._retries.discard)
+        self.wake()
+
+    def fence(self) -> None:
+        """This replica cannot beat and may be taken over at any moment: the episodes of its prompts that still
+        run stop, and nothing is delivered until `unfence`. A trajectory already made waits, delivered if its
+        prompt is still this replica's then."""
+        self._acting.clear()
+        for job_id in list(self._in_flight):
+            job = self.runner.job(job_id)
+            if job is not None and not job.state.finished:
+                self._in_flight.discard(job_id)
+                task = asyncio.ensure_future(self._stop(job_id))
+                self._stopping.add(task)
+                task.add_done_callback(self._stopping.discard)
+
+    async def _stop(self, job_id: str) -> None:
+        """Cancel an episode the fence stopped, and forget its run: if its prompt runs here again, it runs anew."""
+        await self.runner.cancel(job_id)
+        self.runner.forget(job_id)
+
+    def unfence(self) -> None:
+        """The replica beats again (told first, by `disown_all`, if it was taken over): deliveries go on, and the
+        prompts still recorded as running here that it stopped run again."""
+        self._acting.set()
+        again = self._retrying("running again the prompts a fence stopped", self._resubmit_running)
+        task = asyncio.ensure_future(again)
+        self._retries.add(task)
+        task.add_done_callback(self._retries.discard)
         self.wake()
 
     async def take_over(self, replica_id: str) -> int:
@@ -305,7 +338,9 @@ class Producer:
         running = await self.prompts.running_versions()  # every replica's
         held = None
         # What runs now lands in the buffer soon: it counts against the bound too.
-        if sum(buffered.values()) + sum(running.values()) >= self.config.max_buffered:
+        if not self._acting.is_set():
+            held = "this replica could not beat and is fenced until it learns whether it was taken over"
+        elif sum(buffered.values()) + sum(running.values()) >= self.config.max_buffered:
             held = f"the buffer holds or is about to hold max_buffered={self.config.max_buffered} entries"
         elif len(self._finished) >= self.config.max_undelivered:
             held = f"{len(self._finished)} finished trajectories wait for the buffer"
@@ -345,6 +380,7 @@ class Producer:
                 await self._retrying("putting a trajectory into the buffer", self._deliver_first)
 
     async def _deliver_first(self) -> None:
+        await self._acting.wait()
         job = self._finished[0]
         if job.id not in self._in_flight:  # disowned while it waited (this replica was taken for dead)
             self._finished.popleft()

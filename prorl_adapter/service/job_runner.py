@@ -82,6 +82,11 @@ class JobRunner(Protocol):
         """Stop the job (its sandbox released); a finished job is left as it is."""
         ...
 
+    def forget(self, job_id: str) -> None:
+        """Forget a finished job: submitted again, its id runs anew (a replica runs again the jobs its fence
+        stopped) instead of answering with the ended run."""
+        ...
+
     async def wait(self, job_id: str, timeout: float) -> RunnerJob:
         """The job once finished, or as it is after `timeout` seconds."""
         ...

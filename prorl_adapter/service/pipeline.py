@@ -310,6 +310,11 @@ class RolloutPipeline:
             await self._finish(job, JobState.cancelled, error)
         return job
 
+    def forget(self, job_id: str) -> None:
+        job = self.jobs.get(job_id)
+        if job is not None and job.state.finished:
+            del self.jobs[job_id]
+
     async def wait(self, job_id: str, timeout: float) -> Job:
         job = self.jobs[job_id]
         with contextlib.suppress(asyncio.TimeoutError):

@@ -141,12 +141,16 @@ class Conflict(ApiError, ValueError):
 
 # -- handlers -------------------------------------------------------------------------------------------
 async def healthz(request: web.Request) -> web.Response:
-    """200 while the service serves jobs; `degraded` says what does not work now (the buffer, the LLM servers)
-    and why."""
+    """200 while the service serves jobs; `degraded` says what does not work now (the buffer, the LLM servers,
+    the replica's fence) and why."""
     producer = request.app.get(PRODUCER)
     degraded = producer.stats.degraded if producer is not None else None
     llm = request.app.get(LLM)
     degraded = with_outage(degraded, llm.outage() if llm is not None else None)
+    replica = request.app.get(REPLICA)
+    if replica is not None and replica.fenced:
+        said = "fenced: this replica's beats do not reach Redis; it runs nothing until one does"
+        degraded = said if degraded is None else f"{degraded}; {said}"
     return json_response(ServiceHealth(ok=True, version=__version__, degraded=degraded))
 
 

@@ -36,14 +36,14 @@ async def coordination(kind, prefix, request) -> AsyncIterator[Coordination]:
 
 
 async def test_a_replica_alone_is_listed_alive_and_nobody_is_dead(coordination):
-    assert await coordination.beat("http://r0", {"running": 3}, interval_s=10) is False
+    assert (await coordination.beat("http://r0", {"running": 3}, interval_s=10)).taken is False
     now, [me] = await coordination.replicas()
     assert (me.id, me.url, me.figures, me.interval_s) == ("r0", "http://r0", {"running": 3}, 10)
     assert me.alive(now)
     assert await coordination.claim_dead(hold_s=60) == []  # never the caller itself
     await coordination.release_claim("nobody")
     await coordination.forget_replica("nobody")
-    assert await coordination.beat("http://r0", {}, interval_s=10) is False
+    assert (await coordination.beat("http://r0", {}, interval_s=10)).taken is False
     assert [r.id for r in (await coordination.replicas())[1]] == ["r0"]
 
 

@@ -36,6 +36,18 @@ from server_kit.errors import ProrlError
 
 # A replica or runtime that missed this many heartbeats in a row is taken for dead.
 MISSED_BEATS = 3
+# A replica that saw no other alive at its last beat is taken for dead only after this many, and only by a replica
+# it could not have seen (one that started since): alone, it fences itself later (replica.py).
+ALONE_MISSED_BEATS = 30
+
+
+@dataclass(frozen=True)
+class BeatReply:
+    """What a heartbeat learns: whether another replica took this one over since its last beat (what it holds is
+    no longer its own), and how many others were alive when it was recorded."""
+
+    taken: bool
+    others_alive: int
 
 
 @dataclass
@@ -120,10 +132,10 @@ class Coordination(abc.ABC):
 
     # -- replicas ---------------------------------------------------------------------------------------
     @abc.abstractmethod
-    async def beat(self, url: str | None, figures: dict, interval_s: float) -> bool:
-        """This replica is alive (for three more intervals), reached at `url`, with these figures. Returns True
-        when another replica took it over since its last beat (it was taken for dead): what it holds is no
-        longer its own."""
+    async def beat(self, url: str | None, figures: dict, interval_s: float) -> BeatReply:
+        """This replica is alive (for MISSED_BEATS more intervals), reached at `url`, with these figures. Tells
+        whether another replica took it over since its last beat (it was taken for dead), and how many others
+        are alive now (those that could take it over should it fall silent: `claim_dead`)."""
 
     @abc.abstractmethod
     async def replicas(self) -> tuple[float, list[ReplicaRecord]]:
@@ -135,7 +147,9 @@ class Coordination(abc.ABC):
         their work. The claim holds for `hold_s` (as long as a takeover may take); once it passes, or is
         released, the dead replica is handed out again. Never the caller itself: a replica takes back its own
         earlier incarnation's work when it starts. A caller that was cut off itself (its own beats lapsed)
-        claims nobody until it beats again."""
+        claims nobody until it beats again. A replica is dead after MISSED_BEATS missed beats if the caller was
+        alive at its last beat (that beat told it of the caller: it fences itself in time), else only after
+        ALONE_MISSED_BEATS."""
 
     async def release_claim(self, replica_id: str) -> None:
         """A takeover of `replica_id` failed: give the claim up, so that it is handed out again at once."""
@@ -265,9 +279,9 @@ class MemoryCoordination(Coordination):
         self._runtimes: dict[str, RuntimeRecord] = {}
         self._lock = asyncio.Lock()
 
-    async def beat(self, url: str | None, figures: dict, interval_s: float) -> bool:
+    async def beat(self, url: str | None, figures: dict, interval_s: float) -> BeatReply:
         self._me = ReplicaRecord(self.replica_id, url, figures, self._clock(), interval_s)
-        return False
+        return BeatReply(taken=False, others_alive=0)
 
     async def replicas(self) -> tuple[float, list[ReplicaRecord]]:
         return self._clock(), [self._me]

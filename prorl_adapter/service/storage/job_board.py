@@ -52,6 +52,15 @@ class JobBoard(abc.ABC):
         """This replica was taken for dead: drop the jobs it held (they run elsewhere now)."""
         return None
 
+    def fence(self) -> None:
+        """This replica cannot beat and may be taken over: stop running its jobs, and write nothing, until
+        `unfence` (a board with no other replicas has nothing to fence)."""
+        return None
+
+    def unfence(self) -> None:
+        """This replica beats again (told first, by `disown_all`, if it was taken over): act again."""
+        return None
+
     async def start(self) -> None:
         return None
 

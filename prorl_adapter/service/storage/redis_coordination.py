@@ -31,7 +31,16 @@ from collections.abc import AsyncIterator, Callable
 
 from sandbox_runtime.models import RuntimeHeartbeat
 
-from .coordination import MISSED_BEATS, AdmissionFence, BarrierNews, Coordination, ReplicaRecord, RuntimeRecord
+from .coordination import (
+    ALONE_MISSED_BEATS,
+    MISSED_BEATS,
+    AdmissionFence,
+    BarrierNews,
+    BeatReply,
+    Coordination,
+    ReplicaRecord,
+    RuntimeRecord,
+)
 from .redis_connection import RedisConnection, keeping_cancellation, redis_errors
 
 log = logging.getLogger(__name__)
@@ -42,28 +51,44 @@ _BEAT = (
     _NOW
     + """
 -- KEYS: replicas hash; ARGV: id, JSON {url, figures, interval_s}, whether this process has beaten before (1/0),
--- this beat's own id. Returns 1 when another replica took this one over since its last beat (its work is no longer
--- its own), else 0. Said again to the same beat run twice (its reply lost, redis-py sent it again): the news is
--- told once, and a lost reply must not lose it.
+-- this beat's own id, missed beats. Returns {taken, others}: taken is 1 when another replica took this one over
+-- since its last beat (its work is no longer its own), else 0. Said again to the same beat run twice (its reply
+-- lost, redis-py sent it again): the news is told once, and a lost reply must not lose it. others: the replicas
+-- alive now besides this one.
 -- `since` keeps the time of the beat before: a replica just back from a gap of its own (a partition, Redis
--- away) must not judge the others, who could not beat either, until it has beaten twice in a row.
+-- away) must not judge the others, who could not beat either, until it has beaten twice in a row. `born`: when
+-- its record was made (the claim weighs it).
 local previous = redis.call('HGET', KEYS[1], ARGV[1])
 local taken = 0
 local last = now
+local born = now
 if previous then
   local old = cjson.decode(previous)
   if old['taken_by'] and old['taken_by'] ~= ARGV[1] then taken = 1 end
   if old['taken_told'] == ARGV[4] then taken = 1 end  -- this very beat again
   last = old['seen_at']
+  born = old['born'] or old['seen_at']
 elseif ARGV[3] == '1' then
   taken = 1  -- forgotten: taken over and done with
 end
 local record = cjson.decode(ARGV[2])
-if taken == 1 then record['taken_told'] = ARGV[4] end
+if taken == 1 then
+  record['taken_told'] = ARGV[4]
+  born = now  -- a new life: the replicas alive now are what this one is told of
+end
 record['seen_at'] = now
 record['since'] = last
+record['born'] = born
 redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(record))
-return taken
+local others = 0
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  local other = cjson.decode(all[i + 1])
+  if all[i] ~= ARGV[1] and now - other['seen_at'] <= tonumber(ARGV[5]) * other['interval_s'] then
+    others = others + 1
+  end
+end
+return {taken, others}
 """
 )
 
@@ -90,19 +115,24 @@ return out
 _CLAIM_DEAD = (
     _NOW
     + """
--- KEYS: replicas hash; ARGV: this replica's id, missed beats, how long a claim holds (s). Each lapsed replica
--- that nobody holds a claim on is claimed by this one until now + that hold (the takeover's own bound: a
--- takeover still under way must not be handed out again); its id is returned to this caller only. A caller
--- whose own last two beats were further apart than the missed beats (it was cut off itself) claims nobody.
+-- KEYS: replicas hash; ARGV: this replica's id, missed beats, how long a claim holds (s), missed beats of one
+-- alone. Each lapsed replica that nobody holds a claim on is claimed by this one until now + that hold (the
+-- takeover's own bound: a takeover still under way must not be handed out again); its id is returned to this
+-- caller only. A caller whose own last two beats were further apart than the missed beats (it was cut off
+-- itself) claims nobody. A replica lapses after the missed beats if this caller was there at its last beat (it
+-- was told of the caller, and fences itself in time), else after the missed beats of one alone.
 local out = {}
 local mine = redis.call('HGET', KEYS[1], ARGV[1])
 if not mine then return out end
 mine = cjson.decode(mine)
 if not mine['since'] or mine['seen_at'] - mine['since'] > tonumber(ARGV[2]) * mine['interval_s'] then return out end
+local mine_born = mine['born'] or mine['seen_at']
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all, 2 do
   local record = cjson.decode(all[i + 1])
-  local lapsed = now - record['seen_at'] > tonumber(ARGV[2]) * record['interval_s']
+  local beats = tonumber(ARGV[2])
+  if mine_born >= record['seen_at'] then beats = tonumber(ARGV[4]) end
+  local lapsed = now - record['seen_at'] > beats * record['interval_s']
   local held = record['claimed_until'] and now <= record['claimed_until']
   if all[i] ~= ARGV[1] and lapsed and not held then
     record['claimed_until'] = now + tonumber(ARGV[3])
@@ -236,13 +266,13 @@ class RedisCoordination(Coordination):
         return self._connection.errors(what)
 
     # -- replicas ---------------------------------------------------------------------------------------
-    async def beat(self, url: str | None, figures: dict, interval_s: float) -> bool:
+    async def beat(self, url: str | None, figures: dict, interval_s: float) -> BeatReply:
         record = json.dumps({"url": url, "figures": figures, "interval_s": interval_s})
         with self.errors(f"a heartbeat in {self._replicas_key}"):
-            args = [self.replica_id, record, "1" if self._beaten else "0", uuid.uuid4().hex]
-            taken = await self._beat(keys=[self._replicas_key], args=args)
+            args = [self.replica_id, record, "1" if self._beaten else "0", uuid.uuid4().hex, MISSED_BEATS]
+            taken, others = await self._beat(keys=[self._replicas_key], args=args)
         self._beaten = True
-        return bool(taken)
+        return BeatReply(taken=bool(taken), others_alive=int(others))
 
     async def replicas(self) -> tuple[float, list[ReplicaRecord]]:
         now, rows = await self._read_records(self._replicas_key, prune_after=0)
@@ -253,7 +283,7 @@ class RedisCoordination(Coordination):
 
     async def claim_dead(self, hold_s: float) -> list[str]:
         with self.errors(f"looking for dead replicas in {self._replicas_key}"):
-            args = [self.replica_id, MISSED_BEATS, hold_s]
+            args = [self.replica_id, MISSED_BEATS, hold_s, ALONE_MISSED_BEATS]
             return list(await self._claim_dead(keys=[self._replicas_key], args=args))
 
     async def release_claim(self, replica_id: str) -> None:

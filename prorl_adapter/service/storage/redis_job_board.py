@@ -18,7 +18,9 @@ A cancel for a job another replica runs goes out on the channel too (`cancel:{id
 cancelled where it lies. `take_over(replica)` moves a dead replica's list back to the head of the queue.
 
 Writes of a replica go through one writer task, in order, retried while Redis is away: a status never
-overwrites a later one, and a finished job's result is never lost by an outage (it waits in memory).
+overwrites a later one, and a finished job's result is never lost by an outage (it waits in memory). Both are
+written only while the job is still in the replica's list: a replica taken over writes nothing over its
+successor's records. While the replica is fenced (it could not beat, `Replica`) it neither takes nor writes.
 """
 
 from __future__ import annotations
@@ -79,6 +81,16 @@ redis.call('PUBLISH', ARGV[5], 'finished:' .. ARGV[1])
 return 1
 """
 
+_WRITE_STATUSES = """
+-- KEYS: this replica's claimed list, then each job's hash; ARGV: each job's id and status JSON, in turn. A status
+-- is written only while the job is still in the list: one taken over meanwhile belongs to its new runner, whose
+-- record a late write from here must not overwrite.
+for i = 2, #KEYS do
+  if redis.call('LPOS', KEYS[1], ARGV[2 * i - 3]) then redis.call('HSET', KEYS[i], 'status', ARGV[2 * i - 2]) end
+end
+return 0
+"""
+
 _REQUEUE_ALL = """
 -- KEYS: a dead replica's claimed list, the queue. Moves every id to the head of the queue, in its order.
 local moved = 0
@@ -116,6 +128,7 @@ class RedisJobBoard(JobBoard):
         self._finish = redis.register_script(_FINISH)
         self._cancel_queued = redis.register_script(_CANCEL_QUEUED)
         self._requeue_all = redis.register_script(_REQUEUE_ALL)
+        self._write_statuses = redis.register_script(_WRITE_STATUSES)
         # Moves go through a connection that never retries: a BLMOVE whose reply was lost and that ran again would
         # move a second id, and the first would sit in this replica's list unknown to it (`_reconcile` finds it).
         self._mover = RedisConnection(coordination.url, retries=0)
@@ -125,6 +138,12 @@ class RedisJobBoard(JobBoard):
         self._writes: dict[str, JobStatus] = {}  # statuses to write, latest only
         self._finished: list[RunnerJob] = []  # finished jobs to record, in order
         self._write_wanted = asyncio.Event()
+        # Clear while the replica is fenced (`fence`): it neither takes jobs nor writes until it knows whether it
+        # was taken over.
+        self._acting = asyncio.Event()
+        self._acting.set()
+        self._reconcile_soon = False
+        self._stopping: set[asyncio.Task[None]] = set()  # jobs a fence is stopping
         self._tasks: list[asyncio.Task[None]] = []
 
     def _key(self, job_id: str) -> str:
@@ -156,10 +175,38 @@ class RedisJobBoard(JobBoard):
                 self._in_background(self.runner.cancel(job_id))
         self._room.set()
 
-    def _in_background(self, work) -> None:
+    def fence(self) -> None:
+        """This replica cannot beat and may be taken over at any moment: the jobs it runs stop (their sandboxes
+        go) and are written nothing of, and it takes and writes nothing until `unfence`. A result already made
+        stays, to be written if its job is still this replica's then."""
+        self._acting.clear()
+        for job_id in list(self._mine):
+            job = self.runner.job(job_id)
+            if job is not None and not job.state.finished:
+                self._mine.discard(job_id)
+                self._writes.pop(job_id, None)
+                self._in_background(self._stop(job_id), self._stopping)
+        self._room.set()
+
+    async def _stop(self, job_id: str) -> None:
+        """Cancel a job the fence stopped, and forget its run: if this replica runs it again, it runs anew."""
+        await self.runner.cancel(job_id)
+        self.runner.forget(job_id)
+
+    def unfence(self) -> None:
+        """The replica beats again: taken over (`disown_all` came first) or not, it takes and writes again; the
+        jobs its list still holds that it stopped run here again (`_reconcile`)."""
+        self._acting.set()
+        self._reconcile_soon = True
+        self._room.set()
+
+    def _in_background(self, work, also: set[asyncio.Task[None]] | None = None) -> None:
         task = asyncio.ensure_future(work)
         self._tasks.append(task)
         task.add_done_callback(self._tasks.remove)
+        if also is not None:
+            also.add(task)
+            task.add_done_callback(also.discard)
 
     async def _requeue_own(self) -> None:
         moved = await self.take_over(self.replica)
@@ -229,11 +276,14 @@ class RedisJobBoard(JobBoard):
         raise UnknownJob(job_id)
 
     async def result(self, job_id: str, wait: float) -> Trajectory | JobStatus:
+        deadline = time.monotonic() + wait
         job = self._local(job_id)
         if job is not None and job_id in self._mine:
             job = await self.runner.wait(job_id, wait)
-            return job.result if job.result is not None else self._status(job)
-        deadline = time.monotonic() + wait
+            if job_id in self._mine or job.result is None:
+                return job.result if job.result is not None else self._status(job)
+            # Ended because this replica gave the job up (taken over, or fenced), or finished and written: the
+            # answer is the record's, written by whoever runs the job now.
         event = asyncio.Event()
         self._waiters.setdefault(job_id, set()).add(event)
         try:
@@ -301,8 +351,10 @@ class RedisJobBoard(JobBoard):
         reconciled = time.monotonic()
         while True:
             await self._room.wait()
+            await self._acting.wait()
             try:
-                if time.monotonic() - reconciled >= RECONCILE_S:
+                if self._reconcile_soon or time.monotonic() - reconciled >= RECONCILE_S:
+                    self._reconcile_soon = False
                     await self._reconcile()
                     reconciled = time.monotonic()
                 await self._claim_one()
@@ -334,7 +386,9 @@ class RedisJobBoard(JobBoard):
         self._run_here(JobRequest.model_validate_json(document), cancelled=cancel is not None)
 
     async def _reconcile(self) -> None:
-        """Ids in this replica's list that it does not know of (a move whose reply was lost): run them."""
+        """Ids in this replica's list that it does not know of (a move whose reply was lost, or a fence stopped
+        them): run them. Those a fence is still stopping are waited for (taken now, they would be the ending run)."""
+        await asyncio.gather(*self._stopping, return_exceptions=True)
         with self.coordination.errors(f"reading {self._claimed}"):
             listed = await self.coordination.redis.lrange(self._claimed, 0, -1)
         for job_id in listed:
@@ -391,6 +445,7 @@ class RedisJobBoard(JobBoard):
     async def _write_forever(self) -> None:
         while True:
             await self._write_wanted.wait()
+            await self._acting.wait()
             self._write_wanted.clear()
             await self._retrying("writing job records", self._write_all)
 
@@ -399,10 +454,8 @@ class RedisJobBoard(JobBoard):
         try:
             if statuses:
                 with self.coordination.errors("writing job states"):
-                    pipe = self.coordination.redis.pipeline(transaction=False)
-                    for job_id, status in statuses.items():
-                        pipe.hset(self._key(job_id), "status", status.model_dump_json())
-                    await pipe.execute()
+                    args = [part for job_id, status in statuses.items() for part in (job_id, status.model_dump_json())]
+                    await self._write_statuses(keys=[self._claimed, *map(self._key, statuses)], args=args)
         except ExperienceBufferError:
             for job_id, status in statuses.items():  # kept unless a later one came meanwhile
                 self._writes.setdefault(job_id, status)
