@@ -77,3 +77,4 @@ bench: system-packages $(VENV)/.installed llm test-images
 	$(PY) bench/bench_weight_update.py --out docs/benchmarks.md
 	$(PY) bench/bench_weight_update_training.py --out docs/benchmarks.md
 	$(PY) bench/bench_records.py --out docs/benchmarks.md
+	$(PY) bench/bench_backpressure.py --out docs/benchmarks.md

@@ -8,12 +8,16 @@ service is the real one; the LLM server, the sandbox runtime and the tokenizer a
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
 
 import pytest
 
+from prorl_adapter.models import AgentProgram
+from prorl_adapter.service.agent_program import ProgramFailed, run_program
 from prorl_adapter.service.llm import LLMPool
-from prorl_adapter.service.server import LLM, PRODUCER
+from prorl_adapter.service.server import LLM, PIPELINE, PRODUCER
+from sandbox_runtime.models import ExecResult
 from tests.fakes import Fail, Hang, Stack, bash_call, finish_call, on_virtual_time, rollout_stack, shell_job
 
 NONE_HEALTHY = "none of the 1 LLM servers is healthy"
@@ -150,3 +154,35 @@ async def test_outage_reruns_are_the_services_to_set():
         body = {"requests": [{"task": "shell", "outage_reruns": 1}]}
         response = await stack.http.post("/v1/prompts", json=body)
         assert response.status == 400 and "outage_reruns" in (await response.json())["error"]
+
+
+class OutageProgram:
+    """A stand-in sandbox whose `exec` plays an agent program that asks the gateway once, meets the outage (503,
+    after the service waited `--llm-outage-wait-s` for a server) and exits with an error, as a harness would."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack, self.statuses = stack, []
+
+    async def exec(self, command: str, timeout: float = 30.0, max_output_bytes: int | None = None) -> ExecResult:
+        key = re.search(r"OPENAI_API_KEY=(\S+?);", command).group(1)
+        reply = await self.stack.gateway.post(f"/gateway/{key}/v1/chat/completions", json=CHAT)
+        self.statuses.append(reply.status)
+        return ExecResult(output="error: 503", exit_code=1, status="completed", truncated=False, duration_s=1, cwd="/")
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@on_virtual_time
+async def test_an_agent_program_whose_call_met_an_outage_fails_as_the_outages_not_the_policys():
+    """Its exit says nothing of the policy: the run fails with `outage` set (decoupled mode runs it again, not
+    counted), as a built-in agent loop's turn does."""
+    async with rollout_stack(script=[finish_call()]) as stack:
+        await fleet_down(stack)
+        request = shell_job(agent=AgentProgram(command="my-harness"))
+        handler = stack.app[PIPELINE].tasks["shell"]
+        program = OutageProgram(stack)
+        with pytest.raises(ProgramFailed) as failed:
+            await run_program("job-1", request, handler, program, stack.app[PIPELINE].gateway, budget_s=1800)
+    assert program.statuses == [503]
+    assert failed.value.outage and "--llm-outage-wait-s" in str(failed.value)

@@ -5,7 +5,10 @@ episode's key in its environment (the sandbox reaches the gateway through a forw
 else). Its own tools run in the sandbox because it does. When it exits (or runs out of the job's time and is
 stopped) the key is refused, and the calls it made become the trajectory's segments and turns
 (token_history.py). A program that made no call produced nothing to train on: the run fails, with its exit
-code and the end of its output, so a harness that cannot start is seen at once.
+code and the end of its output, so a harness that cannot start is seen at once. A program whose call went
+unanswered for an LLM outage (every server down past `--llm-outage-wait-s`) ran without its policy: the run
+fails as the outage's (`JobError.outage`), as a built-in agent loop's turn would, and decoupled mode runs it again
+without counting it.
 """
 
 from __future__ import annotations
@@ -38,7 +41,11 @@ OUTPUT_ARTIFACT_CHARS = 8000
 
 
 class ProgramFailed(ProrlError):
-    """The program made no LLM call."""
+    """The program made no LLM call, or ran into an LLM outage (`outage`: not the policy's failure)."""
+
+    def __init__(self, message: str, outage: bool = False) -> None:
+        super().__init__(message)
+        self.outage = outage
 
 
 def program_command(command: str, env: dict[str, str]) -> str:
@@ -69,6 +76,8 @@ async def run_program(
         gateway.close(episode)
     elapsed = time.perf_counter() - started
     output = clip(result.output, OUTPUT_ARTIFACT_CHARS)
+    if episode.outage is not None:  # what it did without answers is no measure of the policy: the outage's
+        raise ProgramFailed(f"the agent program's LLM calls met an outage: {episode.outage}", outage=True)
     if not episode.log.calls:
         raise ProgramFailed(
             f"the agent program made no LLM call (status {result.status}, exit code {result.exit_code}): "

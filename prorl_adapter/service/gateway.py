@@ -121,6 +121,9 @@ class GatewayEpisode:
     # When the program's time is up (time.monotonic()): a call still sampling then is cut, so that no generation
     # outlives the run it belongs to (nothing else bounds one: llm.CONNECT_TIMEOUT_S).
     deadline: float | None = None
+    # Why a call of the episode went unanswered for an LLM outage (the first one): the program ran without its
+    # policy, so how it ended says nothing of the policy (agent_program.py fails the run as the outage's).
+    outage: str | None = None
 
     def base_url(self) -> str:
         """As the program sees it: the forwarded port on the sandbox's loopback."""
@@ -412,6 +415,8 @@ class Gateway:
         except TimeoutError as exc:
             raise GatewayError(504, "the episode's time is up (its job's time budget): the call was cut") from exc
         except LLMUnavailable as exc:
+            if exc.outage and episode.outage is None:
+                episode.outage = str(exc)
             raise GatewayError(503, f"no LLM server can answer now: {exc}") from exc
         except LLMRequestError as exc:
             raise GatewayError(400, f"the LLM server refused the request: {exc}", code=LLM_REFUSED) from exc

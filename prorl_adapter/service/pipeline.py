@@ -391,7 +391,7 @@ class RolloutPipeline:
                     job.request, job.handler, job.env, self.chat, self.llm, self.barrier, started=job.keep_partial
                 )
         except ProgramFailed as exc:
-            raise StageFailed("run", str(exc)) from exc
+            raise StageFailed("run", str(exc), outage=exc.outage) from exc
         except LLMUnavailable as exc:
             raise StageFailed("run", f"LLM: {exc}", outage=exc.outage) from exc
         except LLMRequestError as exc:
