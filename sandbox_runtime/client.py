@@ -8,7 +8,6 @@ async with SandboxClient("http://127.0.0.1:8765") as client:
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any, Literal, TypeVar
 
@@ -16,6 +15,7 @@ import aiohttp
 from pydantic import BaseModel
 
 from server_kit.errors import DownstreamError, ProrlError
+from server_kit.in_flight import CallEnded, InFlight
 
 from .models import (
     ArchiveWritten,
@@ -87,15 +87,14 @@ class SandboxClient:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0),
         )
         self._severed: str | None = None  # why the runtime is taken for gone (`sever`); None: it is not
-        self._calls: set[asyncio.Future[bytes]] = set()  # requests in flight, which `sever` ends
+        self._calls = InFlight()  # requests in flight, which `sever` ends
 
     def sever(self, reason: str) -> None:
         """Take the runtime for gone: every request in flight ends at once, and every new one at its start, with
         SandboxUnreachable saying `reason`. A runtime whose node vanished without a reset would otherwise keep
         its callers waiting until each request's own timeout (a command's, and more). `revive` undoes it."""
         self._severed = reason
-        for call in list(self._calls):
-            call.cancel()
+        self._calls.end_all(reason)
 
     def revive(self) -> None:
         self._severed = None
@@ -128,21 +127,12 @@ class SandboxClient:
             kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout)
         if self._severed is not None:
             raise SandboxUnreachable(self.base_url, RuntimeSevered(self._severed))
-        # A task of its own, so that `sever` can end it without cancelling the caller.
-        call = asyncio.ensure_future(self._send(method, path, kwargs))
-        self._calls.add(call)
         try:
-            status, content = await call
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if self._severed is not None and call.cancelled() and (current is None or not current.cancelling()):
-                raise SandboxUnreachable(self.base_url, RuntimeSevered(self._severed)) from None
-            call.cancel()  # the caller was cancelled: so is its request
-            raise
+            status, content = await self._calls.run(self._send(method, path, kwargs))
+        except CallEnded as exc:
+            raise SandboxUnreachable(self.base_url, RuntimeSevered(str(exc))) from None
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise SandboxUnreachable(self.base_url, exc) from exc
-        finally:
-            self._calls.discard(call)
         if status >= 400:
             try:
                 message = json.loads(content)["error"]

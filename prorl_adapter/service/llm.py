@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from server_kit.errors import DownstreamError, ProrlError
+from server_kit.in_flight import CallEnded, InFlight
 
 from ..models import LLMOutage, LLMServerInfo, SamplingParams
 from .llm_protocols import PROTOCOLS, MalformedAnswer, Protocol, Request, Sampled, UnsupportedRequest, split_url
@@ -131,7 +132,7 @@ class LLMServer:
     waiting_logged_at: float | None = None
     waiting_since: float | None = None
     unhealthy_since: float | None = None  # time.monotonic() when it last went unhealthy; None while healthy
-    calls: set[asyncio.Future[Sampled]] = field(default_factory=set)  # its requests in flight (`_end_calls_to`)
+    calls: InFlight = field(default_factory=InFlight)  # its requests in flight (`_end_calls_to`)
 
     @property
     def url(self) -> str:
@@ -363,8 +364,7 @@ class LLMPool:
             SILENT_SERVER_S,
             len(server.calls),
         )
-        for call in list(server.calls):
-            call.cancel()
+        server.calls.end_all(f"no answer while it failed its health checks for {SILENT_SERVER_S:g} s")
 
     async def _recheck(self) -> None:
         """A health round that every turn waiting for a server shares: one at a time, whoever asks, and not
@@ -544,21 +544,11 @@ class LLMPool:
         server.in_flight += 1
         started, monotonic = time.perf_counter(), time.monotonic()
         choice, error = None, None
-        # A task of its own, so that a server taken for gone can have it ended (`_end_calls_to`) without
-        # cancelling the episode that waits for it.
-        call = asyncio.ensure_future(self._exchange(server, path, body, streamed, progress))
-        server.calls.add(call)
         try:
-            try:
-                choice = await call
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if not call.cancelled() or (current is not None and current.cancelling()):
-                    call.cancel()  # the caller was cancelled: so is its request
-                    raise
-                raise _ServerError(f"no answer while it failed its health checks for {SILENT_SERVER_S:g} s") from None
-            finally:
-                server.calls.discard(call)
+            try:  # a server taken for gone has it ended (`_end_calls_to`), the episode waiting for it not
+                choice = await server.calls.run(self._exchange(server, path, body, streamed, progress))
+            except CallEnded as exc:
+                raise _ServerError(str(exc)) from None
         except (TimeoutError, aiohttp.ClientError) as exc:
             error = f"{type(exc).__name__}: {exc}"
             raise _ServerError(error, down=isinstance(exc, aiohttp.ClientConnectorError)) from exc
