@@ -103,7 +103,7 @@ def start_server(
 ) -> RunningRuntime:
     """A runtime as root runs it here (or as the tests' user); `pass_fds`: descriptors it inherits."""
     state_dir = reachable(state_dir)
-    args = ["--token", token] if token else []
+    args = [f"--token={token}"] if token else []  # one argument: a random token may begin with "-"
     service = localstack.start_sandbox_runtime(state_dir, backend, *args, *extra, port=port, pass_fds=pass_fds)
     return RunningRuntime(service, state_dir, backend, token)
 

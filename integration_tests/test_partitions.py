@@ -13,9 +13,11 @@ the scripted LLM stand-in (`scripted_llm.py`, the tiny model's tokenizer).
   left there meanwhile are deleted;
 - an LLM server cut off mid-turn (a scripted answer that takes ten minutes): after SILENT_SERVER_S of failed
   health checks the turn is ended and answered by the other server;
-- a replica of two (sharing one Redis) cut off from Redis, with its own runtime and LLM server beside it: the
-  other replica takes its jobs over and runs them; once the link is back, the cut-off one learns at its next beat
-  that it was taken over and drops what it held, and writes nothing of those jobs.
+- a replica of two (sharing one Redis) cut off from Redis, with its own runtime and LLM server beside it: it fences
+  itself (its episodes stop) before the other replica takes its jobs and prompts over and runs them; once the link
+  is back, the cut-off one learns at its next beat that it was taken over, and writes nothing of those jobs;
+- a lone replica cut off from Redis: nobody can take it over, it runs its episodes to their end during the cut,
+  and writes their results once the link is back.
 
 The figures are printed (`-s`) and recorded in docs/reliability.md ("Partitions").
 """
@@ -31,6 +33,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -57,6 +60,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(BACKEND_SKIPS["bwrap"]),
 LIVENESS_S = 180.0  # a bound on waiting for what must happen, never a measurement
 EPISODES = 3  # episodes cut off at once, in (a) and (c)
 PROMPTS = 2  # decoupled prompts cut off besides, in (c)
+LONE_TOOL_S = 12  # the tool call in (d): longer than the short lease (5 s), shorter than a lone replica's (59 s)
 SLEEP_ARGV = b"sleep\x00600\x00"  # their tool call, as its process's command line
 
 
@@ -128,7 +132,7 @@ def start_service(link: netns.Link, llm_urls: list[str], token: str, service_id:
     """The rollout service on the host's end of the link (registered runtimes in the namespace reach it there): a
     non-loopback address, so with an API token. Runtimes register with localstack's registration token."""
     argv = [sys.executable, "-m", "prorl_adapter", "serve", "--listen-fd", "{listen_fd}"]
-    argv += ["--tokenizer", str(localstack.TINY_MODEL), "--token", token, "--service-id", service_id]
+    argv += ["--tokenizer", str(localstack.TINY_MODEL), f"--token={token}", "--service-id", service_id]
     argv += [arg for url in llm_urls for arg in ("--llm-url", url)]
     argv += ["--plugin", __name__, "--log-level", "INFO"]
     return netns.start_bound(
@@ -243,7 +247,7 @@ async def test_a_runtime_cut_off_mid_tool_call_loses_no_episode(link, parts, tmp
     ns_token = secrets.token_urlsafe(24)
     sock = link.listening_socket()
     ns_url = f"http://{link.ns_address}:{sock.getsockname()[1]}"
-    argv = [*localstack.runtime_argv(reachable(tmp_path / "ns-state")), "--backend", "bwrap", "--token", ns_token]
+    argv = [*localstack.runtime_argv(reachable(tmp_path / "ns-state")), "--backend", "bwrap", f"--token={ns_token}"]
     argv += ["--register", service.url, "--advertise-url", ns_url]  # heartbeats every 2 s, the default
     argv += ["--sandbox-uids", uids_arg(ns_uids), "--max-sandboxes", "64", "--log-level", "INFO"]
     parts.add(
@@ -481,6 +485,60 @@ def start_redis(workdir: Path, link: netns.Link) -> localstack.Service:
         client.close()
 
 
+@dataclass
+class NamespacedReplica:
+    """A replica of the service in the link's namespace, with its own LLM server and runtime there: cut off from
+    Redis, it can still run what it holds."""
+
+    service: localstack.Service
+    llm: localstack.Service
+    runtime: localstack.Service
+    token: str
+    runtime_token: str
+
+    @property
+    def url(self) -> str:
+        return self.service.url
+
+
+def replica_in_namespace(
+    link: netns.Link, parts: Parts, tmp_path: Path, scripts: dict, uids: range, redis: localstack.Service, name: str
+) -> NamespacedReplica:
+    token, runtime_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    (tmp_path / f"{name}-llm").mkdir()
+    llm = parts.add(
+        netns.start_bound(
+            "scripted LLM in the namespace",
+            scripted_llm.command(scripts, tmp_path / f"{name}-llm"),
+            "/v1/models",
+            link.listening_socket(),
+            inside=link,
+        )
+    )
+    argv = [*localstack.runtime_argv(reachable(tmp_path / f"{name}-state")), "--backend", "bwrap"]
+    # `--flag=value`: a random token may begin with "-", which argparse would take for a flag.
+    argv += [f"--token={runtime_token}", "--sandbox-uids", uids_arg(uids), "--log-level", "WARNING"]
+    runtime = parts.add(
+        netns.start_bound("runtime in the namespace", argv, "/healthz", link.listening_socket(), inside=link)
+    )
+    redis_port = redis.url.rsplit(":", 1)[1].split("/")[0]
+    argv = [sys.executable, "-m", "prorl_adapter", "serve", "--listen-fd", "{listen_fd}"]
+    argv += ["--tokenizer", str(localstack.TINY_MODEL), f"--token={token}", "--service-id", name]
+    argv += ["--buffer", f"redis://{link.host_address}:{redis_port}/0", "--llm-url", llm.url]
+    argv += ["--sandbox-url", runtime.url, f"--sandbox-token={runtime_token}", "--plugin", __name__]
+    service = parts.add(
+        netns.start_bound(
+            "replica in the namespace",
+            [*argv, "--log-level", "INFO"],
+            "/healthz",
+            link.listening_socket(),
+            inside=link,
+            log=tmp_path / f"{name}.log",
+        )
+    )
+    return NamespacedReplica(service, llm, runtime, token, runtime_token)
+
+
 async def test_a_replica_cut_off_from_redis_is_taken_over_and_drops_what_it_held(link, parts, tmp_path):
     """Two replicas on one Redis; the one in the namespace, with its own runtime and LLM server there, holds every
     job (`sleep 600` at its runtime, an instant command at the other's). Cut: the cut-off replica fences itself
@@ -493,43 +551,15 @@ async def test_a_replica_cut_off_from_redis_is_taken_over_and_drops_what_it_held
     cut_uids, survivor_uids = uid_block()
     stuck = f"u=$(id -u); if [ $u -lt {cut_uids.stop} ]; then sleep 600; fi; echo ran as $u"
     scripts = {"stuck": [bash_call(stuck)]}
-    for name in ("redis", "cut-llm", "survivor-llm"):
+    for name in ("redis", "survivor-llm"):
         (tmp_path / name).mkdir()
     redis = parts.add(start_redis(tmp_path / "redis", link))
-    redis_port = redis.url.rsplit(":", 1)[1].split("/")[0]
 
     # The replica in the namespace, with its own LLM server and runtime there: cut off from Redis (and the other
     # replica), it can still run what it holds.
     cut_id, survivor_id = f"cut-{secrets.token_hex(3)}", f"survivor-{secrets.token_hex(3)}"
-    token, runtime_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
-    cut_llm = parts.add(
-        netns.start_bound(
-            "scripted LLM in the namespace",
-            scripted_llm.command(scripts, tmp_path / "cut-llm"),
-            "/v1/models",
-            link.listening_socket(),
-            inside=link,
-        )
-    )
-    argv = [*localstack.runtime_argv(reachable(tmp_path / "cut-state")), "--backend", "bwrap"]
-    argv += ["--token", runtime_token, "--sandbox-uids", uids_arg(cut_uids), "--log-level", "WARNING"]
-    cut_runtime = parts.add(
-        netns.start_bound("runtime in the namespace", argv, "/healthz", link.listening_socket(), inside=link)
-    )
-    argv = [sys.executable, "-m", "prorl_adapter", "serve", "--listen-fd", "{listen_fd}"]
-    argv += ["--tokenizer", str(localstack.TINY_MODEL), "--token", token, "--service-id", cut_id]
-    argv += ["--buffer", f"redis://{link.host_address}:{redis_port}/0", "--llm-url", cut_llm.url]
-    argv += ["--sandbox-url", cut_runtime.url, "--sandbox-token", runtime_token, "--plugin", __name__]
-    cut = parts.add(
-        netns.start_bound(
-            "replica in the namespace",
-            [*argv, "--log-level", "INFO"],
-            "/healthz",
-            link.listening_socket(),
-            inside=link,
-            log=tmp_path / "cut-replica.log",
-        )
-    )
+    cut = replica_in_namespace(link, parts, tmp_path, scripts, cut_uids, redis, cut_id)
+    cut_llm, cut_runtime, token, runtime_token = cut.llm, cut.runtime, cut.token, cut.runtime_token
     survivor = runtime = None
     figures: dict[str, object] = {"episodes": EPISODES}
     try:
@@ -655,3 +685,58 @@ async def test_a_replica_cut_off_from_redis_is_taken_over_and_drops_what_it_held
         print("\nRedis partition figures:", json.dumps(figures, indent=1))
     assert figures["sandboxes left"] == {"cut-off replica's runtime": 0, "survivor's runtime": 0}
     assert figures["sandbox processes left"] == 0
+
+
+def results_in_redis(url: str, ids: list[str]) -> int:
+    """How many of the jobs have their result recorded in Redis (redis_job_board.py's keys)."""
+    import redis
+
+    with redis.Redis.from_url(url) as client:
+        return sum(client.hexists(f"prorl:jobs:job:{job_id}", "result") for job_id in ids)
+
+
+# -- (d) a lone replica behind the link --------------------------------------------------------------------------------
+async def test_a_lone_replica_cut_off_from_redis_runs_on_and_writes_its_results_once_back(link, parts, tmp_path):
+    """One replica on Redis, with its own runtime and LLM server in the namespace, holding every job in a tool call
+    that outlasts the short lease (5 s). Alone at its last beat, nobody can take it over but a replica started
+    since, and only after ALONE_MISSED_BEATS: it does not fence itself, its episodes run to their end during the
+    cut, and once the link is back it writes their results, each job done once."""
+    if REDIS_SKIP:
+        pytest.skip(REDIS_SKIP)
+    uids, _ = uid_block()
+    scripts = {"slow": [bash_call(f"sleep {LONE_TOOL_S}; echo ran as $(id -u)")]}
+    (tmp_path / "redis").mkdir()
+    redis = parts.add(start_redis(tmp_path / "redis", link))
+    name = f"lone-{secrets.token_hex(3)}"
+    replica = replica_in_namespace(link, parts, tmp_path, scripts, uids, redis, name)
+    sleeping = f"sleep\x00{LONE_TOOL_S}\x00".encode()
+    figures: dict[str, object] = {"episodes": EPISODES}
+    async with RolloutClient(replica.url, token=replica.token) as client:
+        request = JobRequest(task="long_shell", instance={"goal": "[script:slow]", "check": "true"}, max_turns=3)
+        ids = [(await client.submit(request)).job_id for _ in range(EPISODES)]
+        await until(lambda: _equals(asyncio.to_thread(processes_of, uids, sleeping), EPISODES), what="the tool calls")
+
+        link.cut()
+        cut_at = time.monotonic()
+        try:
+            # Each episode runs to its end at the replica (its runtime and LLM server are in the namespace with it)
+            # and its sandbox is deleted: no process of its uids is left.
+            await until(lambda: _equals(asyncio.to_thread(processes_of, uids), 0), what="every episode ended")
+            figures["seconds from the cut to every episode ended, cut off"] = round(time.monotonic() - cut_at, 1)
+        finally:
+            link.restore()
+        restored_at = time.monotonic()
+
+        # Written to Redis (where every replica reads them), not only kept in the replica's memory.
+        await until(lambda: _equals(asyncio.to_thread(results_in_redis, redis.url, ids), len(ids)), what="results")
+        figures["seconds from the restore to every result in Redis"] = round(time.monotonic() - restored_at, 1)
+        results = [await client.result(job_id, wait=60) for job_id in ids]
+        print("\nLone replica partition figures:", json.dumps(figures, indent=1))
+        assert figures["seconds from the cut to every episode ended, cut off"] > 5  # past the short lease
+        for result in results:
+            assert result.error is None and result.reward == 1.0 and result.num_turns == 2
+        assert [(s.state, s.replica) for s in [await client.job(i) for i in ids]] == [(JobState.done, name)] * EPISODES
+        [me] = [r for r in (await client.status()).replicas if r.id == name]
+        assert me.figures["fences"] == 0
+        assert (await llm_stats(replica.llm.url))["answered"] == 2 * EPISODES
+    assert await eventually_none(replica.runtime.url, replica.runtime_token) == []
