@@ -49,7 +49,7 @@ async def test_replicas_share_the_room_a_trainer_frees_at_one_of_them(redis_url)
         prompts = RedisPromptQueue(redis_url, name, prefix=f"{prefix}:prompts")
         producer = Producer(episodes, buffer, prompts, ProducerConfig(max_buffered=MAX_BUFFERED), coordination)
         plugins.register(producer, name="decoupled-producer")
-        producer.replicas_alive = 2  # what each replica's watch reads from the coordination
+        producer.replicas_alive = 2  # what each replica's beat tells it
         producers.append(producer)
     trainer_side = producers[0]
     try:

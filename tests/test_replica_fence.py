@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from prorl_adapter.service.replica import Replica
-from prorl_adapter.service.storage.coordination import BeatReply, MemoryCoordination, ReplicaRecord
+from prorl_adapter.service.storage.coordination import BeatReply, MemoryCoordination
 
 INTERVAL_S = 0.05
 
@@ -38,10 +38,6 @@ class CutCoordination(MemoryCoordination):
 
     async def claim_dead(self, hold_s: float) -> list[str]:
         return []
-
-    async def replicas(self):
-        records = [ReplicaRecord(f"replica-{i}", None, seen_at=0.0, interval_s=INTERVAL_S) for i in range(self.others)]
-        return 0.0, [ReplicaRecord(self.replica_id, None, seen_at=0.0, interval_s=INTERVAL_S), *records]
 
 
 class Told:
@@ -81,7 +77,7 @@ async def replica_with():
         replica = Replica(coordination, Runner(), Told(log, "board"), Told(log, "producer"), None, None, INTERVAL_S)
         await replica.start()
         started.append(replica)
-        await until(lambda: replica.producer.replicas_alive == others + 1, "the replica looked at the others")
+        await until(lambda: replica.producer.replicas_alive == others + 1, "the replica told of the others")
         await until(lambda: coordination.beats_answered >= 2, "the replica beat")
         return replica, coordination, log
 

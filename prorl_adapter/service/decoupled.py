@@ -150,7 +150,7 @@ class Producer:
         self.stats = ProducerStats()
         self._dead: deque[str] = deque(maxlen=100)
         self.coordination.on_admission_news(self.wake)
-        # Replicas alive (this one too), as the replica last read them: with others, admission takes turns.
+        # Replicas alive (this one too), as the replica's last beat told: with others, admission takes turns.
         self.replicas_alive = 1
         # The runner's LLM servers: admission pauses during their outage, and their recovery wakes it.
         self.llm = llm

@@ -142,6 +142,7 @@ class Replica:
         if reply.taken:
             self._taken_for_dead()
         self._others_alive = reply.others_alive
+        self.producer.replicas_alive = reply.others_alive + 1  # admission takes turns with them
         beats = MISSED_BEATS if reply.others_alive else ALONE_MISSED_BEATS
         lease_s = (beats - FENCE_MARGIN_BEATS) * self.interval_s
         loop = asyncio.get_running_loop()
@@ -183,8 +184,6 @@ class Replica:
             try:
                 for dead in await self.coordination.claim_dead(hold_s=TAKEOVER_S):
                     self._spawn(self._take_over_bounded(dead))
-                now, records = await self.coordination.replicas()
-                self.producer.replicas_alive = max(sum(r.alive(now) for r in records), 1)
             except Exception as exc:
                 log.warning("replica %s cannot look for dead replicas: %s", self.id, exc)
             await asyncio.sleep(self.interval_s)  # a period, not a synchronisation
